@@ -1,0 +1,6 @@
+"The public API of learncb: `from learncb.all import *`"
+# Hand-written (not exported from a notebook): it only gathers the public names of the modules.
+from .core import *
+from .learner import *
+from .recorder import *
+from .progress import *

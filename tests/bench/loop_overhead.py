@@ -1,0 +1,91 @@
+"""Per-step overhead of learncb's loop against a hand-written PyTorch loop doing the same work.
+
+Prints one line per configuration: microseconds per step, overhead per step, and the ratio to the raw loop.
+`python tests/bench/loop_overhead.py` for the full run, `--short` for the quick one CI runs."""
+import argparse, contextlib, io, time
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from learncb.all import *
+
+def make_data(n_batches, bs=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_batches * bs, 16, generator=g)
+    y = (x[:, 0] + x[:, 1] > 0).long()
+    train = DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    valid = DataLoader(TensorDataset(x[:n_batches * bs // 6], y[:n_batches * bs // 6]), batch_size=bs)
+    return train, valid
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+
+def raw_loop(train, valid, n_epoch, with_metric=False):
+    "The reference: what a careful hand-written loop does (losses kept on the device, read once per epoch)"
+    model, loss_func = make_model(), nn.CrossEntropyLoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for epoch in range(n_epoch):
+        model.train(); losses = []
+        for xb, yb in train:
+            loss = loss_func(model(xb), yb)
+            loss.backward(); opt.step(); opt.zero_grad()
+            losses.append(loss.detach())
+        model.eval(); vlosses, accs = [], []
+        with torch.no_grad():
+            for xb, yb in valid:
+                pred = model(xb); vlosses.append(loss_func(pred, yb))
+                if with_metric: accs.append(accuracy(pred, yb))
+        torch.stack(losses).mean().item(); torch.stack(vlosses).mean().item()
+        if with_metric: torch.stack(accs).mean().item()
+
+def learncb_loop(train, valid, n_epoch, progress=False, metrics=None):
+    learn = Learner(DataLoaders(train, valid), make_model(), nn.CrossEntropyLoss(), metrics=metrics, device='cpu')
+    if not progress:
+        learn.remove_cb(ProgressCallback)
+        with learn.no_logging(): learn.fit(n_epoch)
+    else:   # bars and table are drawn as usual; the text goes to a buffer so that it does not mix with the figures
+        with contextlib.redirect_stdout(io.StringIO()): learn.fit(n_epoch)
+
+def best_times(fns, rounds):
+    "Best wall time of each function over `rounds` rounds, run round-robin so that machine drift hits all alike"
+    for f in fns.values(): f()   # warm-up: first-call imports and allocator growth
+    best = dict.fromkeys(fns, float('inf'))
+    for _ in range(rounds):
+        for name, f in fns.items():
+            t = time.perf_counter(); f(); best[name] = min(best[name], time.perf_counter() - t)
+    return best
+
+def dispatch_us(n_cbs, n_calls):
+    "Microseconds to fire an event that no callback handles, with `n_cbs` callbacks registered"
+    train, valid = make_data(2)
+    learn = Learner(DataLoaders(train, valid), make_model(), nn.CrossEntropyLoss(), device='cpu',
+                    cbs=[Callback(after_batch=lambda self: None) for _ in range(n_cbs - 1)])
+    learn('before_step')
+    t = time.perf_counter()
+    for _ in range(n_calls): learn('before_step')
+    return (time.perf_counter() - t) / n_calls * 1e6
+
+def main(short=False):
+    torch.set_num_threads(1)
+    n_batches, n_epoch, rounds = (100, 1, 2) if short else (600, 2, 3)
+    train, valid = make_data(n_batches)
+    n_steps = n_epoch * (len(train) + len(valid))
+    best = best_times({'raw': lambda: raw_loop(train, valid, n_epoch),
+                       'raw_metric': lambda: raw_loop(train, valid, n_epoch, with_metric=True),
+                       'default': lambda: learncb_loop(train, valid, n_epoch),
+                       'progress_metric': lambda: learncb_loop(train, valid, n_epoch, True, [accuracy])}, rounds)
+    us = {k: v / n_steps * 1e6 for k, v in best.items()}
+    print(f"{n_batches} batches of 32, {n_epoch} epoch(s), train+validate, best of {rounds}, 1 thread")
+    print(f"raw PyTorch loop                      : {us['raw']:7.1f} us/step")
+    print(f"raw PyTorch loop + accuracy           : {us['raw_metric']:7.1f} us/step")
+    for name, key, ref in [('learncb default cbs, progress off     ', 'default', 'raw'),
+                           ('learncb + ProgressCallback + accuracy ', 'progress_metric', 'raw_metric')]:
+        print(f"{name}: {us[key]:7.1f} us/step, overhead {us[key] - us[ref]:+6.1f} us/step, {us[key] / us[ref]:.3f}x raw")
+    n_calls = 20_000 if short else 200_000
+    d1, d50 = dispatch_us(1, n_calls), dispatch_us(50, n_calls)
+    print(f"dispatch, unhandled event             : {d1:.3f} us with 1 callback, {d50:.3f} us with 50 ({d50 / d1:.2f}x)")
+
+if __name__ == '__main__':
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument('--short', action='store_true', help='small run for CI')
+    main(p.parse_args().short)
