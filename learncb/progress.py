@@ -7,7 +7,7 @@ Docs: https://learncb.github.io/learncb/progress.html.md"""
 # %% auto #0
 __all__ = ['ProgressCallback']
 
-# %% ../nbs/03_progress.ipynb #823ea6ff
+# %% ../nbs/03_progress.ipynb #9ece46e0
 import time
 from contextlib import contextmanager
 from fastcore.basics import patch, noop
@@ -16,11 +16,12 @@ from .core import *
 from .learner import *
 from .recorder import *
 
-# %% ../nbs/03_progress.ipynb #644f5fa1
+# %% ../nbs/03_progress.ipynb #cb1cd729
 class ProgressCallback(Callback):
     "Progress bars for epochs and batches, the smoothed loss as the bar's comment, and the metrics table, with fastprogress"
     order,remove_on_fetch = 60,True
     refresh_every = 0.25   # seconds between bar updates: reading the loss for the comment costs a host sync
+    mbar = pbar = _old_logger = None
 
     def before_fit(self):
         self.mbar = master_bar(range(self.learn.n_epoch))
@@ -29,10 +30,10 @@ class ProgressCallback(Callback):
         if self.learn.logger is not noop: self.learn.logger = self._write_row
 
     def _write_row(self, row):
-        if getattr(self, 'mbar', None) is not None: self.mbar.write(row, table=True)
+        if self.mbar is not None: self.mbar.write(row, table=True)
 
     def before_epoch(self):
-        if getattr(self, 'mbar', None) is not None: self.mbar.update(self.learn.epoch)
+        if self.mbar is not None: self.mbar.update(self.learn.epoch)
 
     def before_train(self): self._launch()
     def before_validate(self): self._launch()
@@ -40,12 +41,12 @@ class ProgressCallback(Callback):
     def _launch(self):
         learn = self.learn
         self.pbar = progress_bar(range(learn.n_iter) if learn.n_iter else learn.dl, total=learn.n_iter or 'noinfer',
-                                 parent=getattr(self, 'mbar', None), leave=False)
+                                 parent=self.mbar, leave=False)
         self.pbar.update(0)
         self._next = time.monotonic() + self.refresh_every
 
     def after_batch(self):
-        if (now := time.monotonic()) < self._next: return
+        if self.pbar is None or (now := time.monotonic()) < self._next: return
         self._next = now + self.refresh_every
         learn = self.learn
         if learn.training and (rec := getattr(learn, 'recorder', None)) is not None and (sl := rec.smooth_loss) is not None:
@@ -57,17 +58,17 @@ class ProgressCallback(Callback):
 
     def _finish_bar(self):
         "Show the bar's final position; close it if the phase ended early"
-        pbar = getattr(self, 'pbar', None)
+        pbar = self.pbar
         if pbar is None: return
         if pbar.last_v is not None: pbar.update(self.learn.iter + 1)
         if pbar.last_v is not None: pbar.on_iter_end()
         self.pbar = None
 
     def after_fit(self):
-        if getattr(self, 'mbar', None) is not None:
+        if self.mbar is not None:
             self.mbar.on_iter_end()
             self.mbar = None
-        self.learn.logger = self._old_logger
+        if self._old_logger is not None: self.learn.logger,self._old_logger = self._old_logger,None
 
 @patch
 @contextmanager

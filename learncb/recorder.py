@@ -8,7 +8,7 @@ Docs: https://learncb.github.io/learncb/recorder.html.md"""
 __all__ = ['accuracy', 'error_rate', 'metric_name', 'weighted_means', 'Recorder', 'n_samples', 'Gatherer', 'GatherPredsCallback',
            'activation_of', 'decodes_of', 'in_order', 'FetchPredsCallback']
 
-# %% ../nbs/02_recorder.ipynb #1d700239
+# %% ../nbs/02_recorder.ipynb #41bf212e
 import time
 from pathlib import Path
 import torch
@@ -20,7 +20,7 @@ from .core import *
 from .learner import *
 from .learner import _add_note, _listify
 
-# %% ../nbs/02_recorder.ipynb #34b79d45
+# %% ../nbs/02_recorder.ipynb #1224d9c6
 def accuracy(pred, targ, axis=-1):
     "Fraction of items whose arg-max prediction equals the target"
     return (pred.argmax(dim=axis) == targ).float().mean()
@@ -33,7 +33,7 @@ def metric_name(m):
     "The name a metric is shown and recorded under"
     return getattr(m, 'name', None) or getattr(m, '__name__', None) or getattr(getattr(m, 'func', None), '__name__', None) or type(m).__name__
 
-# %% ../nbs/02_recorder.ipynb #c88ac57f
+# %% ../nbs/02_recorder.ipynb #d3f93cc5
 def weighted_means(cols, bss):
     "Batch-size weighted mean of each column of per-batch scalars, as Python floats, with one host sync"
     device = next((v.device for c in cols for v in c if isinstance(v, torch.Tensor)), None)
@@ -49,20 +49,31 @@ def _stack_scalars(col, i, device):
         f"must be scalars: reduce it (e.g. .mean()) or use a loss with reduction='mean'")
     return torch.tensor([float(v) for v in col], device=device)
 
-# %% ../nbs/02_recorder.ipynb #0def37f1
+# %% ../nbs/02_recorder.ipynb #50938104
 class Recorder(Callback):
     "Records losses, learning rates and metrics: `losses`, `lrs`, `iters`, `values`, `metric_names`, `plot_loss`"
     order = 50
     flush_every = 1000   # at most this many batch losses are kept on the device before they become floats
 
     def __init__(self, add_time=True, beta=0.98):
-        self.add_time,self.beta,self.last_valid = add_time,beta,None
+        self.add_time,self.beta,self.last_valid,self._valid_metrics = add_time,beta,None,[]
         self._reset_history()
 
     def _reset_history(self):
         self.lrs,self.iters,self.values,self._losses = [],[],[],[]
         self._pending,self._pending_bs = [],[]          # training losses still on the device, and their batch sizes
-        self._smooth,self._count,self._train_sum,self._train_n = 0.,0,0.,0
+        self._smooth,self._count = 0.,0
+        self._clear_epoch()
+
+    def _clear_epoch(self):
+        "Per-epoch state, cleared when used: correct even if another callback cancelled a stage before ours began"
+        self._train_sum,self._train_n,self._epoch_valid,self._epoch_start = 0.,0,None,None
+        self._clear_valid()
+
+    def _clear_valid(self): self._valid_cols,self._valid_bs = [[] for _ in range(1 + len(self._metrics))],[]
+
+    @property
+    def _metrics(self): return [(metric_name(m), m) for m in (self.learn.metrics if self.learn is not None else [])]
 
     @property
     def metric_names(self):
@@ -99,15 +110,11 @@ class Recorder(Callback):
         self._reset_history()
         self.learn.logger(self.metric_names)
 
-    def before_epoch(self): self._epoch_start,self.last_valid = time.time(),None
-
-    def before_train(self):
-        self._flush()
-        self._train_sum,self._train_n = 0.,0
+    def before_epoch(self): self._epoch_start = time.time()
 
     def before_validate(self):
-        self._metrics = [(metric_name(m), m) for m in self.learn.metrics]
-        self._valid_cols,self._valid_bs = [[] for _ in range(1 + len(self._metrics))],[]
+        self._valid_metrics = self._metrics     # computed once per phase, not per batch
+        self._clear_valid()
 
     def after_loss(self):
         learn = self.learn
@@ -119,11 +126,11 @@ class Recorder(Callback):
         else:
             self._valid_bs.append(find_bs(learn.yb))
             self._valid_cols[0].append(learn.loss)
-            if self._metrics: self._compute_metrics()
+            if self._valid_metrics: self._compute_metrics()
 
     def _compute_metrics(self):
         learn = self.learn
-        for (name,m),col in zip(self._metrics, self._valid_cols[1:]):
+        for (name,m),col in zip(self._valid_metrics, self._valid_cols[1:]):
             try: col.append(m(learn.pred, *learn.yb))
             except Exception as e:
                 _add_note(e, f"learncb: metric {name!r} failed on batch {learn.iter} (pred shape {tuple(learn.pred.shape)}); "
@@ -131,19 +138,20 @@ class Recorder(Callback):
                 raise
 
     def after_validate(self):
-        self.last_valid = weighted_means(self._valid_cols, self._valid_bs) if self._valid_bs else None
+        self.last_valid = self._epoch_valid = weighted_means(self._valid_cols, self._valid_bs) if self._valid_bs else None
+        self._clear_valid()
 
     def after_train(self): self._flush()
 
     def after_epoch(self):
         self._flush()
         train = self._train_sum / self._train_n if self._train_n else None
-        n_valid = 1 + len(getattr(self, '_metrics', self.learn.metrics))
-        self.values.append([train, *(self.last_valid or [None] * n_valid)])
+        self.values.append([train, *(self._epoch_valid or [None] * len(self._valid_cols))])
         self.iters.append(len(self._losses))
         row = [str(self.learn.epoch), *(_fmt(v) for v in self.values[-1])]
-        if self.add_time: row.append(format_time(time.time() - self._epoch_start))
+        if self.add_time: row.append('' if self._epoch_start is None else format_time(time.time() - self._epoch_start))
         self.learn.logger(row)
+        self._clear_epoch()
 
     def after_fit(self): self._flush()
 
@@ -162,7 +170,7 @@ def _fmt(v): return '' if v is None else f'{v:.6f}'
 
 defaults.add_callback(Recorder)
 
-# %% ../nbs/02_recorder.ipynb #eb7ad78a
+# %% ../nbs/02_recorder.ipynb #3cabb786
 def n_samples(dl):
     "Number of samples `dl` yields in one pass, or `None` when it cannot be known in advance"
     bs = getattr(dl, 'batch_sampler', None)
@@ -206,17 +214,19 @@ class Gatherer:
         if not self.parts: return None
         return torch.stack(self.parts) if self.parts[0].ndim == 0 else torch.cat(self.parts, dim=self.dim)
 
-# %% ../nbs/02_recorder.ipynb #0b6b2a9a
+# %% ../nbs/02_recorder.ipynb #0c7cd6e8
 class GatherPredsCallback(Callback):
     "Gathers inputs, predictions, targets and losses of each validation batch (behind `Learner.get_preds`)"
     def __init__(self, with_input=False, with_loss=False, save_preds=None, save_targs=None, with_preds=True,
                  with_targs=True, concat_dim=0, pickle_protocol=2):
         self.with_input,self.with_loss,self.with_preds,self.with_targs = with_input,with_loss,with_preds,with_targs
         self.save_preds,self.save_targs,self.concat_dim,self.pickle_protocol = save_preds,save_targs,concat_dim,pickle_protocol
+        self._new_gatherers(None)
+
+    def _new_gatherers(self, n): self.inputs,self.preds,self.targets,self.losses = (Gatherer(n, self.concat_dim) for _ in range(4))
 
     def before_validate(self):
-        n = n_samples(self.learn.dl)
-        self.inputs,self.preds,self.targets,self.losses = (Gatherer(n, self.concat_dim) for _ in range(4))
+        self._new_gatherers(n_samples(self.learn.dl))
         for p in (self.save_preds, self.save_targs):
             if p is not None: Path(p).mkdir(parents=True, exist_ok=True)
 
@@ -244,7 +254,7 @@ class GatherPredsCallback(Callback):
         if self.with_loss: res.append(self.losses.result())
         return res
 
-# %% ../nbs/02_recorder.ipynb #0fa3f493
+# %% ../nbs/02_recorder.ipynb #1d031fe9
 def activation_of(loss_func):
     "The activation that turns model outputs into probabilities for `loss_func` (`softmax` for cross-entropy)"
     if (act := getattr(loss_func, 'activation', None)) is not None: return act
@@ -295,7 +305,7 @@ def validate(self:Learner, ds_idx=1, dl=None, cbs=None):
     rec = getattr(self, 'recorder', None)
     return rec.last_valid if isinstance(rec, Recorder) else None
 
-# %% ../nbs/02_recorder.ipynb #40633139
+# %% ../nbs/02_recorder.ipynb #9d42c4f2
 class FetchPredsCallback(Callback):
     "At `after_validate`, gets predictions of another dataloader with `get_preds` and keeps them in `preds`"
     remove_on_fetch = True
