@@ -9,7 +9,7 @@ __all__ = ['DataLoaders', 'to_dls', 'default_device', 'to_device', 'find_bs', 'a
            'load_model_state', 'check_event_name', 'print_row', 'TrainEvalCallback', 'defaults', 'Learner',
            'EventFilter']
 
-# %% ../nbs/01_learner.ipynb #b6f672e1
+# %% ../nbs/01_learner.ipynb #89399cf0
 import os, tempfile, warnings
 from contextlib import contextmanager
 from functools import partial
@@ -19,7 +19,7 @@ from torch import nn
 from fastcore.basics import AttrDict, noop, patch
 from .core import *
 
-# %% ../nbs/01_learner.ipynb #c0b353ee
+# %% ../nbs/01_learner.ipynb #256752d9
 class DataLoaders:
     "The training and validation dataloaders of a learner; `valid` may be `None`"
     def __init__(self, train, valid=None): self.train,self.valid = train,valid
@@ -35,7 +35,7 @@ def to_dls(dls):
     raise TypeError(f"dls must be DataLoaders(train, valid), a (train, valid) tuple or an object with .train and "
                     f".valid, not {type(dls).__name__}; wrap your dataloaders: DataLoaders(train_dl, valid_dl)")
 
-# %% ../nbs/01_learner.ipynb #16343f30
+# %% ../nbs/01_learner.ipynb #8d35b866
 def default_device():
     "CUDA if it is available, else the CPU"
     return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
@@ -61,7 +61,7 @@ def _tensors(o):
 
 def _same(o): return o
 
-# %% ../nbs/01_learner.ipynb #ac7ec106
+# %% ../nbs/01_learner.ipynb #ce52bb31
 def atomic_save(obj, path):
     "`torch.save` `obj` to `path` so that a crash leaves either the old file or the new one, never half of one"
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,7 +110,7 @@ def load_model_state(model, state, path='the checkpoint', strict=True):
                          f"Load it into the model it was saved from" + ('' if shapes else ', or pass strict=False'))
     model.load_state_dict(state, strict=strict)
 
-# %% ../nbs/01_learner.ipynb #8b57a662
+# %% ../nbs/01_learner.ipynb #cf142133
 # `with_events` names, computed once: (before, after_cancel, after)
 _stage_events = {s: (f'before_{s}', f'after_cancel_{s}', f'after_{s}')
                  for s in ('fit', 'epoch', 'train', 'validate', 'batch', 'backward', 'step')}
@@ -144,7 +144,7 @@ def print_row(row):
     "The default `learn.logger`: print a row of the epoch table with aligned columns"
     print('  '.join(f'{s:<10}' for s in row).rstrip())
 
-# %% ../nbs/01_learner.ipynb #1fc369ce
+# %% ../nbs/01_learner.ipynb #e6ef3422
 class TrainEvalCallback(Callback):
     "Keeps the training counters (`train_iter`, `pct_train`) and puts the model in train or eval mode"
     order = -10
@@ -170,7 +170,7 @@ class defaults:
         "Add `cb_cls` to the default callbacks, replacing a class of the same name (so reloading a module is safe)"
         cls.callbacks = [c for c in cls.callbacks if c.__name__ != cb_cls.__name__] + [cb_cls]
 
-# %% ../nbs/01_learner.ipynb #dfd2c61a
+# %% ../nbs/01_learner.ipynb #dca2da09
 def _n_batches(dl):
     "`len(dl)`, or `None` for a dataloader without a length"
     try: return len(dl)
@@ -230,7 +230,7 @@ class Learner:
                                                  f"in {event_name!r}")
             raise
 
-# %% ../nbs/01_learner.ipynb #4c67fcfc
+# %% ../nbs/01_learner.ipynb #0af23d41
 @patch
 def add_cb(self:Learner, cb):
     "Add one callback (an instance or a `Callback` subclass) to the learner"
@@ -310,7 +310,7 @@ def _hide(self:Learner, cb):
     for other in self.cbs:
         if other.name == cb.name: self._expose(other)
 
-# %% ../nbs/01_learner.ipynb #40d54f3f
+# %% ../nbs/01_learner.ipynb #eb99f679
 class EventFilter(Callback):
     "Callback made by `learn.on`: calls `fn(learn)` at one event, filtered by `every`, `once` or `filter_fn`"
     def __init__(self, event_name, fn, every=None, once=None, filter_fn=None):
@@ -347,7 +347,7 @@ def on(self:Learner, event_name, every=None, once=None, filter_fn=None):
         return fn
     return register
 
-# %% ../nbs/01_learner.ipynb #21cf404a
+# %% ../nbs/01_learner.ipynb #ff456769
 @patch
 def create_opt(self:Learner):
     "Create the optimizer: `opt_func(model.parameters(), lr=self.lr)` (and `weight_decay=self.wd` if set)"
@@ -360,7 +360,7 @@ def _set_hypers(self:Learner, lr=None, wd=None):
         if lr is not None: pg['lr'] = lr
         if wd is not None: pg['weight_decay'] = wd
 
-# %% ../nbs/01_learner.ipynb #a1013a2e
+# %% ../nbs/01_learner.ipynb #dc10c50b
 @patch
 def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False):
     "Train for `n_epoch` epochs; `cbs` are added for this fit only"
@@ -437,7 +437,7 @@ def _reset_run(self:Learner):
         if not cb.run: cb.run = True
     self.training = False
 
-# %% ../nbs/01_learner.ipynb #2ff7192b
+# %% ../nbs/01_learner.ipynb #4f36049f
 @patch
 def _prepare_fit(self:Learner):
     "Work done once per fit rather than once per batch"
@@ -504,12 +504,15 @@ def _step(self:Learner): self.opt.step()
 @patch
 def _explain_device_error(self:Learner, e, where):
     if 'device' not in str(e): return
-    devs = sorted({str(t.device) for t in _tensors(self.xb + self.yb)})
-    _add_note(e, f"learncb: the batch is on {', '.join(devs)} and the model on {self._model_device()}; learncb "
-                 f"moves batches to the device of the model's first parameter, decided when fit starts. Put the "
-                 f"whole model on one device (Learner(device=...)) and do not move it during a fit ({where} failed).")
+    batch_devs = sorted({str(t.device) for t in _tensors(self.xb + self.yb)})
+    model_devs = sorted({str(t.device) for t in [*self.model.parameters(), *self.model.buffers()]})
+    split = f"the model is split over {', '.join(model_devs)}: put all of it on one device" if len(model_devs) > 1 else \
+            f"the model is on {model_devs[0] if model_devs else self.device}: do not move it during a fit"
+    _add_note(e, f"learncb: {where} failed with the batch on {', '.join(batch_devs)}; learncb moves batches to the "
+                 f"device of the model's first parameter, decided when fit starts, and {split} "
+                 f"(Learner(device=...) moves the whole model).")
 
-# %% ../nbs/01_learner.ipynb #05f924e4
+# %% ../nbs/01_learner.ipynb #f6bb1723
 @patch(as_prop=True)
 def x(self:Learner):
     "The first input of the current batch"
@@ -520,7 +523,7 @@ def y(self:Learner):
     "The first target of the current batch"
     return self.yb[0]
 
-# %% ../nbs/01_learner.ipynb #4a9eebe1
+# %% ../nbs/01_learner.ipynb #2b4aed60
 @patch
 @contextmanager
 def _saved_loop_state(self:Learner):
@@ -547,7 +550,7 @@ def _dl_of(self:Learner, ds_idx):
     if dl is None: raise ValueError(f"there is no {'train' if ds_idx == 0 else 'valid'} dataloader; pass dl=...")
     return dl
 
-# %% ../nbs/01_learner.ipynb #52763df9
+# %% ../nbs/01_learner.ipynb #34480d58
 @patch
 @contextmanager
 def no_logging(self:Learner):
@@ -570,7 +573,7 @@ def loss_not_reduced(self:Learner):
         try: yield self
         finally: self.loss_func = lf
 
-# %% ../nbs/01_learner.ipynb #d0ce83ff
+# %% ../nbs/01_learner.ipynb #44f5c9b8
 @patch
 def _file(self:Learner, name):
     p = Path(name)
@@ -596,7 +599,7 @@ def load(self:Learner, name, with_opt=True, strict=True, device=None):
         self.opt.load_state_dict(state['opt'])
     return self
 
-# %% ../nbs/01_learner.ipynb #fca01983
+# %% ../nbs/01_learner.ipynb #b304a2d1
 _loop_outline = '''Start Fit
 before_fit
 Start Epoch Loop

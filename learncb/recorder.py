@@ -8,7 +8,7 @@ Docs: https://learncb.github.io/learncb/recorder.html.md"""
 __all__ = ['accuracy', 'error_rate', 'metric_name', 'weighted_means', 'Recorder', 'n_samples', 'Gatherer', 'GatherPredsCallback',
            'activation_of', 'decodes_of', 'in_order', 'FetchPredsCallback']
 
-# %% ../nbs/02_recorder.ipynb #41bf212e
+# %% ../nbs/02_recorder.ipynb #28c9c8b8
 import time
 from pathlib import Path
 import torch
@@ -20,7 +20,7 @@ from .core import *
 from .learner import *
 from .learner import _add_note, _listify
 
-# %% ../nbs/02_recorder.ipynb #1224d9c6
+# %% ../nbs/02_recorder.ipynb #faf130bb
 def accuracy(pred, targ, axis=-1):
     "Fraction of items whose arg-max prediction equals the target"
     return (pred.argmax(dim=axis) == targ).float().mean()
@@ -33,7 +33,7 @@ def metric_name(m):
     "The name a metric is shown and recorded under"
     return getattr(m, 'name', None) or getattr(m, '__name__', None) or getattr(getattr(m, 'func', None), '__name__', None) or type(m).__name__
 
-# %% ../nbs/02_recorder.ipynb #d3f93cc5
+# %% ../nbs/02_recorder.ipynb #b6fd09ac
 def weighted_means(cols, bss):
     "Batch-size weighted mean of each column of per-batch scalars, as Python floats, with one host sync"
     device = next((v.device for c in cols for v in c if isinstance(v, torch.Tensor)), None)
@@ -49,14 +49,14 @@ def _stack_scalars(col, i, device):
         f"must be scalars: reduce it (e.g. .mean()) or use a loss with reduction='mean'")
     return torch.tensor([float(v) for v in col], device=device)
 
-# %% ../nbs/02_recorder.ipynb #50938104
+# %% ../nbs/02_recorder.ipynb #924f3ce4
 class Recorder(Callback):
     "Records losses, learning rates and metrics: `losses`, `lrs`, `iters`, `values`, `metric_names`, `plot_loss`"
     order = 50
     flush_every = 1000   # at most this many batch losses are kept on the device before they become floats
 
     def __init__(self, add_time=True, beta=0.98):
-        self.add_time,self.beta,self.last_valid,self._valid_metrics = add_time,beta,None,[]
+        self.add_time,self.beta,self.last_valid,self._valid_metrics,self._header_logged = add_time,beta,None,[],False
         self._reset_history()
 
     def _reset_history(self):
@@ -108,7 +108,7 @@ class Recorder(Callback):
 
     def before_fit(self):
         self._reset_history()
-        self.learn.logger(self.metric_names)
+        self._header_logged = False
 
     def before_epoch(self): self._epoch_start = time.time()
 
@@ -150,8 +150,15 @@ class Recorder(Callback):
         self.iters.append(len(self._losses))
         row = [str(self.learn.epoch), *(_fmt(v) for v in self.values[-1])]
         if self.add_time: row.append('' if self._epoch_start is None else format_time(time.time() - self._epoch_start))
-        self.learn.logger(row)
+        self._log(row)
         self._clear_epoch()
+
+    def _log(self, row):
+        "Send `row` to `learn.logger`, after the header the first time in a fit (to the logger active by then)"
+        if not self._header_logged:
+            self.learn.logger(self.metric_names)
+            self._header_logged = True
+        self.learn.logger(row)
 
     def after_fit(self): self._flush()
 
@@ -170,7 +177,7 @@ def _fmt(v): return '' if v is None else f'{v:.6f}'
 
 defaults.add_callback(Recorder)
 
-# %% ../nbs/02_recorder.ipynb #3cabb786
+# %% ../nbs/02_recorder.ipynb #41b24ad5
 def n_samples(dl):
     "Number of samples `dl` yields in one pass, or `None` when it cannot be known in advance"
     bs = getattr(dl, 'batch_sampler', None)
@@ -214,7 +221,7 @@ class Gatherer:
         if not self.parts: return None
         return torch.stack(self.parts) if self.parts[0].ndim == 0 else torch.cat(self.parts, dim=self.dim)
 
-# %% ../nbs/02_recorder.ipynb #0c7cd6e8
+# %% ../nbs/02_recorder.ipynb #b51c62f6
 class GatherPredsCallback(Callback):
     "Gathers inputs, predictions, targets and losses of each validation batch (behind `Learner.get_preds`)"
     def __init__(self, with_input=False, with_loss=False, save_preds=None, save_targs=None, with_preds=True,
@@ -254,7 +261,7 @@ class GatherPredsCallback(Callback):
         if self.with_loss: res.append(self.losses.result())
         return res
 
-# %% ../nbs/02_recorder.ipynb #1d031fe9
+# %% ../nbs/02_recorder.ipynb #5a6257c8
 def activation_of(loss_func):
     "The activation that turns model outputs into probabilities for `loss_func` (`softmax` for cross-entropy)"
     if (act := getattr(loss_func, 'activation', None)) is not None: return act
@@ -305,7 +312,7 @@ def validate(self:Learner, ds_idx=1, dl=None, cbs=None):
     rec = getattr(self, 'recorder', None)
     return rec.last_valid if isinstance(rec, Recorder) else None
 
-# %% ../nbs/02_recorder.ipynb #9d42c4f2
+# %% ../nbs/02_recorder.ipynb #2b188bcb
 class FetchPredsCallback(Callback):
     "At `after_validate`, gets predictions of another dataloader with `get_preds` and keeps them in `preds`"
     remove_on_fetch = True

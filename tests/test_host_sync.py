@@ -1,0 +1,57 @@
+"No host-device sync per batch in the default callbacks: the number of sync calls must not grow with the batches"
+from collections import Counter
+import pytest, torch
+from learncb.all import *
+from conftest import synth_learner, synth_dls
+
+SYNCS = ('item', 'tolist', 'cpu', '__float__', '__bool__')
+
+class SyncCounter:
+    "Counts calls of the Tensor methods that copy data to the host (and so wait for the device)"
+    def __init__(self): self.counts = Counter()
+    def __enter__(self):
+        self.saved = {name: getattr(torch.Tensor, name) for name in SYNCS}
+        for name, orig in self.saved.items():
+            def counting(*args, _name=name, _orig=orig, **kw):
+                self.counts[_name] += 1
+                return _orig(*args, **kw)
+            setattr(torch.Tensor, name, counting)
+        return self
+    def __exit__(self, *exc):
+        for name, orig in self.saved.items(): setattr(torch.Tensor, name, orig)
+
+def syncs_for_one_epoch(n_batches, metrics=None):
+    # SGD: torch's CPU Adam itself calls .item() on each parameter's step count every step, which is not ours to count
+    learn = synth_learner(dls=synth_dls(n_train=16 * n_batches, n_valid=16 * 4), metrics=metrics, opt_func=torch.optim.SGD)
+    with SyncCounter() as counter: learn.fit(1)
+    assert learn.train_iter == n_batches
+    return counter.counts
+
+def test_the_counter_sees_syncs():
+    with SyncCounter() as c:
+        t = torch.ones(3)
+        t.sum().item(); float(t[0]); bool(t[1]); t.tolist(); t.cpu()
+    assert c.counts == Counter({n: 1 for n in SYNCS})
+
+@pytest.mark.parametrize('metrics', [None, [accuracy, error_rate]])
+def test_syncs_do_not_grow_with_batches(metrics):
+    few, many = syncs_for_one_epoch(100, metrics), syncs_for_one_epoch(300, metrics)
+    assert few == many, f'100 batches: {dict(few)}, 300 batches: {dict(many)}'
+    assert sum(many.values()) <= 4, dict(many)      # a handful per epoch: training losses, validation means
+
+def test_adam_syncs_are_torchs_own():
+    "With Adam the count grows by exactly what a bare `opt.step()` does, nothing more"
+    m = torch.nn.Linear(2, 2); opt = torch.optim.Adam(m.parameters())
+    m(torch.randn(4, 2)).sum().backward()
+    with SyncCounter() as c: opt.step()
+    per_step = c.counts['item']
+    learn = synth_learner(dls=synth_dls(n_train=16 * 100, n_valid=16 * 4))
+    with SyncCounter() as c: learn.fit(1)
+    assert c.counts['item'] - 100 * per_step == syncs_for_one_epoch(100)['item']
+
+def test_reading_the_history_syncs_once():
+    learn = synth_learner(dls=synth_dls(n_train=16 * 50))
+    learn.fit(1)
+    with SyncCounter() as c:
+        learn.recorder.losses; learn.recorder.smooth_loss; learn.recorder.values
+    assert sum(c.counts.values()) == 0                  # already floats after the epoch
