@@ -10,11 +10,11 @@ __all__ = ['event', 'batch_events', 'CancelBatch', 'CancelStep', 'CancelBackward
            'CancelStepException', 'CancelBackwardException', 'CancelTrainException', 'CancelValidException',
            'CancelEpochException', 'CancelFitException', 'snake_name', 'Callback', 'name_is_own']
 
-# %% ../nbs/00_core.ipynb #2bcf3232
+# %% ../nbs/00_core.ipynb #fdd1603a
 import difflib, re, warnings
 from types import MethodType
 
-# %% ../nbs/00_core.ipynb #b566ab5c
+# %% ../nbs/00_core.ipynb #b2df3408
 _events = ('after_create before_fit before_epoch before_train before_batch after_pred after_loss before_backward '
            'after_cancel_backward after_backward before_step after_cancel_step after_step after_cancel_batch after_batch '
            'after_cancel_train after_train before_validate after_cancel_validate after_validate after_cancel_epoch '
@@ -45,7 +45,7 @@ event = _EventNames(_events)
 batch_events = frozenset('''before_batch after_pred after_loss before_backward after_cancel_backward after_backward
     before_step after_cancel_step after_step after_cancel_batch after_batch'''.split())
 
-# %% ../nbs/00_core.ipynb #2cfa8332
+# %% ../nbs/00_core.ipynb #da6c51cf
 class CancelException(Exception):
     "Base of the cancel exceptions: control flow, not errors"
 
@@ -67,14 +67,14 @@ class CancelFitException(CancelException):
 CancelBatch,CancelStep,CancelBackward = CancelBatchException,CancelStepException,CancelBackwardException
 CancelTrain,CancelValid,CancelEpoch,CancelFit = CancelTrainException,CancelValidException,CancelEpochException,CancelFitException
 
-# %% ../nbs/00_core.ipynb #4b0a02d3
+# %% ../nbs/00_core.ipynb #b9d86a19
 def snake_name(cls_name):
     "`ComplicatedNameCallback` -> `'complicated_name'`"
     name = re.sub(r'Callback$', '', cls_name) or cls_name
     name = re.sub(r'([A-Z]+)([A-Z][a-z])', r'\1_\2', name)
     return re.sub(r'([a-z\d])([A-Z])', r'\1_\2', name).lower()
 
-# %% ../nbs/00_core.ipynb #bb23f439
+# %% ../nbs/00_core.ipynb #7551817f
 _dispatch_attrs = frozenset(('run', 'run_train', 'run_valid', 'order'))
 _own_attrs = frozenset(('learn', '_name'))
 

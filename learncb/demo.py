@@ -7,7 +7,7 @@ Docs: https://learncb.github.io/learncb/demo.html.md"""
 # %% auto #0
 __all__ = ['digits_dls', 'digits_model', 'train_digits', 'main']
 
-# %% ../nbs/04_demo.ipynb #fa7a926f
+# %% ../nbs/04_demo.ipynb #4521f328
 import argparse, sys
 from importlib.resources import files
 import torch
@@ -17,7 +17,7 @@ from .learner import *
 from .recorder import *
 from .progress import *
 
-# %% ../nbs/04_demo.ipynb #5991243d
+# %% ../nbs/04_demo.ipynb #47b230cf
 def digits_dls(bs=64, valid_pct=0.2, seed=42):
     "`DataLoaders` of the 8x8 digits: pixels scaled to [0, 1], a seeded random validation split"
     data = torch.load(files('learncb')/'data'/'digits.pt', weights_only=True)
@@ -33,7 +33,7 @@ def digits_model(hidden=128):
     "A two-layer network for 64 pixels and 10 classes"
     return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
-# %% ../nbs/04_demo.ipynb #5f6da4e2
+# %% ../nbs/04_demo.ipynb #c1011d96
 def train_digits(epochs=20, lr=3e-3, seed=0, plot='digits_loss.png'):
     "Train `digits_model` on `digits_dls` and save a loss plot to `plot`; returns the learner"
     torch.manual_seed(seed)

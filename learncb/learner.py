@@ -9,7 +9,7 @@ __all__ = ['DataLoaders', 'to_dls', 'default_device', 'to_device', 'find_bs', 'a
            'load_model_state', 'check_event_name', 'print_row', 'TrainEvalCallback', 'defaults', 'Learner',
            'EventFilter']
 
-# %% ../nbs/01_learner.ipynb #a3f35985
+# %% ../nbs/01_learner.ipynb #a6f7a9c1
 import os, tempfile, warnings
 from contextlib import contextmanager
 from functools import partial
@@ -19,7 +19,7 @@ from torch import nn
 from fastcore.basics import AttrDict, noop, patch
 from .core import *
 
-# %% ../nbs/01_learner.ipynb #938376b4
+# %% ../nbs/01_learner.ipynb #ed390885
 class DataLoaders:
     "The training and validation dataloaders of a learner; `valid` may be `None`"
     def __init__(self, train, valid=None): self.train,self.valid = train,valid
@@ -35,7 +35,7 @@ def to_dls(dls):
     raise TypeError(f"dls must be DataLoaders(train, valid), a (train, valid) tuple or an object with .train and "
                     f".valid, not {type(dls).__name__}; wrap your dataloaders: DataLoaders(train_dl, valid_dl)")
 
-# %% ../nbs/01_learner.ipynb #cd5e3b2a
+# %% ../nbs/01_learner.ipynb #e8a853cc
 def default_device():
     "CUDA if it is available, else the CPU"
     return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
@@ -61,7 +61,7 @@ def _tensors(o):
 
 def _same(o): return o
 
-# %% ../nbs/01_learner.ipynb #37283422
+# %% ../nbs/01_learner.ipynb #a00329c0
 def atomic_save(obj, path):
     "`torch.save` `obj` to `path` so that a crash leaves either the old file or the new one, never half of one"
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,7 +110,7 @@ def load_model_state(model, state, path='the checkpoint', strict=True):
                          f"Load it into the model it was saved from" + ('' if shapes else ', or pass strict=False'))
     model.load_state_dict(state, strict=strict)
 
-# %% ../nbs/01_learner.ipynb #f3b3c145
+# %% ../nbs/01_learner.ipynb #971445b3
 # `with_events` names, computed once: (before, after_cancel, after)
 _stage_events = {s: (f'before_{s}', f'after_cancel_{s}', f'after_{s}')
                  for s in ('fit', 'epoch', 'train', 'validate', 'batch', 'backward', 'step')}
@@ -144,7 +144,7 @@ def print_row(row):
     "The default `learn.logger`: print a row of the epoch table with aligned columns"
     print('  '.join(f'{s:<10}' for s in row).rstrip())
 
-# %% ../nbs/01_learner.ipynb #1a4a3483
+# %% ../nbs/01_learner.ipynb #7687ac5d
 class TrainEvalCallback(Callback):
     "Keeps the training counters (`train_iter`, `pct_train`) and puts the model in train or eval mode"
     order = -10
@@ -170,7 +170,7 @@ class defaults:
         "Add `cb_cls` to the default callbacks, replacing a class of the same name (so reloading a module is safe)"
         cls.callbacks = [c for c in cls.callbacks if c.__name__ != cb_cls.__name__] + [cb_cls]
 
-# %% ../nbs/01_learner.ipynb #f891cb16
+# %% ../nbs/01_learner.ipynb #245b7bc0
 def _n_batches(dl):
     "`len(dl)`, or `None` for a dataloader without a length"
     try: return len(dl)
@@ -230,7 +230,7 @@ class Learner:
                                                  f"in {event_name!r}")
             raise
 
-# %% ../nbs/01_learner.ipynb #ea1a6134
+# %% ../nbs/01_learner.ipynb #8aa587ea
 @patch
 def add_cb(self:Learner, cb):
     "Add one callback (an instance or a `Callback` subclass) to the learner"
@@ -310,7 +310,7 @@ def _hide(self:Learner, cb):
     for other in self.cbs:
         if other.name == cb.name: self._expose(other)
 
-# %% ../nbs/01_learner.ipynb #8c86f312
+# %% ../nbs/01_learner.ipynb #48417cae
 class EventFilter(Callback):
     "Callback made by `learn.on`: calls `fn(learn)` at one event, filtered by `every`, `once` or `filter_fn`"
     def __init__(self, event_name, fn, every=None, once=None, filter_fn=None):
@@ -347,7 +347,7 @@ def on(self:Learner, event_name, every=None, once=None, filter_fn=None):
         return fn
     return register
 
-# %% ../nbs/01_learner.ipynb #01674de4
+# %% ../nbs/01_learner.ipynb #43e68a11
 @patch
 def create_opt(self:Learner):
     "Create the optimizer: `opt_func(model.parameters(), lr=self.lr)` (and `weight_decay=self.wd` if set)"
@@ -360,7 +360,7 @@ def _set_hypers(self:Learner, lr=None, wd=None):
         if lr is not None: pg['lr'] = lr
         if wd is not None: pg['weight_decay'] = wd
 
-# %% ../nbs/01_learner.ipynb #dccbd4d0
+# %% ../nbs/01_learner.ipynb #0ae6663e
 @patch
 def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False):
     "Train for `n_epoch` epochs; `cbs` are added for this fit only"
@@ -437,7 +437,7 @@ def _reset_run(self:Learner):
         if not cb.run: cb.run = True
     self.training = False
 
-# %% ../nbs/01_learner.ipynb #3a7423c7
+# %% ../nbs/01_learner.ipynb #264da09a
 @patch
 def _prepare_fit(self:Learner):
     "Work done once per fit rather than once per batch"
@@ -512,7 +512,7 @@ def _explain_device_error(self:Learner, e, where):
                  f"device of the model's first parameter, decided when fit starts, and {split} "
                  f"(Learner(device=...) moves the whole model).")
 
-# %% ../nbs/01_learner.ipynb #310672eb
+# %% ../nbs/01_learner.ipynb #4451cede
 @patch(as_prop=True)
 def x(self:Learner):
     "The first input of the current batch"
@@ -523,7 +523,7 @@ def y(self:Learner):
     "The first target of the current batch"
     return self.yb[0]
 
-# %% ../nbs/01_learner.ipynb #9def85c4
+# %% ../nbs/01_learner.ipynb #269f65cd
 @patch
 @contextmanager
 def _saved_loop_state(self:Learner):
@@ -550,7 +550,7 @@ def _dl_of(self:Learner, ds_idx):
     if dl is None: raise ValueError(f"there is no {'train' if ds_idx == 0 else 'valid'} dataloader; pass dl=...")
     return dl
 
-# %% ../nbs/01_learner.ipynb #47949a03
+# %% ../nbs/01_learner.ipynb #0a44e0af
 @patch
 @contextmanager
 def no_logging(self:Learner):
@@ -573,7 +573,7 @@ def loss_not_reduced(self:Learner):
         try: yield self
         finally: self.loss_func = lf
 
-# %% ../nbs/01_learner.ipynb #8db71c66
+# %% ../nbs/01_learner.ipynb #11c28791
 @patch
 def _file(self:Learner, name):
     p = Path(name)
@@ -599,7 +599,7 @@ def load(self:Learner, name, with_opt=True, strict=True, device=None):
         self.opt.load_state_dict(state['opt'])
     return self
 
-# %% ../nbs/01_learner.ipynb #04448a7a
+# %% ../nbs/01_learner.ipynb #5a04561c
 _loop_outline = '''Start Fit
 before_fit
 Start Epoch Loop

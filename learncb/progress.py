@@ -7,7 +7,7 @@ Docs: https://learncb.github.io/learncb/progress.html.md"""
 # %% auto #0
 __all__ = ['can_draw_bars', 'ProgressCallback']
 
-# %% ../nbs/03_progress.ipynb #36d39f32
+# %% ../nbs/03_progress.ipynb #701b94c0
 import sys, time
 from contextlib import contextmanager
 from fastcore.basics import patch, noop
@@ -17,7 +17,7 @@ from .core import *
 from .learner import *
 from .recorder import *
 
-# %% ../nbs/03_progress.ipynb #127fd0bf
+# %% ../nbs/03_progress.ipynb #3406031d
 def can_draw_bars():
     "Whether progress bars can be shown: in a notebook, or when stdout is a terminal"
     isatty = getattr(sys.stdout, 'isatty', None)

@@ -8,7 +8,7 @@ Docs: https://learncb.github.io/learncb/recorder.html.md"""
 __all__ = ['accuracy', 'error_rate', 'metric_name', 'weighted_means', 'Recorder', 'n_samples', 'Gatherer', 'GatherPredsCallback',
            'activation_of', 'decodes_of', 'in_order', 'FetchPredsCallback']
 
-# %% ../nbs/02_recorder.ipynb #fb9f46f5
+# %% ../nbs/02_recorder.ipynb #e5df7009
 import time
 from pathlib import Path
 import torch
@@ -20,7 +20,7 @@ from .core import *
 from .learner import *
 from .learner import _add_note, _listify
 
-# %% ../nbs/02_recorder.ipynb #040850a7
+# %% ../nbs/02_recorder.ipynb #09c6f2ff
 def accuracy(pred, targ, axis=-1):
     "Fraction of items whose arg-max prediction equals the target"
     return (pred.argmax(dim=axis) == targ).float().mean()
@@ -33,7 +33,7 @@ def metric_name(m):
     "The name a metric is shown and recorded under"
     return getattr(m, 'name', None) or getattr(m, '__name__', None) or getattr(getattr(m, 'func', None), '__name__', None) or type(m).__name__
 
-# %% ../nbs/02_recorder.ipynb #1e9fb3b5
+# %% ../nbs/02_recorder.ipynb #1c98e34c
 def weighted_means(cols, bss):
     "Batch-size weighted mean of each column of per-batch scalars, as Python floats, with one host sync"
     device = next((v.device for c in cols for v in c if isinstance(v, torch.Tensor)), None)
@@ -49,7 +49,7 @@ def _stack_scalars(col, i, device):
         f"must be scalars: reduce it (e.g. .mean()) or use a loss with reduction='mean'")
     return torch.tensor([float(v) for v in col], device=device)
 
-# %% ../nbs/02_recorder.ipynb #fa258897
+# %% ../nbs/02_recorder.ipynb #be666c93
 class Recorder(Callback):
     "Records losses, learning rates and metrics: `losses`, `lrs`, `iters`, `values`, `metric_names`, `plot_loss`"
     order = 50
@@ -177,7 +177,7 @@ def _fmt(v): return '' if v is None else f'{v:.6f}'
 
 defaults.add_callback(Recorder)
 
-# %% ../nbs/02_recorder.ipynb #1dec601c
+# %% ../nbs/02_recorder.ipynb #d7d47cd8
 def n_samples(dl):
     "Number of samples `dl` yields in one pass, or `None` when it cannot be known in advance"
     bs = getattr(dl, 'batch_sampler', None)
@@ -221,7 +221,7 @@ class Gatherer:
         if not self.parts: return None
         return torch.stack(self.parts) if self.parts[0].ndim == 0 else torch.cat(self.parts, dim=self.dim)
 
-# %% ../nbs/02_recorder.ipynb #c5418006
+# %% ../nbs/02_recorder.ipynb #fee5944e
 class GatherPredsCallback(Callback):
     "Gathers inputs, predictions, targets and losses of each validation batch (behind `Learner.get_preds`)"
     def __init__(self, with_input=False, with_loss=False, save_preds=None, save_targs=None, with_preds=True,
@@ -261,7 +261,7 @@ class GatherPredsCallback(Callback):
         if self.with_loss: res.append(self.losses.result())
         return res
 
-# %% ../nbs/02_recorder.ipynb #a8720cd1
+# %% ../nbs/02_recorder.ipynb #0f8ca5ec
 def activation_of(loss_func):
     "The activation that turns model outputs into probabilities for `loss_func` (`softmax` for cross-entropy)"
     if (act := getattr(loss_func, 'activation', None)) is not None: return act
@@ -312,7 +312,7 @@ def validate(self:Learner, ds_idx=1, dl=None, cbs=None):
     rec = getattr(self, 'recorder', None)
     return rec.last_valid if isinstance(rec, Recorder) else None
 
-# %% ../nbs/02_recorder.ipynb #d1662a02
+# %% ../nbs/02_recorder.ipynb #c8478692
 class FetchPredsCallback(Callback):
     "At `after_validate`, gets predictions of another dataloader with `get_preds` and keeps them in `preds`"
     remove_on_fetch = True
