@@ -14,10 +14,10 @@ __all__ = ['event', 'batch_events', 'CancelBatch', 'CancelStep', 'CancelBackward
 import difflib, re, warnings
 from types import MethodType
 
-# %% ../nbs/00_core.ipynb #b2df3408
-_events = ('after_create before_fit before_epoch before_train before_batch after_pred after_loss before_backward '
-           'after_cancel_backward after_backward before_step after_cancel_step after_step after_cancel_batch after_batch '
-           'after_cancel_train after_train before_validate after_cancel_validate after_validate after_cancel_epoch '
+# %% ../nbs/00_core.ipynb #2d81cbeb
+_events = ('after_create before_fit before_epoch before_train before_fetch after_fetch before_batch after_pred after_loss '
+           'before_backward after_cancel_backward after_backward before_step after_cancel_step after_step after_cancel_batch '
+           'after_batch after_cancel_train after_train before_validate after_cancel_validate after_validate after_cancel_epoch '
            'after_epoch after_cancel_fit after_fit after_exception').split()
 
 def closest_event(name, cutoff=0.75):
@@ -42,8 +42,8 @@ class _EventNames:
 event = _EventNames(_events)
 
 # Events fired once per batch: the ones `run_train`/`run_valid` apply to
-batch_events = frozenset('''before_batch after_pred after_loss before_backward after_cancel_backward after_backward
-    before_step after_cancel_step after_step after_cancel_batch after_batch'''.split())
+batch_events = frozenset('''before_fetch after_fetch before_batch after_pred after_loss before_backward after_cancel_backward
+    after_backward before_step after_cancel_step after_step after_cancel_batch after_batch'''.split())
 
 # %% ../nbs/00_core.ipynb #da6c51cf
 class CancelException(Exception):

@@ -230,7 +230,7 @@ class Learner:
                                                  f"in {event_name!r}")
             raise
 
-# %% ../nbs/01_learner.ipynb #8aa587ea
+# %% ../nbs/01_learner.ipynb #f313f99f
 @patch
 def add_cb(self:Learner, cb):
     "Add one callback (an instance or a `Callback` subclass) to the learner"
@@ -297,8 +297,7 @@ def removed_cbs(self:Learner, cbs):
 @patch
 def _expose(self:Learner, cb):
     "Make `cb` reachable as `learn.<cb.name>` unless that would hide a learner attribute"
-    current = getattr(self, cb.name, None)
-    if current is None or isinstance(current, Callback): setattr(self, cb.name, cb)
+    if not hasattr(self, cb.name) or isinstance(getattr(self, cb.name), Callback): setattr(self, cb.name, cb)
     else: warnings.warn(f"callback {cb!r} is not available as learn.{cb.name}: the learner already has a "
                         f"{cb.name!r} attribute; find it in learn.cbs or pass name=... to give it another name",
                         UserWarning, stacklevel=4)
@@ -360,7 +359,7 @@ def _set_hypers(self:Learner, lr=None, wd=None):
         if lr is not None: pg['lr'] = lr
         if wd is not None: pg['weight_decay'] = wd
 
-# %% ../nbs/01_learner.ipynb #0ae6663e
+# %% ../nbs/01_learner.ipynb #6e3f4830
 @patch
 def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False):
     "Train for `n_epoch` epochs; `cbs` are added for this fit only"
@@ -380,18 +379,30 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False):
 
 @patch
 def _with_events(self:Learner, body, stage, cancel_exc, final=True):
+    "Fire `before_<stage>`, run `body`, fire `after_<stage>`; `cancel_exc` ends the stage. `False` if it was cancelled"
     before,after_cancel,after = _stage_events[stage]
+    done = True
     try:
         self._fire(before)
         body()
-    except cancel_exc: self._fire(after_cancel)
+    except cancel_exc:
+        done = False
+        self._fire(after_cancel)
     if final: self._fire(after)
+    return done
 
 @patch
 def _do_fit(self:Learner):
+    self._stop_reason = None
     for epoch in range(self.n_epoch):
         self.epoch = epoch
         self._with_events(self._do_epoch, 'epoch', CancelEpochException)
+        if self._stop_reason is not None: raise CancelFitException(self._stop_reason)
+
+@patch
+def stop_fit(self:Learner, reason='stop_fit was called'):
+    "Stop the fit once this epoch is over, after every `after_epoch` handler has run (trackers use it)"
+    self._stop_reason = reason
 
 @patch
 def _do_epoch(self:Learner):
@@ -437,7 +448,7 @@ def _reset_run(self:Learner):
         if not cb.run: cb.run = True
     self.training = False
 
-# %% ../nbs/01_learner.ipynb #264da09a
+# %% ../nbs/01_learner.ipynb #2c68280a
 @patch
 def _prepare_fit(self:Learner):
     "Work done once per fit rather than once per batch"
@@ -460,10 +471,25 @@ def _batch_mover(self:Learner, device):
 
 @patch
 def all_batches(self:Learner):
-    "Run `one_batch` on every batch of `self.dl`"
-    i = -1
-    for i,b in enumerate(self.dl): self.one_batch(i, b)
-    if i < 0: raise ValueError(f"the dataloader {self.dl!r} yielded no batches: check its dataset and sampler")
+    "Run `one_batch` on every batch of `self.dl` (firing `before_fetch`/`after_fetch` around each fetch if handled)"
+    if self._table['before_fetch'] or self._table['after_fetch']: n = self._all_batches_with_fetch()
+    else:
+        n = 0
+        for n,b in enumerate(self.dl, 1): self.one_batch(n - 1, b)
+    if n == 0: raise ValueError(f"the dataloader {self.dl!r} yielded no batches: check its dataset and sampler")
+
+@patch
+def _all_batches_with_fetch(self:Learner):
+    "The batch loop with fetch events: chosen once per phase, only when a callback listens to them"
+    it,n = iter(self.dl),0
+    while True:
+        self.iter = n
+        self._fire('before_fetch')
+        try: b = next(it)
+        except StopIteration: return n
+        self._fire('after_fetch')
+        self.one_batch(n, b)
+        n += 1
 
 @patch
 def one_batch(self:Learner, i, b):
@@ -486,8 +512,7 @@ def _do_one_batch(self:Learner):
     self._fire('after_loss')
     if not self.training or not self.yb: return
     self._with_events(self._backward, 'backward', CancelBackwardException)
-    self._with_events(self._step, 'step', CancelStepException)
-    self.opt.zero_grad()
+    if self._with_events(self._step, 'step', CancelStepException): self.opt.zero_grad()
 
 @patch
 def _backward(self:Learner):
@@ -512,7 +537,7 @@ def _explain_device_error(self:Learner, e, where):
                  f"device of the model's first parameter, decided when fit starts, and {split} "
                  f"(Learner(device=...) moves the whole model).")
 
-# %% ../nbs/01_learner.ipynb #4451cede
+# %% ../nbs/01_learner.ipynb #e04774fb
 @patch(as_prop=True)
 def x(self:Learner):
     "The first input of the current batch"
@@ -523,7 +548,7 @@ def y(self:Learner):
     "The first target of the current batch"
     return self.yb[0]
 
-# %% ../nbs/01_learner.ipynb #269f65cd
+# %% ../nbs/01_learner.ipynb #2a1693b6
 @patch
 @contextmanager
 def _saved_loop_state(self:Learner):
@@ -550,7 +575,7 @@ def _dl_of(self:Learner, ds_idx):
     if dl is None: raise ValueError(f"there is no {'train' if ds_idx == 0 else 'valid'} dataloader; pass dl=...")
     return dl
 
-# %% ../nbs/01_learner.ipynb #0a44e0af
+# %% ../nbs/01_learner.ipynb #7df40c79
 @patch
 @contextmanager
 def no_logging(self:Learner):
@@ -573,7 +598,7 @@ def loss_not_reduced(self:Learner):
         try: yield self
         finally: self.loss_func = lf
 
-# %% ../nbs/01_learner.ipynb #11c28791
+# %% ../nbs/01_learner.ipynb #9fb1bc54
 @patch
 def _file(self:Learner, name):
     p = Path(name)
@@ -599,7 +624,7 @@ def load(self:Learner, name, with_opt=True, strict=True, device=None):
         self.opt.load_state_dict(state['opt'])
     return self
 
-# %% ../nbs/01_learner.ipynb #5a04561c
+# %% ../nbs/01_learner.ipynb #b8f2b91e
 _loop_outline = '''Start Fit
 before_fit
 Start Epoch Loop

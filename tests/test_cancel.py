@@ -7,13 +7,15 @@ from conftest import synth_learner, EventLog
 # The events a normal fit fires, with the phase of those that fire in both phases
 BATCH_TRAIN = ['before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step', 'after_step']
 BATCH_VALID = ['before_batch', 'after_pred', 'after_loss']
-ALL = ([('before_fit', None), ('before_epoch', None), ('before_train', None)] + [(e, 'train') for e in BATCH_TRAIN]
-       + [('after_batch', 'train'), ('after_train', None), ('before_validate', None)] + [(e, 'valid') for e in BATCH_VALID]
+FETCH = ['before_fetch', 'after_fetch']     # around taking a batch from the dataloader: outside the batch stage
+ALL = ([('before_fit', None), ('before_epoch', None), ('before_train', None)] + [(e, 'train') for e in FETCH + BATCH_TRAIN]
+       + [('after_batch', 'train'), ('after_train', None), ('before_validate', None)]
+       + [(e, 'valid') for e in FETCH + BATCH_VALID]
        + [('after_batch', 'valid'), ('after_validate', None), ('after_epoch', None), ('after_fit', None)])
 
 # Where each stage's `try` is: the events that are inside the stage (raising its exception there cancels it)
-_train = {(e, 'train') for e in BATCH_TRAIN} | {('after_batch', 'train'), ('before_train', None)}
-_valid = {(e, 'valid') for e in BATCH_VALID} | {('after_batch', 'valid'), ('before_validate', None)}
+_train = {(e, 'train') for e in FETCH + BATCH_TRAIN} | {('after_batch', 'train'), ('before_train', None)}
+_valid = {(e, 'valid') for e in FETCH + BATCH_VALID} | {('after_batch', 'valid'), ('before_validate', None)}
 _epoch = _train | _valid | {('before_epoch', None), ('after_train', None), ('after_validate', None)}
 INSIDE = {
     'batch':    ({(e, 'train') for e in BATCH_TRAIN} | {(e, 'valid') for e in BATCH_VALID}, CancelBatchException),
@@ -78,7 +80,7 @@ def test_cancel(stage, event_name, phase, inside):
 def test_cancel_batch_skips_rest_of_batch_and_continues():
     learn, log, error, _ = run('batch', 'after_pred', 'train')
     i = log.index('after_pred')
-    assert log[i:i + 4] == ['after_pred', 'after_cancel_batch', 'after_batch', 'before_batch']
+    assert log[i:i + 6] == ['after_pred', 'after_cancel_batch', 'after_batch', 'before_fetch', 'after_fetch', 'before_batch']
     assert log.count('before_step') == 2 * 4 - 1
     assert len(learn.recorder.losses) == 2 * 4 - 1      # the cancelled batch had no loss: not recorded
 
@@ -124,5 +126,5 @@ def test_cancel_raised_by_loss_func():
     learn.loss_func = loss_func
     learn.fit(1)
     i = log.log.index('before_validate')
-    assert log.log[i:i + 5] == ['before_validate', 'before_batch', 'after_pred', 'after_cancel_validate', 'after_validate']
+    assert log.log[i:i + 7] == ['before_validate', 'before_fetch', 'after_fetch', 'before_batch', 'after_pred', 'after_cancel_validate', 'after_validate']
     assert learn.recorder.values[0][1] is None      # no validation loss was computed
