@@ -4,3 +4,4 @@ from .core import *
 from .learner import *
 from .recorder import *
 from .progress import *
+from .tracker import *

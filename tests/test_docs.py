@@ -5,7 +5,8 @@ import pytest
 from learncb.learner import Learner
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULES = {'core': '00_core', 'learner': '01_learner', 'recorder': '02_recorder', 'progress': '03_progress', 'demo': '04_demo'}
+MODULES = {'core': '00_core', 'learner': '01_learner', 'recorder': '02_recorder', 'progress': '03_progress', 'demo': '04_demo',
+           'tracker': '06_tracker'}
 
 def notebook_code(nb_name):
     nb = json.loads((ROOT/'nbs'/f'{nb_name}.ipynb').read_text())
