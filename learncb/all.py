@@ -5,3 +5,8 @@ from .learner import *
 from .recorder import *
 from .progress import *
 from .tracker import *
+from .schedule import *
+from .training import *
+from .loggers import *
+from .evaluation import *
+from .checkpoint import *

@@ -74,13 +74,14 @@ def snake_name(cls_name):
     name = re.sub(r'([A-Z]+)([A-Z][a-z])', r'\1_\2', name)
     return re.sub(r'([a-z\d])([A-Z])', r'\1_\2', name).lower()
 
-# %% ../nbs/00_core.ipynb #7551817f
+# %% ../nbs/00_core.ipynb #acc45a64
 _dispatch_attrs = frozenset(('run', 'run_train', 'run_valid', 'order'))
 _own_attrs = frozenset(('learn', '_name'))
 
 class Callback:
     "Base class of callbacks: methods named like events run when the learner fires those events"
-    order,run,run_train,run_valid,remove_on_fetch,learn,_name = 0,True,True,True,False,None,None
+    order,run,run_train,run_valid,remove_on_fetch,remove_on_lr_find,learn,_name = 0,True,True,True,False,False,None,None
+    _state_attrs = ()   # attributes saved in checkpoints by the default `state_dict`
 
     def __init__(self, **handlers):
         for k,fn in handlers.items():
@@ -140,6 +141,14 @@ class Callback:
         methods |= {n for n,v in vars(self).items() if isinstance(v, MethodType)}
         return [(m,close) for m in sorted(methods) if m not in event and not m.startswith('_')
                 and (close := closest_event(m, cutoff=0.85))]
+
+    def state_dict(self):
+        "The callback's state for checkpoints: its `_state_attrs` (empty for a stateless callback)"
+        return {a: getattr(self, a) for a in self._state_attrs}
+
+    def load_state_dict(self, state):
+        "Restore what `state_dict` returned"
+        for k,v in state.items(): object.__setattr__(self, k, v)
 
     def __repr__(self): return type(self).__name__ if self._name is None else f'{type(self).__name__}({self._name!r})'
 

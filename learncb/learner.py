@@ -170,7 +170,7 @@ class defaults:
         "Add `cb_cls` to the default callbacks, replacing a class of the same name (so reloading a module is safe)"
         cls.callbacks = [c for c in cls.callbacks if c.__name__ != cb_cls.__name__] + [cb_cls]
 
-# %% ../nbs/01_learner.ipynb #245b7bc0
+# %% ../nbs/01_learner.ipynb #a8065203
 def _n_batches(dl):
     "`len(dl)`, or `None` for a dataloader without a length"
     try: return len(dl)
@@ -188,6 +188,7 @@ class Learner:
         self.device = torch.device(device) if device is not None else default_device()
         self.model.to(self.device)
         self.opt,self.state,self.logger,self.exception,self.cbs = None,AttrDict(),print_row,None,[]
+        self._resume,self._in_fit,self.validating_aside = None,False,0
         self.epoch,self.n_epoch,self.iter,self.n_iter,self.train_iter,self.pct_train = 0,1,0,0,0,0.
         self.dl = self.batch = self.xb = self.yb = self.pred = self.loss = self.loss_grad = None
         self._training = False
@@ -309,9 +310,10 @@ def _hide(self:Learner, cb):
     for other in self.cbs:
         if other.name == cb.name: self._expose(other)
 
-# %% ../nbs/01_learner.ipynb #48417cae
+# %% ../nbs/01_learner.ipynb #0d80f829
 class EventFilter(Callback):
     "Callback made by `learn.on`: calls `fn(learn)` at one event, filtered by `every`, `once` or `filter_fn`"
+    _state_attrs = ('num_called', 'num_executed')
     def __init__(self, event_name, fn, every=None, once=None, filter_fn=None):
         self.event_name,self.fn,self.every,self.once,self.filter_fn = event_name,fn,every,once,filter_fn
         self.num_called = self.num_executed = 0
@@ -359,23 +361,32 @@ def _set_hypers(self:Learner, lr=None, wd=None):
         if lr is not None: pg['lr'] = lr
         if wd is not None: pg['weight_decay'] = wd
 
-# %% ../nbs/01_learner.ipynb #6e3f4830
+# %% ../nbs/01_learner.ipynb #d3c36ecd
 @patch
-def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False):
-    "Train for `n_epoch` epochs; `cbs` are added for this fit only"
+def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, resume=None):
+    "Train for `n_epoch` epochs; `cbs` are added for this fit only; `resume` (a checkpoint, or `True`) continues a run"
     if not isinstance(n_epoch, int) or n_epoch < 0: raise ValueError(f"n_epoch must be an int >= 0, not {n_epoch!r}")
     if self.loss_func is None: raise ValueError("this Learner has no loss_func; pass one, e.g. Learner(dls, model, loss_func=nn.CrossEntropyLoss())")
     with self.added_cbs(cbs):
         if reset_opt or self.opt is None: self.create_opt()
         self._set_hypers(lr=self.lr if lr is None else lr, wd=self.wd if wd is None else wd)
         self.n_epoch,self.exception = n_epoch,None
-        self._prepare_fit()
-        try:
-            try: self._with_events(self._do_fit, 'fit', CancelFitException, final=False)
-            except BaseException as e: self._after_exception(e, fire_after_fit=True); raise
-            try: self._fire('after_fit')
-            except BaseException as e: self._after_exception(e, fire_after_fit=False); raise
-        finally: self._reset_run()
+        self._resume = None if resume is None or resume is False else self._plan_resume(resume)
+        with self.added_cbs(self._resume.extra_cbs if self._resume else None):
+            self._prepare_fit()
+            self._in_fit = True
+            try:
+                try: self._with_events(self._do_fit, 'fit', CancelFitException, final=False)
+                except BaseException as e: self._after_exception(e, fire_after_fit=True); raise
+                try: self._fire('after_fit')
+                except BaseException as e: self._after_exception(e, fire_after_fit=False); raise
+            finally:
+                self._reset_run()
+                self._resume,self._in_fit,self.validating_aside = None,False,0
+
+@patch
+def _plan_resume(self:Learner, resume):
+    raise ValueError("resuming needs learncb.checkpoint: `from learncb.all import *` (or import learncb.checkpoint)")
 
 @patch
 def _with_events(self:Learner, body, stage, cancel_exc, final=True):
@@ -394,7 +405,8 @@ def _with_events(self:Learner, body, stage, cancel_exc, final=True):
 @patch
 def _do_fit(self:Learner):
     self._stop_reason = None
-    for epoch in range(self.n_epoch):
+    start = self._resume.at_fit() if self._resume is not None else 0   # a resumed fit restores its state here
+    for epoch in range(start, self.n_epoch):
         self.epoch = epoch
         self._with_events(self._do_epoch, 'epoch', CancelEpochException)
         if self._stop_reason is not None: raise CancelFitException(self._stop_reason)
@@ -413,7 +425,13 @@ def _do_epoch(self:Learner):
 def _do_epoch_train(self:Learner):
     self._set_dl(self.dls.train, 'training')
     self.training = True
-    self._with_events(self.all_batches, 'train', CancelTrainException)
+    self._with_events(self._train_batches, 'train', CancelTrainException)
+
+@patch
+def _train_batches(self:Learner):
+    "The training phase's batches; a fit resumed in the middle of this epoch restores its state and skips ahead here"
+    start = self._resume.at_train() if self._resume is not None else 0
+    self.all_batches(start)
 
 @patch
 def _do_epoch_validate(self:Learner, ds_idx=1, dl=None):
@@ -448,7 +466,7 @@ def _reset_run(self:Learner):
         if not cb.run: cb.run = True
     self.training = False
 
-# %% ../nbs/01_learner.ipynb #2c68280a
+# %% ../nbs/01_learner.ipynb #7c74485d
 @patch
 def _prepare_fit(self:Learner):
     "Work done once per fit rather than once per batch"
@@ -470,18 +488,18 @@ def _batch_mover(self:Learner, device):
     return first_batch
 
 @patch
-def all_batches(self:Learner):
-    "Run `one_batch` on every batch of `self.dl` (firing `before_fetch`/`after_fetch` around each fetch if handled)"
-    if self._table['before_fetch'] or self._table['after_fetch']: n = self._all_batches_with_fetch()
+def all_batches(self:Learner, start=0):
+    "Run `one_batch` on every batch of `self.dl`, numbering them from `start` (fetch events fired if handled)"
+    if self._table['before_fetch'] or self._table['after_fetch']: n = self._all_batches_with_fetch(start)
     else:
-        n = 0
-        for n,b in enumerate(self.dl, 1): self.one_batch(n - 1, b)
+        n = start
+        for n,b in enumerate(self.dl, start + 1): self.one_batch(n - 1, b)
     if n == 0: raise ValueError(f"the dataloader {self.dl!r} yielded no batches: check its dataset and sampler")
 
 @patch
-def _all_batches_with_fetch(self:Learner):
+def _all_batches_with_fetch(self:Learner, start=0):
     "The batch loop with fetch events: chosen once per phase, only when a callback listens to them"
-    it,n = iter(self.dl),0
+    it,n = iter(self.dl),start
     while True:
         self.iter = n
         self._fire('before_fetch')
@@ -548,7 +566,7 @@ def y(self:Learner):
     "The first target of the current batch"
     return self.yb[0]
 
-# %% ../nbs/01_learner.ipynb #2a1693b6
+# %% ../nbs/01_learner.ipynb #0246796b
 @patch
 @contextmanager
 def _saved_loop_state(self:Learner):
@@ -566,7 +584,9 @@ def _run_validation(self:Learner, ds_idx=1, dl=None):
     if dl is None: dl = self._dl_of(ds_idx)
     with self._saved_loop_state():
         self._prepare_fit()
-        self._do_epoch_validate(ds_idx, dl)
+        self.validating_aside += 1
+        try: self._do_epoch_validate(ds_idx, dl)
+        finally: self.validating_aside -= 1
 
 @patch
 def _dl_of(self:Learner, ds_idx):

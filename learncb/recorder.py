@@ -8,8 +8,9 @@ Docs: https://learncb.github.io/learncb/recorder.html.md"""
 __all__ = ['accuracy', 'error_rate', 'metric_name', 'is_stateful_metric', 'weighted_means', 'Recorder', 'n_samples', 'Gatherer',
            'GatherPredsCallback', 'activation_of', 'decodes_of', 'in_order', 'FetchPredsCallback']
 
-# %% ../nbs/02_recorder.ipynb #e5df7009
-import time
+# %% ../nbs/02_recorder.ipynb #3a37d33f
+import copy, time
+from contextlib import contextmanager
 from pathlib import Path
 import torch
 from torch import nn
@@ -54,14 +55,17 @@ def _stack_scalars(col, i, device):
         f"must be scalars: reduce it (e.g. .mean()) or use a loss with reduction='mean'")
     return torch.tensor([float(v) for v in col], device=device)
 
-# %% ../nbs/02_recorder.ipynb #9325061a
+# %% ../nbs/02_recorder.ipynb #26da7026
 class Recorder(Callback):
     "Records losses, learning rates and metrics: `losses`, `lrs`, `iters`, `values`, `metric_names`, `plot_loss`"
     order = 50
+    _state_attrs = ('lrs', 'iters', 'values', '_losses', '_pending', '_pending_bs', '_smooth', '_count', '_train_sum',
+                    '_train_n', '_epoch_valid', '_extra', 'last_valid', '_header_logged')
     flush_every = 1000   # at most this many batch losses are kept on the device before they become floats
 
     def __init__(self, add_time=True, beta=0.98):
         self.add_time,self.beta,self.last_valid,self._valid_metrics,self._header_logged = add_time,beta,None,[],False
+        self._valid_stack = []
         self._reset_history()
 
     def _reset_history(self):
@@ -92,11 +96,11 @@ class Recorder(Callback):
         return [c for cb in self.learn.cbs for c in getattr(type(cb), 'recorder_columns', None) and cb.recorder_columns or []]
 
     def record(self, name, value):
-        "Set the value of extra column `name` for the current epoch"
+        "Set the value of extra column `name` for the current epoch (ignored during `validate`/`get_preds` runs)"
         if name not in self.extra_columns:
             raise ValueError(f"{name!r} is not a column of the table; columns added by callbacks: {self.extra_columns} "
                              f"(a callback adds columns with a `recorder_columns` attribute)")
-        self._extra[name] = value
+        if not self.learn.validating_aside: self._extra[name] = value
 
     @property
     def losses(self):
@@ -131,6 +135,7 @@ class Recorder(Callback):
     def before_epoch(self): self._epoch_start = time.time()
 
     def before_validate(self):
+        if self.learn.validating_aside: self._push_valid()
         self._valid_metrics = self._metrics     # computed once per phase, not per batch
         device = self.learn._model_device()
         for _,m in self._valid_metrics:
@@ -163,8 +168,20 @@ class Recorder(Callback):
                 raise
 
     def after_validate(self):
-        self.last_valid = self._epoch_valid = self._valid_values() if self._valid_bs else None
-        self._clear_valid()
+        self.last_valid = self._valid_values() if self._valid_bs else None
+        if self.learn.validating_aside: self._pop_valid()        # a validate() inside a fit: the epoch's values stay
+        else:
+            self._epoch_valid = self.last_valid
+            self._clear_valid()
+
+    def _push_valid(self):
+        "Keep the accumulators of a validation in progress (and stateful metrics' state) while another one runs"
+        stateful = [(m, copy.deepcopy(m.__dict__)) for _,m in self._valid_metrics if is_stateful_metric(m)]
+        self._valid_stack.append((self._valid_cols, self._valid_bs, self._valid_metrics, stateful))
+
+    def _pop_valid(self):
+        self._valid_cols,self._valid_bs,self._valid_metrics,stateful = self._valid_stack.pop()
+        for m,state in stateful: m.__dict__.update(state)
 
     def _valid_values(self):
         "`[valid_loss, *metrics]`: batch averages in one host sync, then each stateful metric's `compute()`"
@@ -293,7 +310,7 @@ class GatherPredsCallback(Callback):
         if self.with_loss: res.append(self.losses.result())
         return res
 
-# %% ../nbs/02_recorder.ipynb #343aff6c
+# %% ../nbs/02_recorder.ipynb #ab349933
 def activation_of(loss_func):
     "The activation that turns model outputs into probabilities for `loss_func` (`softmax` for cross-entropy)"
     if (act := getattr(loss_func, 'activation', None)) is not None: return act
@@ -315,6 +332,15 @@ def in_order(dl):
     return DataLoader(dl.dataset, batch_size=dl.batch_size, shuffle=False, drop_last=False, num_workers=dl.num_workers,
                       collate_fn=dl.collate_fn, pin_memory=dl.pin_memory, timeout=dl.timeout, worker_init_fn=dl.worker_init_fn)
 
+@contextmanager
+def _recorders_off(learn):
+    "The Recorders sit out (`run=False`) for a while: `get_preds` leaves no trace in the history"
+    recs = [cb for cb in learn.cbs if isinstance(cb, Recorder) and cb.run]
+    for r in recs: r.run = False
+    try: yield
+    finally:
+        for r in recs: r.run = True
+
 @patch
 def get_preds(self:Learner, ds_idx=1, dl=None, with_input=False, with_decoded=False, with_loss=False, act=None,
               cbs=None, reorder=True, save_preds=None, save_targs=None, with_preds=True, with_targs=True,
@@ -324,8 +350,7 @@ def get_preds(self:Learner, ds_idx=1, dl=None, with_input=False, with_decoded=Fa
     if reorder: dl = in_order(dl)
     gather = GatherPredsCallback(with_input=with_input, with_loss=with_loss, save_preds=save_preds, save_targs=save_targs,
                                  with_preds=with_preds, with_targs=with_targs, concat_dim=concat_dim, pickle_protocol=pickle_protocol)
-    recorders = [cb for cb in self.cbs if isinstance(cb, Recorder)]
-    with self.removed_cbs(recorders), self.added_cbs([gather, *_listify(cbs)]), self.no_logging():
+    with _recorders_off(self), self.added_cbs([gather, *_listify(cbs)]), self.no_logging():
         if with_loss:
             with self.loss_not_reduced(): self._run_validation(ds_idx, dl)
         else: self._run_validation(ds_idx, dl)
@@ -344,7 +369,7 @@ def validate(self:Learner, ds_idx=1, dl=None, cbs=None):
     rec = getattr(self, 'recorder', None)
     return rec.last_valid if isinstance(rec, Recorder) else None
 
-# %% ../nbs/02_recorder.ipynb #77ee3764
+# %% ../nbs/02_recorder.ipynb #ebbf3c0c
 class FetchPredsCallback(Callback):
     "At `after_validate`, gets predictions of another dataloader with `get_preds` and keeps them in `preds`"
     remove_on_fetch = True

@@ -32,10 +32,11 @@ def resolve_monitor(monitor, names):
     raise ValueError(f"monitor {monitor!r} is not a column of the recorder's table {names}{hint}: pass one of those "
                      f"names, or a function f(learn) -> float")
 
-# %% ../nbs/06_tracker.ipynb #253d34cf
+# %% ../nbs/06_tracker.ipynb #7e1b23be
 class TrackerCallback(Callback):
     "Base of callbacks that watch `monitor` each epoch and remember its best value (`best`, `best_epoch`, `new_best`)"
-    order = 60
+    order,remove_on_lr_find = 60,True
+    _state_attrs = ('best', 'best_epoch', 'new_best', 'value')
     def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., reset_on_fit=True):
         if not (isinstance(monitor, str) or callable(monitor)):
             raise TypeError(f"monitor must be a column name or a function f(learn) -> float, not {monitor!r}")
@@ -82,10 +83,11 @@ class TrackerCallback(Callback):
         if self.best is None: return True
         return value > self.best + self.min_delta if self._greater else value < self.best - self.min_delta
 
-# %% ../nbs/06_tracker.ipynb #3232b081
+# %% ../nbs/06_tracker.ipynb #81ae99f8
 class TerminateOnNaNCallback(Callback):
     "Stops the fit when a training or validation loss is NaN or infinite, saying at which epoch and batch"
-    order = 55
+    order,remove_on_lr_find = 55,True     # lr_find makes the loss diverge on purpose
+    _state_attrs = ('_window', '_first_iter', 'found')
     def __init__(self, check_every=32):
         if not isinstance(check_every, int) or check_every < 1: raise ValueError(f"check_every must be a positive int, not {check_every!r}")
         self.check_every,self.found = check_every,None
@@ -118,7 +120,7 @@ class TerminateOnNaNCallback(Callback):
         warnings.warn(self.found, RuntimeWarning)
         raise CancelFitException(self.found)
 
-# %% ../nbs/06_tracker.ipynb #3b5a255b
+# %% ../nbs/06_tracker.ipynb #fc42670d
 class SaveModelCallback(TrackerCallback):
     "Saves the model when `monitor` improves (or every epoch) and loads the best one back at the end of the fit"
     def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., fname='model', every_epoch=False,
@@ -127,8 +129,10 @@ class SaveModelCallback(TrackerCallback):
         if every_epoch is not False and at_end: raise ValueError("every_epoch and at_end are exclusive: pick one")
         self.fname,self.every_epoch,self.at_end,self.with_opt,self.saved = fname,every_epoch,at_end,with_opt,None
 
+    _state_attrs = TrackerCallback._state_attrs + ('saved',)
+
     def _save(self, name):
-        self.saved = self.learn.save(name, with_opt=self.with_opt)
+        self.saved = str(self.learn.save(name, with_opt=self.with_opt))
 
     def after_epoch(self):
         if self.every_epoch is not False:
@@ -150,9 +154,10 @@ class SaveModelCallback(TrackerCallback):
 
 SaveBestModelCallback = SaveModelCallback
 
-# %% ../nbs/06_tracker.ipynb #ed569f92
+# %% ../nbs/06_tracker.ipynb #4d73d156
 class EarlyStoppingCallback(TrackerCallback):
     "Stops the fit when `monitor` has not improved by more than `min_delta` for `patience` epochs"
+    _state_attrs = TrackerCallback._state_attrs + ('wait', 'stopped_epoch')
     def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., patience=1, reset_on_fit=True):
         super().__init__(monitor, greater_is_better, min_delta, reset_on_fit)
         if not isinstance(patience, int) or patience < 1: raise ValueError(f"patience must be a positive int, not {patience!r}")
@@ -171,9 +176,10 @@ class EarlyStoppingCallback(TrackerCallback):
         if self.learn.logger is not noop: print(reason)
         self.learn.stop_fit(reason)
 
-# %% ../nbs/06_tracker.ipynb #e65c41e6
+# %% ../nbs/06_tracker.ipynb #c8ea78a8
 class ReduceLROnPlateau(TrackerCallback):
     "Divides the learning rate by `factor` when `monitor` has not improved for `patience` epochs, down to `min_lr`"
+    _state_attrs = TrackerCallback._state_attrs + ('wait',)
     def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., patience=1, factor=10., min_lr=0.,
                  reset_on_fit=True):
         super().__init__(monitor, greater_is_better, min_delta, reset_on_fit)

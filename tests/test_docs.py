@@ -6,7 +6,8 @@ from learncb.learner import Learner
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULES = {'core': '00_core', 'learner': '01_learner', 'recorder': '02_recorder', 'progress': '03_progress', 'demo': '04_demo',
-           'tracker': '06_tracker'}
+           'tracker': '06_tracker', 'schedule': '07_schedule', 'training': '08_training', 'loggers': '09_loggers',
+           'evaluation': '10_evaluation', 'checkpoint': '13_checkpoint'}
 
 def notebook_code(nb_name):
     nb = json.loads((ROOT/'nbs'/f'{nb_name}.ipynb').read_text())

@@ -1,0 +1,64 @@
+"""A training run for the resume tests: shuffled data, dropout, one-cycle, gradient accumulation, a checkpoint after
+every batch. It can kill itself with SIGKILL at a chosen point, stall inside a checkpoint write, or resume.
+
+python resume_script.py PATH [--kill EVENT,EPOCH,ITER,PHASE] [--stall-save N] [--resume] [--out FILE]"""
+import argparse, os, signal, sys, time
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from learncb.all import *
+
+N_EPOCH = 3
+
+def make_learner(path):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(112, 6, generator=g); y = (x[:, :3].sum(1) > x[:, 3:].sum(1)).long()
+    dls = DataLoaders(DataLoader(TensorDataset(x[:80], y[:80]), batch_size=8, shuffle=True),    # 10 batches
+                      DataLoader(TensorDataset(x[80:], y[80:]), batch_size=8))                  # 4 batches
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(0.25), nn.Linear(32, 2))
+    learn = Learner(dls, model, nn.CrossEntropyLoss(), metrics=accuracy, path=path, device='cpu')
+    learn.remove_cb(ProgressCallback)
+    learn.logger = lambda row: None
+    return learn
+
+class KillAt(Callback):
+    "SIGKILLs this process at `event` of epoch `epoch`, batch `iter`, in `phase` ('train', 'valid' or '-')"
+    order = 99    # after the checkpoint of that batch, if any, was written
+    def __init__(self, event, epoch, it, phase):
+        self.epoch_, self.iter_, self.phase_ = epoch, it, phase
+        setattr(self, event, self.maybe_kill)
+    def maybe_kill(self):
+        learn = self.learn
+        if learn.epoch != self.epoch_: return
+        if self.phase_ != '-' and (learn.training != (self.phase_ == 'train') or learn.iter != self.iter_): return
+        os.kill(os.getpid(), signal.SIGKILL)
+
+def stall_save(n):
+    "Make the `n`-th file write hang inside fsync (after the data is written to the temporary file)"
+    calls, real_fsync = [0], os.fsync
+    def fsync(fd):
+        calls[0] += 1
+        if calls[0] == n:
+            print('STALLED', flush=True)
+            time.sleep(600)
+        real_fsync(fd)
+    os.fsync = fsync
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument('path'); p.add_argument('--kill'); p.add_argument('--stall-save', type=int)
+    p.add_argument('--resume', action='store_true'); p.add_argument('--out')
+    a = p.parse_args()
+    learn = make_learner(a.path)
+    cbs = [CheckpointCallback(every_n_steps=1, keep_last=3), GradientAccumulation(n_acc=16)]
+    if a.kill:
+        event, epoch, it, phase = a.kill.split(',')
+        cbs.append(KillAt(event, int(epoch), int(it), phase))
+    if a.stall_save: stall_save(a.stall_save)
+    learn.fit_one_cycle(N_EPOCH, lr_max=1e-2, cbs=cbs, resume=True if a.resume else None)
+    if a.out:
+        torch.save({'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(), 'losses': learn.recorder.losses,
+                    'values': learn.recorder.values, 'lrs': learn.recorder.lrs}, a.out)
+
+if __name__ == '__main__': main()
