@@ -1,0 +1,203 @@
+"""Checkpoints survive a crash and resume bit-exactly (issue: checkpoints). Runs tests/resume_script.py in
+subprocesses that SIGKILL themselves at chosen points, then resume them and compare with an uninterrupted run."""
+import os, pickle, random, signal, subprocess, sys, time, warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+import pytest, torch
+from torch import nn
+from learncb.all import *
+
+HERE = Path(__file__).parent
+SCRIPT = HERE/'resume_script.py'
+N_EPOCH, N_TRAIN, N_VALID = 3, 10, 4           # as in resume_script.py
+
+def run_script(path, *args, check=True):
+    res = subprocess.run([sys.executable, str(SCRIPT), str(path), *args], capture_output=True, text=True, timeout=300)
+    if check and res.returncode != 0: raise AssertionError(f'{args}: exit {res.returncode}\n{res.stdout}\n{res.stderr}')
+    return res
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+    path = tmp_path_factory.mktemp('ref')
+    run_script(path, '--out', str(path/'final.pt'))
+    return torch.load(path/'final.pt', weights_only=True)
+
+def assert_same_run(a, b):
+    for k in a['model']: assert torch.equal(a['model'][k], b['model'][k]), f'model {k} differs'
+    sa, sb = a['opt']['state'], b['opt']['state']
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for k in sa[i]: assert torch.equal(torch.as_tensor(sa[i][k]), torch.as_tensor(sb[i][k])), f'optimizer {i}.{k} differs'
+    assert a['opt']['param_groups'] == b['opt']['param_groups']
+    assert a['losses'] == b['losses'] and a['values'] == b['values'] and a['lrs'] == b['lrs']
+
+def kill_points(n=20, seed=2024):
+    "`n` kill points across epochs: always the first and last training batch of an epoch and a validation batch"
+    train = [(e, ep, i, 'train') for e in ('before_batch', 'after_pred', 'after_loss', 'after_backward', 'after_step', 'after_batch')
+             for ep in range(N_EPOCH) for i in range(N_TRAIN)]
+    valid = [(e, ep, i, 'valid') for e in ('before_batch', 'after_loss', 'after_batch') for ep in range(N_EPOCH) for i in range(N_VALID)]
+    stage = [(e, ep, 0, '-') for e in ('before_epoch', 'after_train', 'before_validate', 'after_validate', 'after_epoch')
+             for ep in range(N_EPOCH)]
+    must = [('before_batch', 1, 0, 'train'), ('after_batch', 0, N_TRAIN - 1, 'train'), ('after_loss', 2, 2, 'valid'),
+            ('after_step', 2, N_TRAIN - 1, 'train')]
+    rng = random.Random(seed)
+    rest = rng.sample([p for p in train + valid + stage if p not in must], n - len(must))
+    return must + rest
+
+def kill_and_resume(point, path):
+    spec = ','.join(map(str, point))
+    killed = run_script(path, '--kill', spec, check=False)
+    assert killed.returncode == -signal.SIGKILL, f'{spec}: expected SIGKILL, got {killed.returncode}\n{killed.stderr}'
+    run_script(path, '--resume', '--out', str(path/'final.pt'))
+    return torch.load(path/'final.pt', weights_only=True)
+
+def test_resume_after_sigkill_at_20_points(reference, tmp_path):
+    points = kill_points()
+    assert len(set(points)) == 20
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda ip: kill_and_resume(ip[1], tmp_path/f'run{ip[0]}'), enumerate(points)))
+    for point, result in zip(points, results):
+        try: assert_same_run(reference, result)
+        except AssertionError as e: raise AssertionError(f'kill at {point}: {e}') from None
+
+def test_kill_while_writing_a_checkpoint_keeps_the_previous_one(reference, tmp_path):
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), '--stall-save', '13'], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == 'STALLED'
+        folder = tmp_path/'checkpoints'
+        tmp_files = list(folder.glob('.checkpoint_*.tmp'))
+        assert len(tmp_files) == 1 and tmp_files[0].stat().st_size > 0        # a half-done save is on disk
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(30)
+    done = checkpoints_in(folder)
+    assert done, 'no complete checkpoint left'
+    state = torch.load(done[-1], weights_only=True)          # the previous checkpoint is intact and loadable
+    assert state['format'] == 'learncb-checkpoint'
+    run_script(tmp_path, '--resume', '--out', str(tmp_path/'final.pt'))
+    assert not list(folder.glob('.checkpoint_*.tmp'))         # the stale temporary file was cleaned up
+    assert_same_run(reference, torch.load(tmp_path/'final.pt', weights_only=True))
+
+class Evil:
+    def __reduce__(self): return (os.system, (f'touch {os.environ["LEARNCB_PWNED"]}',))
+
+def small_learner(path, make_model=lambda: nn.Linear(2, 2)):
+    from conftest import synth_dls
+    torch.manual_seed(0)                 # before the model is made: same initial weights in every run
+    learn = Learner(synth_dls(shuffle=True), make_model(), nn.CrossEntropyLoss(), path=path, device='cpu')
+    learn.remove_cb(ProgressCallback); learn.logger = lambda row: None
+    return learn
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_a_checkpoint_that_would_run_code_is_refused(tmp_path, monkeypatch):
+    flag = tmp_path/'pwned'
+    monkeypatch.setenv('LEARNCB_PWNED', str(flag))
+    learn = small_learner(tmp_path)
+    learn.fit(1, cbs=CheckpointCallback())
+    good = checkpoints_in(tmp_path/'checkpoints')[-1]
+    state = torch.load(good, weights_only=True)
+    state['state'] = {'note': Evil()}
+    evil = tmp_path/'checkpoints'/'checkpoint_99999999_epoch_end.pt'
+    torch.save(state, evil)
+    with pytest.raises(ValueError, match=r'refused to load .*checkpoint_99999999_epoch_end.pt: it contains objects that would run code'):
+        learn.load_checkpoint(evil)
+    with pytest.raises(ValueError, match='refused to load'): learn.fit(1, resume=True)     # the newest is the evil one
+    with pytest.raises(ValueError, match='refused to load'): learn.fit(1, resume=evil)
+    assert not flag.exists()
+    with open(tmp_path/'plain.pkl', 'wb') as f: pickle.dump(Evil(), f)
+    with pytest.raises(ValueError): learn.load_checkpoint(tmp_path/'plain.pkl')
+    assert not flag.exists()
+
+def test_bad_checkpoint_files_give_clear_errors(tmp_path):
+    learn = small_learner(tmp_path)
+    learn.fit(2, cbs=CheckpointCallback())
+    good = checkpoints_in(tmp_path/'checkpoints')[-1]
+    data = good.read_bytes()
+    (tmp_path/'truncated.pt').write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match=r'truncated.pt: it is truncated, corrupt or not a torch file'):
+        learn.load_checkpoint(tmp_path/'truncated.pt')
+    (tmp_path/'noise.pt').write_bytes(os.urandom(5000))
+    with pytest.raises(ValueError, match=r'noise.pt: it is truncated, corrupt or not a torch file'):
+        learn.fit(2, resume=tmp_path/'noise.pt')
+    torch.save({'weights': torch.ones(3)}, tmp_path/'foreign.pt')
+    with pytest.raises(ValueError, match=r'foreign.pt is not a learncb checkpoint'): learn.load_checkpoint(tmp_path/'foreign.pt')
+    with pytest.raises(FileNotFoundError, match=r'no such file: .*missing.pt'): learn.load_checkpoint(tmp_path/'missing.pt')
+    other = small_learner(tmp_path, lambda: nn.Sequential(nn.Linear(2, 4), nn.Linear(4, 2)))
+    with pytest.raises(ValueError, match=r"saved from a different model: missing keys \['0.weight', '0.bias', '1.weight', '1.bias'\], unexpected keys \['weight', 'bias'\]"):
+        other.load_checkpoint(good)
+    wide = small_learner(tmp_path, lambda: nn.Linear(2, 3))
+    with pytest.raises(ValueError, match=r"shape mismatches \[weight: file \(2, 2\) vs model \(3, 2\)"):
+        wide.fit(2, resume=good)
+    with pytest.raises(ValueError, match=r'taken in a fit of 2 epochs, but this fit has 5: resume the same run with learn.fit\(2'):
+        learn.fit(5, resume=good)
+    with pytest.raises(FileNotFoundError, match='no checkpoint in'): small_learner(tmp_path/'empty').fit(1, resume=True)
+
+def test_keep_last_and_names(tmp_path):
+    learn = small_learner(tmp_path)
+    learn.fit(2, cbs=CheckpointCallback(every_n_steps=3, keep_last=3))    # batches 3, 6 and the epoch ends at 4, 8
+    names = [p.name for p in checkpoints_in(tmp_path/'checkpoints')]
+    assert names == ['checkpoint_00000004_epoch_end.pt', 'checkpoint_00000006_batch.pt', 'checkpoint_00000008_epoch_end.pt']
+    assert sorted(p.name for p in (tmp_path/'checkpoints').iterdir()) == names       # nothing else left behind
+    with pytest.raises(ValueError, match='every_n_steps'): CheckpointCallback(every_n_steps=0)
+    with pytest.raises(ValueError, match='keep_last'): CheckpointCallback(keep_last=0)
+
+def in_process_run(path, cbs=(), resume=None, n_epoch=3):
+    learn = small_learner(path, lambda: nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2)))
+    learn.fit_one_cycle(n_epoch, 1e-2, cbs=[CheckpointCallback(every_n_steps=2), *cbs], resume=resume)
+    return learn
+
+def same_weights(a, b): return all(torch.equal(x, y) for x, y in zip(a.model.state_dict().values(), b.model.state_dict().values()))
+
+def test_ctrl_c_waits_for_the_end_of_the_batch_and_resumes_exactly(tmp_path):
+    ref = in_process_run(tmp_path/'ref')
+    class CtrlC(Callback):
+        def after_pred(self):
+            if self.training and self.train_iter == 5: os.kill(os.getpid(), signal.SIGINT)
+    log = []
+    with pytest.raises(KeyboardInterrupt, match='resume=True'):
+        in_process_run(tmp_path/'run', cbs=[CtrlC(), Callback(after_batch=lambda self: log.append(self.train_iter), order=99)])
+    assert log[-1] == 5                                   # the interrupted batch was finished (train_iter 5 -> 6)...
+    assert checkpoints_in(tmp_path/'run'/'checkpoints')[-1].name == 'checkpoint_00000006_batch.pt'   # ...and saved
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    resumed = in_process_run(tmp_path/'run', resume=True)
+    assert same_weights(ref, resumed) and ref.recorder.losses == resumed.recorder.losses
+
+def test_error_between_batches_saves_an_exact_checkpoint(tmp_path):
+    ref = in_process_run(tmp_path/'ref')
+    class Boom(Callback):
+        order = 99
+        def after_epoch(self):
+            if self.epoch == 1: raise RuntimeError('boom')
+    with pytest.raises(RuntimeError) as info: in_process_run(tmp_path/'run', cbs=[Boom()])
+    assert 'the run is saved in' in info.value.__notes__[-1] and 'not exact' not in info.value.__notes__[-1]
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        resumed = in_process_run(tmp_path/'run', resume=True)
+    assert same_weights(ref, resumed)
+
+def test_error_inside_a_batch_saves_an_inexact_checkpoint_that_warns(tmp_path):
+    class Boom(Callback):
+        def after_loss(self):
+            if self.training and self.train_iter == 5: raise RuntimeError('boom')
+    with pytest.raises(RuntimeError) as info: in_process_run(tmp_path, cbs=[Boom()])
+    assert 'resuming from it is not exact' in info.value.__notes__[-1]
+    last = checkpoints_in(tmp_path/'checkpoints')[-1]
+    state = torch.load(last, weights_only=True)
+    assert state['exact'] is False and state['loop']['iter'] == 0     # the last complete batch: batch 0 of epoch 1
+    with pytest.warns(UserWarning, match='written after an error in the middle of a batch'):
+        in_process_run(tmp_path, resume=True)
+
+def test_dataloader_that_cannot_resume_warns(tmp_path):
+    learn = small_learner(tmp_path)
+    learn.dls.train = list(learn.dls.train)
+    with pytest.warns(UserWarning, match='cannot resume in the middle of an epoch exactly .*a list, not a torch DataLoader'):
+        learn.fit(1, cbs=CheckpointCallback(every_n_steps=1))
+
+def test_learner_state_dict_roundtrip(tmp_path):
+    learn = in_process_run(tmp_path, n_epoch=1)
+    learn.state.best = 0.5
+    path = learn.save_checkpoint(tmp_path/'x.pt')
+    other = in_process_run(tmp_path/'other', n_epoch=2)
+    other.load_checkpoint(path)
+    assert same_weights(learn, other) and other.state.best == 0.5 and other.recorder.losses == learn.recorder.losses
+    assert (other.epoch, other.train_iter) == (learn.epoch, learn.train_iter)
