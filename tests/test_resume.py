@@ -201,3 +201,50 @@ def test_learner_state_dict_roundtrip(tmp_path):
     other.load_checkpoint(path)
     assert same_weights(learn, other) and other.state.best == 0.5 and other.recorder.losses == learn.recorder.losses
     assert (other.epoch, other.train_iter) == (learn.epoch, learn.train_iter)
+
+JUPYTER_SETUP = '''
+import time, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from learncb.all import *
+def make_learner(path):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 4, generator=g); y = (x.sum(1) > 0).long()
+    dls = DataLoaders(DataLoader(TensorDataset(x[:192], y[:192]), batch_size=8, shuffle=True), DataLoader(TensorDataset(x[192:], y[192:]), batch_size=32))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 2))
+    return Learner(dls, model, nn.CrossEntropyLoss(), path=path, device='cpu')
+class Slow(Callback):
+    def after_batch(self): time.sleep(0.01)
+'''
+
+def test_ctrl_c_in_a_jupyter_kernel(tmp_path):
+    "Interrupt a fit in a real kernel: it survives, a checkpoint exists, and resume=True finishes the run exactly"
+    manager = pytest.importorskip('jupyter_client.manager')
+    km, kc = manager.start_new_kernel(kernel_name='python3')
+    def run(code, timeout=120):
+        reply = kc.execute_interactive(code, timeout=timeout, output_hook=lambda msg: None)
+        return reply['content']
+    try:
+        assert run(JUPYTER_SETUP)['status'] == 'ok'
+        fit = f"learn = make_learner({str(tmp_path/'run')!r}); learn.fit_one_cycle(4, 1e-2, cbs=[CheckpointCallback(every_n_steps=5), Slow()])"
+        msg_id = kc.execute(fit)
+        folder = tmp_path/'run'/'checkpoints'
+        deadline = time.time() + 60
+        while not any(p.name.endswith('_batch.pt') for p in folder.glob('*.pt')) and time.time() < deadline: time.sleep(0.05)
+        time.sleep(0.2)
+        km.interrupt_kernel()
+        reply = kc.get_shell_msg(timeout=60)
+        while reply['parent_header'].get('msg_id') != msg_id: reply = kc.get_shell_msg(timeout=60)
+        assert reply['content']['status'] == 'error' and reply['content']['ename'] == 'KeyboardInterrupt'
+        assert km.is_alive() and run('1 + 1')['status'] == 'ok'
+        assert checkpoints_in(folder), 'no checkpoint after Ctrl-C'
+        assert run('assert 0 < learn.train_iter < 96, learn.train_iter')['status'] == 'ok'      # it stopped mid-run
+        assert run("learn.fit_one_cycle(4, 1e-2, cbs=Slow(), resume=True)")['status'] == 'ok'
+        check = (f"ref = make_learner({str(tmp_path/'ref')!r}); ref.fit_one_cycle(4, 1e-2, cbs=CheckpointCallback(every_n_steps=5))\n"
+                 "assert all(torch.equal(a, b) for a, b in zip(ref.model.state_dict().values(), learn.model.state_dict().values()))\n"
+                 "assert ref.recorder.losses == learn.recorder.losses and learn.train_iter == 96")
+        result = run(check)
+        assert result['status'] == 'ok', result
+    finally:
+        kc.stop_channels(); km.shutdown_kernel(now=True)
