@@ -18,10 +18,11 @@ from .core import *
 from .learner import *
 from .learner import _add_note
 
-# %% ../nbs/13_checkpoint.ipynb #18c768c7
+# %% ../nbs/13_checkpoint.ipynb #34c6e4a9
 def rng_state():
     "The state of every random number generator a training run may use: torch (CPU and CUDA), `random`, numpy"
-    state = {'torch': torch.get_rng_state(), 'random': random.getstate()}
+    version,internal,gauss = random.getstate()
+    state = {'torch': torch.get_rng_state(), 'random': (version, torch.tensor(internal, dtype=torch.int64), gauss)}
     if torch.cuda.is_available(): state['cuda'] = torch.cuda.get_rng_state_all()
     try: import numpy as np
     except ImportError: return state
@@ -33,7 +34,7 @@ def set_rng_state(state):
     "Restore what `rng_state` returned"
     torch.set_rng_state(state['torch'])
     version,internal,gauss = state['random']
-    random.setstate((version, tuple(internal), gauss))
+    random.setstate((version, tuple(internal.tolist()), gauss))
     if 'cuda' in state and torch.cuda.is_available(): torch.cuda.set_rng_state_all(state['cuda'])
     if 'numpy' in state:
         import numpy as np

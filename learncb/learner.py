@@ -9,8 +9,8 @@ __all__ = ['DataLoaders', 'to_dls', 'default_device', 'to_device', 'find_bs', 'a
            'load_model_state', 'check_event_name', 'print_row', 'TrainEvalCallback', 'defaults', 'Learner',
            'EventFilter']
 
-# %% ../nbs/01_learner.ipynb #a6f7a9c1
-import os, tempfile, warnings
+# %% ../nbs/01_learner.ipynb #4ceb359e
+import io, os, tempfile, warnings
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -61,14 +61,16 @@ def _tensors(o):
 
 def _same(o): return o
 
-# %% ../nbs/01_learner.ipynb #a00329c0
+# %% ../nbs/01_learner.ipynb #7e795095
 def atomic_save(obj, path):
     "`torch.save` `obj` to `path` so that a crash leaves either the old file or the new one, never half of one"
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    torch.save(obj, buf)                   # serialise in memory, then one write: much faster than many small ones
     fd,tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix='.tmp')
     try:
         with os.fdopen(fd, 'wb') as f:
-            torch.save(obj, f); f.flush(); os.fsync(f.fileno())
+            f.write(buf.getbuffer()); f.flush(); os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp): os.remove(tmp)

@@ -55,12 +55,12 @@ def _stack_scalars(col, i, device):
         f"must be scalars: reduce it (e.g. .mean()) or use a loss with reduction='mean'")
     return torch.tensor([float(v) for v in col], device=device)
 
-# %% ../nbs/02_recorder.ipynb #26da7026
+# %% ../nbs/02_recorder.ipynb #bbe1a783
 class Recorder(Callback):
     "Records losses, learning rates and metrics: `losses`, `lrs`, `iters`, `values`, `metric_names`, `plot_loss`"
     order = 50
-    _state_attrs = ('lrs', 'iters', 'values', '_losses', '_pending', '_pending_bs', '_smooth', '_count', '_train_sum',
-                    '_train_n', '_epoch_valid', '_extra', 'last_valid', '_header_logged')
+    _state_attrs = ('iters', 'values', '_pending_bs', '_smooth', '_count', '_train_sum', '_train_n', '_epoch_valid',
+                    '_extra', 'last_valid', '_header_logged')
     flush_every = 1000   # at most this many batch losses are kept on the device before they become floats
 
     def __init__(self, add_time=True, beta=0.98):
@@ -113,6 +113,17 @@ class Recorder(Callback):
         "The latest smoothed training loss (reading it costs a host sync)"
         self._flush()
         return self._losses[-1] if self._losses else None
+
+    def state_dict(self):
+        "History for checkpoints; the per-batch lists travel as tensors, much faster to save than lists of floats"
+        self._flush()
+        return {**super().state_dict(), 'lrs': torch.tensor(self.lrs, dtype=torch.float64),
+                'losses': torch.tensor(self._losses, dtype=torch.float64), '_pending': []}
+
+    def load_state_dict(self, state):
+        state = dict(state)
+        self.lrs,self._losses = state.pop('lrs').tolist(),state.pop('losses').tolist()
+        super().load_state_dict(state)
 
     def _flush(self):
         "Turn pending device losses into floats (one host sync), extending the smoothed history and the epoch sum"

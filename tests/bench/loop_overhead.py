@@ -2,7 +2,7 @@
 
 Prints one line per configuration: microseconds per step, overhead per step, and the ratio to the raw loop.
 `python tests/bench/loop_overhead.py` for the full run, `--short` for the quick one CI runs."""
-import argparse, contextlib, io, time
+import argparse, contextlib, io, tempfile, time
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -46,6 +46,12 @@ def learncb_loop(train, valid, n_epoch, progress=False, metrics=None):
     else:   # bars and table are drawn as usual; the text goes to a buffer so that it does not mix with the figures
         with contextlib.redirect_stdout(io.StringIO()): learn.fit(n_epoch)
 
+def toolbox_loop(train, valid, n_epoch, path):
+    "learncb with the progress bar, SaveModelCallback, EarlyStoppingCallback and a one-cycle schedule"
+    learn = Learner(DataLoaders(train, valid), make_model(), nn.CrossEntropyLoss(), metrics=[accuracy], device='cpu', path=path)
+    with contextlib.redirect_stdout(io.StringIO()):
+        learn.fit_one_cycle(n_epoch, 1e-2, cbs=[SaveModelCallback(), EarlyStoppingCallback(patience=3)])
+
 def best_times(fns, rounds):
     "Best wall time of each function over `rounds` rounds, run round-robin so that machine drift hits all alike"
     for f in fns.values(): f()   # warm-up: first-call imports and allocator growth
@@ -70,16 +76,19 @@ def main(short=False):
     n_batches, n_epoch, rounds = (100, 1, 2) if short else (600, 2, 5)
     train, valid = make_data(n_batches)
     n_steps = n_epoch * (len(train) + len(valid))
+    tmp = tempfile.mkdtemp()
     best = best_times({'raw': lambda: raw_loop(train, valid, n_epoch),
                        'raw_metric': lambda: raw_loop(train, valid, n_epoch, with_metric=True),
                        'default': lambda: learncb_loop(train, valid, n_epoch),
-                       'progress_metric': lambda: learncb_loop(train, valid, n_epoch, True, [accuracy])}, rounds)
+                       'progress_metric': lambda: learncb_loop(train, valid, n_epoch, True, [accuracy]),
+                       'toolbox': lambda: toolbox_loop(train, valid, n_epoch, tmp)}, rounds)
     us = {k: v / n_steps * 1e6 for k, v in best.items()}
     print(f"{n_batches} batches of 32, {n_epoch} epoch(s), train+validate, best of {rounds}, 1 thread")
     print(f"raw PyTorch loop                      : {us['raw']:7.1f} us/step")
     print(f"raw PyTorch loop + accuracy           : {us['raw_metric']:7.1f} us/step")
     for name, key, ref in [('learncb default cbs, progress off     ', 'default', 'raw'),
-                           ('learncb + ProgressCallback + accuracy ', 'progress_metric', 'raw_metric')]:
+                           ('learncb + ProgressCallback + accuracy ', 'progress_metric', 'raw_metric'),
+                           ('learncb + progress, accuracy, SaveModel, EarlyStopping, one-cycle', 'toolbox', 'raw_metric')]:
         print(f"{name}: {us[key]:7.1f} us/step, overhead {us[key] - us[ref]:+6.1f} us/step, {us[key] / us[ref]:.3f}x raw")
     n_calls = 20_000 if short else 200_000
     d1, d50 = dispatch_us(1, n_calls), dispatch_us(50, n_calls)

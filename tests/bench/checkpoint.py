@@ -1,0 +1,51 @@
+"""Cost of checkpoints on the core benchmark's learner: the time of one checkpoint (written atomically, with fsync),
+and the overhead per step of CheckpointCallback(every_n_steps=100) on the loop benchmark.
+`python tests/bench/checkpoint.py` for the full run, `--short` for the quick one CI runs."""
+import argparse, statistics, sys, tempfile, time
+from pathlib import Path
+import torch
+from torch import nn
+sys.path.insert(0, str(Path(__file__).parent))
+from loop_overhead import make_data, make_model, best_times
+from learncb.all import *
+
+def bench_learner(train, valid, path):
+    learn = Learner(DataLoaders(train, valid), make_model(), nn.CrossEntropyLoss(), device='cpu', path=path)
+    learn.remove_cb(ProgressCallback)
+    return learn
+
+def checkpoint_ms(n_batches, repeats):
+    "Median and best milliseconds of one `save_checkpoint` after a fit (history and optimizer state included)"
+    train, valid = make_data(n_batches)
+    with tempfile.TemporaryDirectory() as d:
+        learn = bench_learner(train, valid, d)
+        with learn.no_logging(): learn.fit(2)
+        times = []
+        for i in range(repeats):
+            t = time.perf_counter(); learn.save_checkpoint(Path(d)/f'c{i % 2}.pt'); times.append(time.perf_counter() - t)
+        size = (Path(d)/'c0.pt').stat().st_size
+    return statistics.median(times) * 1e3, min(times) * 1e3, size
+
+def fit_with(train, valid, cbs, path):
+    learn = bench_learner(train, valid, path)
+    with learn.no_logging(): learn.fit(2 if len(train) > 100 else 1, cbs=cbs)
+
+def main(short=False):
+    torch.set_num_threads(1)
+    n_batches, rounds, repeats = (100, 2, 10) if short else (600, 5, 50)
+    med, best, size = checkpoint_ms(n_batches, repeats)
+    print(f"one checkpoint of the loop benchmark's learner ({size / 1024:.0f} KiB, with fsync): median {med:.2f} ms, best {best:.2f} ms")
+    train, valid = make_data(n_batches)
+    n_epoch = 2 if n_batches > 100 else 1
+    n_steps = n_epoch * (len(train) + len(valid))
+    with tempfile.TemporaryDirectory() as d:
+        t = best_times({'plain': lambda: fit_with(train, valid, None, d),
+                        'ckpt': lambda: fit_with(train, valid, CheckpointCallback(every_n_steps=100), d)}, rounds)
+    plain, ckpt = (t[k] / n_steps * 1e6 for k in ('plain', 'ckpt'))
+    print(f"loop benchmark, default cbs: {plain:.1f} us/step; with CheckpointCallback(every_n_steps=100): {ckpt:.1f} us/step "
+          f"({ckpt - plain:+.1f} us/step, {ckpt / plain:.3f}x)")
+
+if __name__ == '__main__':
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument('--short', action='store_true', help='small run for CI')
+    main(p.parse_args().short)
