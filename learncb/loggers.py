@@ -130,7 +130,7 @@ class LogMetricsCallback(Callback):
 
     def after_epoch(self): self.log_metrics({'epoch': self.learn.epoch, **last_values(self.learn)})
 
-# %% ../nbs/09_loggers.ipynb #bcd95822
+# %% ../nbs/09_loggers.ipynb #7aa67c7f
 def _parse_cell(name, s):
     "A CSV cell back as a value: `None` for an empty cell, an int epoch, a float, or the text (the time)"
     if s == '': return None
@@ -179,7 +179,7 @@ class CSVLogger(Callback):
         self._file.flush()
 
     def state_dict(self):
-        "For checkpoints: how long the file is now"
+        "For checkpoints: how long the file is now (a resumed fit cuts the file back to it and goes on writing)"
         return {'size': self._file.tell() if self._file is not None else None}
 
     def load_state_dict(self, state):
