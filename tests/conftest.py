@@ -1,3 +1,4 @@
+from collections import Counter
 import pytest, torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -30,3 +31,19 @@ for _e in event:
 
 @pytest.fixture
 def learner(): return synth_learner()
+
+SYNCS = ('item', 'tolist', 'cpu', '__float__', '__bool__')
+
+class SyncCounter:
+    "Counts calls of the Tensor methods that copy data to the host (and so wait for the device)"
+    def __init__(self): self.counts = Counter()
+    def __enter__(self):
+        self.saved = {name: getattr(torch.Tensor, name) for name in SYNCS}
+        for name, orig in self.saved.items():
+            def counting(*args, _name=name, _orig=orig, **kw):
+                self.counts[_name] += 1
+                return _orig(*args, **kw)
+            setattr(torch.Tensor, name, counting)
+        return self
+    def __exit__(self, *exc):
+        for name, orig in self.saved.items(): setattr(torch.Tensor, name, orig)

@@ -2,23 +2,7 @@
 from collections import Counter
 import pytest, torch
 from learncb.all import *
-from conftest import synth_learner, synth_dls
-
-SYNCS = ('item', 'tolist', 'cpu', '__float__', '__bool__')
-
-class SyncCounter:
-    "Counts calls of the Tensor methods that copy data to the host (and so wait for the device)"
-    def __init__(self): self.counts = Counter()
-    def __enter__(self):
-        self.saved = {name: getattr(torch.Tensor, name) for name in SYNCS}
-        for name, orig in self.saved.items():
-            def counting(*args, _name=name, _orig=orig, **kw):
-                self.counts[_name] += 1
-                return _orig(*args, **kw)
-            setattr(torch.Tensor, name, counting)
-        return self
-    def __exit__(self, *exc):
-        for name, orig in self.saved.items(): setattr(torch.Tensor, name, orig)
+from conftest import synth_learner, synth_dls, SyncCounter, SYNCS
 
 def syncs_for_one_epoch(n_batches, metrics=None):
     # SGD: torch's CPU Adam itself calls .item() on each parameter's step count every step, which is not ours to count

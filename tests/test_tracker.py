@@ -86,11 +86,9 @@ def test_nan_in_validation():
     assert stop.found == 'validation loss is NaN or infinite at epoch 2, batch 1: training stopped'
 
 def test_nan_check_does_not_sync_per_batch():
-    import sys; sys.path.insert(0, 'tests')
-    from test_host_sync import SyncCounter
+    from conftest import SyncCounter, synth_dls
     counts = []
     for n in (64, 256):
-        from conftest import synth_dls
         learn = synth_learner(dls=synth_dls(n_train=n * 16), cbs=TerminateOnNaNCallback(check_every=1000), opt_func=torch.optim.SGD)
         with SyncCounter() as c: learn.fit(1)
         counts.append(sum(c.counts.values()))

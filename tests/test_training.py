@@ -5,7 +5,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from learncb.all import *
 from learncb.training import *
-from conftest import synth_learner, synth_dls, EventLog
+from conftest import synth_learner, synth_dls, EventLog, SyncCounter
 
 class CountingSGD(torch.optim.SGD):
     "SGD that counts the real calls of `step`"
@@ -439,20 +439,6 @@ def test_channels_last_converts_model_and_images_only():
 
 # ---------------------------------------------------------------- speed
 
-SYNCS = ('item', 'tolist', 'cpu', '__float__', '__bool__')
-
-class SyncCounter:
-    "Counts the Tensor methods that copy data to the host"
-    def __enter__(self):
-        self.counts, self.saved = Counter(), {n: getattr(torch.Tensor, n) for n in SYNCS}
-        for name, orig in self.saved.items():
-            def counting(*a, _name=name, _orig=orig, **kw):
-                self.counts[_name] += 1
-                return _orig(*a, **kw)
-            setattr(torch.Tensor, name, counting)
-        return self
-    def __exit__(self, *exc):
-        for name, orig in self.saved.items(): setattr(torch.Tensor, name, orig)
 
 def syncs(n_batches):
     learn = synth_learner(dls=synth_dls(n_train=8 * n_batches, n_valid=16, bs=8), opt_func=torch.optim.SGD,
