@@ -1,5 +1,4 @@
 "Training tweaks: gradient accumulation, clipping, mixed precision, moving modules, channels last"
-from collections import Counter
 import pytest, torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
