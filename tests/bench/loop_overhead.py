@@ -73,7 +73,7 @@ def dispatch_us(n_cbs, n_calls):
 
 def main(short=False):
     torch.set_num_threads(1)
-    n_batches, n_epoch, rounds = (100, 1, 2) if short else (600, 2, 5)
+    n_batches, n_epoch, rounds = (200, 1, 3) if short else (600, 2, 5)
     train, valid = make_data(n_batches)
     n_steps = n_epoch * (len(train) + len(valid))
     tmp = tempfile.mkdtemp()
