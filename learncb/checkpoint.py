@@ -238,10 +238,10 @@ def _make_train_resumable(learn, seed):
     if reason is None: learn.dls.train = resumable_dataloader(dl, seed)
     return reason
 
-# %% ../nbs/13_checkpoint.ipynb #daa6eafc
+# %% ../nbs/13_checkpoint.ipynb #a2867ded
 class CheckpointCallback(Callback):
     "Saves resumable checkpoints every `every_n_steps` training batches and every epoch, keeping the last `keep_last`"
-    order,remove_on_lr_find = 95,True
+    order,remove_on_lr_find,run_valid = 95,True,False     # its batch handlers follow training batches only
     def __init__(self, path='checkpoints', every_n_steps=None, every_epoch=True, keep_last=2, on_exception=True):
         if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps < 1):
             raise ValueError(f"every_n_steps must be a positive int or None, not {every_n_steps!r}")
@@ -273,14 +273,12 @@ class CheckpointCallback(Callback):
         sampler = getattr(self.learn.dl, 'sampler', None)
         if isinstance(sampler, ResumableSampler): sampler.set_epoch(self.learn.epoch)
 
-    def before_batch(self):
-        if self.learn.training: self._pos['dirty'] = True
+    def before_batch(self): self._pos['dirty'] = True
 
     def before_validate(self): self._pos['dirty'] = True       # validation draws from the random generators
 
     def after_batch(self):
         learn = self.learn
-        if not learn.training: return
         self._pos.update(at='batch', epoch=learn.epoch, iter=learn.iter, dirty=False)
         if self._interrupted: self._stop_now()
         elif self.every_n_steps and learn.train_iter % self.every_n_steps == 0: self.save()

@@ -146,10 +146,10 @@ def print_row(row):
     "The default `learn.logger`: print a row of the epoch table with aligned columns"
     print('  '.join(f'{s:<10}' for s in row).rstrip())
 
-# %% ../nbs/01_learner.ipynb #7687ac5d
+# %% ../nbs/01_learner.ipynb #eb67cecb
 class TrainEvalCallback(Callback):
     "Keeps the training counters (`train_iter`, `pct_train`) and puts the model in train or eval mode"
-    order = -10
+    order,run_valid = -10,False     # its batch handler counts training batches only
     def before_fit(self):
         self.learn.train_iter,self.learn.pct_train = 0,0.
     def before_train(self):
@@ -158,9 +158,8 @@ class TrainEvalCallback(Callback):
         self._pct_step = 1. / (n_iter * self.learn.n_epoch) if n_iter else 0.
     def after_batch(self):
         learn = self.learn
-        if learn.training:
-            learn.train_iter += 1
-            learn.pct_train += self._pct_step
+        learn.train_iter += 1
+        learn.pct_train += self._pct_step
     def before_validate(self): self.learn.model.eval()
 
 class defaults:

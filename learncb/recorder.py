@@ -281,9 +281,10 @@ class Gatherer:
         if not self.parts: return None
         return torch.stack(self.parts) if self.parts[0].ndim == 0 else torch.cat(self.parts, dim=self.dim)
 
-# %% ../nbs/02_recorder.ipynb #8b248087
+# %% ../nbs/02_recorder.ipynb #d837efe7
 class GatherPredsCallback(Callback):
     "Gathers inputs, predictions, targets and losses of each validation batch (behind `Learner.get_preds`)"
+    run_train = False
     def __init__(self, with_input=False, with_loss=False, save_preds=None, save_targs=None, with_preds=True,
                  with_targs=True, concat_dim=0, pickle_protocol=2):
         self.with_input,self.with_loss,self.with_preds,self.with_targs = with_input,with_loss,with_preds,with_targs
@@ -299,7 +300,6 @@ class GatherPredsCallback(Callback):
 
     def after_batch(self):
         learn = self.learn
-        if learn.training: return
         if self.with_input: self.inputs.add(learn.xb if len(learn.xb) > 1 else learn.xb[0])
         if self.with_preds: self.preds.add(learn.pred)
         if self.with_targs and learn.yb: self.targets.add(learn.yb if len(learn.yb) > 1 else learn.yb[0])
