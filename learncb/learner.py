@@ -171,7 +171,7 @@ class defaults:
         "Add `cb_cls` to the default callbacks, replacing a class of the same name (so reloading a module is safe)"
         cls.callbacks = [c for c in cls.callbacks if c.__name__ != cb_cls.__name__] + [cb_cls]
 
-# %% ../nbs/01_learner.ipynb #a8065203
+# %% ../nbs/01_learner.ipynb #c7159f19
 def _n_batches(dl):
     "`len(dl)`, or `None` for a dataloader without a length"
     try: return len(dl)
@@ -189,7 +189,7 @@ class Learner:
         self.device = torch.device(device) if device is not None else default_device()
         self.model.to(self.device)
         self.opt,self.state,self.logger,self.exception,self.cbs = None,AttrDict(),print_row,None,[]
-        self._resume,self._in_fit,self.validating_aside = None,False,0
+        self._resume,self._in_fit,self.validating_aside,self.stop_reason = None,False,0,None
         self.epoch,self.n_epoch,self.iter,self.n_iter,self.train_iter,self.pct_train = 0,1,0,0,0,0.
         self.dl = self.batch = self.xb = self.yb = self.pred = self.loss = self.loss_grad = None
         self._training = False
@@ -362,7 +362,7 @@ def _set_hypers(self:Learner, lr=None, wd=None):
         if lr is not None: pg['lr'] = lr
         if wd is not None: pg['weight_decay'] = wd
 
-# %% ../nbs/01_learner.ipynb #d3c36ecd
+# %% ../nbs/01_learner.ipynb #fa980674
 @patch
 def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, resume=None):
     "Train for `n_epoch` epochs; `cbs` are added for this fit only; `resume` (a checkpoint, or `True`) continues a run"
@@ -371,7 +371,7 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, resu
     with self.added_cbs(cbs):
         if reset_opt or self.opt is None: self.create_opt()
         self._set_hypers(lr=self.lr if lr is None else lr, wd=self.wd if wd is None else wd)
-        self.n_epoch,self.exception = n_epoch,None
+        self.n_epoch,self.exception,self.stop_reason = n_epoch,None,None
         self._resume = None if resume is None or resume is False else self._plan_resume(resume)
         with self.added_cbs(self._resume.extra_cbs if self._resume else None):
             self._prepare_fit()
@@ -383,7 +383,7 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, resu
                 except BaseException as e: self._after_exception(e, fire_after_fit=False); raise
             finally:
                 self._reset_run()
-                self._resume,self._in_fit,self.validating_aside = None,False,0
+                self._resume,self._in_fit = None,False
 
 @patch
 def _plan_resume(self:Learner, resume):
@@ -405,17 +405,16 @@ def _with_events(self:Learner, body, stage, cancel_exc, final=True):
 
 @patch
 def _do_fit(self:Learner):
-    self._stop_reason = None
     start = self._resume.at_fit() if self._resume is not None else 0   # a resumed fit restores its state here
     for epoch in range(start, self.n_epoch):
         self.epoch = epoch
         self._with_events(self._do_epoch, 'epoch', CancelEpochException)
-        if self._stop_reason is not None: raise CancelFitException(self._stop_reason)
+        if self.stop_reason is not None: raise CancelFitException(self.stop_reason)
 
 @patch
 def stop_fit(self:Learner, reason='stop_fit was called'):
-    "Stop the fit once this epoch is over, after every `after_epoch` handler has run (trackers use it)"
-    self._stop_reason = reason
+    "Stop the fit once this epoch is over, after every `after_epoch` handler has run; `learn.stop_reason` keeps `reason`"
+    self.stop_reason = reason
 
 @patch
 def _do_epoch(self:Learner):

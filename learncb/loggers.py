@@ -35,7 +35,7 @@ def _fmt_value(v):
     if v is None: return '-'
     return f'{v:.6f}' if isinstance(v, float) else str(v)
 
-# %% ../nbs/09_loggers.ipynb #1216c727
+# %% ../nbs/09_loggers.ipynb #9d66b92e
 def _batches(dl, what):
     n = _n_batches(dl)
     return f"{'?' if n is None else n} {what} batches"
@@ -65,7 +65,7 @@ class PrintProgressCallback(Callback):
         self._print('  '.join([f'epoch {learn.epoch + 1}/{learn.n_epoch}', *values, f'time {took}']))
 
     def after_cancel_fit(self):
-        reason = getattr(self.learn, '_stop_reason', None) or 'CancelFitException was raised'
+        reason = self.learn.stop_reason or 'CancelFitException was raised'
         self._end = f'cancelled {self._where()}: {reason}'
 
     def after_exception(self):
