@@ -1,6 +1,7 @@
 "The public API of learncb: `from learncb.all import *`"
 # Hand-written (not exported from a notebook): it only gathers the public names of the modules.
 from .core import *
+from .utils import *
 from .learner import *
 from .recorder import *
 from .progress import *

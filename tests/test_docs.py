@@ -5,9 +5,16 @@ import pytest
 from learncb.learner import Learner
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULES = {'core': '00_core', 'learner': '01_learner', 'recorder': '02_recorder', 'progress': '03_progress', 'demo': '04_demo',
-           'tracker': '06_tracker', 'schedule': '07_schedule', 'training': '08_training', 'loggers': '09_loggers',
-           'evaluation': '10_evaluation', 'checkpoint': '13_checkpoint'}
+
+def _exported_modules():
+    "`{module: notebook}` for every notebook that exports a module (its `#| default_exp` line)"
+    found = {}
+    for nb in sorted((ROOT/'nbs').glob('[0-9]*.ipynb')):
+        m = re.search(r'#\|\s*default_exp\s+(\w+)', nb.read_text())
+        if m: found[m[1]] = nb.stem
+    return found
+
+MODULES = _exported_modules()
 
 def notebook_code(nb_name):
     nb = json.loads((ROOT/'nbs'/f'{nb_name}.ipynb').read_text())

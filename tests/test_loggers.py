@@ -268,8 +268,10 @@ def test_timer_sync_cuda_synchronizes_at_every_boundary(monkeypatch):
     "On CUDA (faked here after the batch mover is set up), sync_cuda=True synchronizes at every phase boundary"
     syncs = []
     monkeypatch.setattr(torch.cuda, 'synchronize', lambda *a: syncs.append(1))
-    def fake_cuda(self): self.learn._model_device = lambda: torch.device('cuda')
-    def undo(self): del self.learn._model_device
+    import learncb.loggers
+    real = learncb.loggers.model_device
+    def fake_cuda(self): learncb.loggers.model_device = lambda *a: torch.device('cuda')
+    def undo(self): learncb.loggers.model_device = real
     fake = [Callback(before_fit=fake_cuda, order=69), Callback(before_fit=undo, order=71)]
     for sync_cuda, n in ((False, 0), (True, 4 * 9 + 3 + 2)):
         syncs.clear()
