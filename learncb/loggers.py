@@ -160,7 +160,7 @@ class CSVLogger(Callback):
             "callbacks (Learner(..., default_cbs=True)) or add one: learn.add_cb(Recorder())")
         self._path = path = self.file_path
         header = rec.metric_names
-        resuming = self.learn._resume is not None and path.exists()     # load_state_dict trims it to the checkpoint
+        resuming = self.learn.resume_from is not None and path.exists()     # load_state_dict trims it to the checkpoint
         continuing = resuming or (self.append and path.exists() and path.stat().st_size > 0)
         if continuing: self._check_header(path, header)
         path.parent.mkdir(parents=True, exist_ok=True)

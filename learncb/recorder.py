@@ -357,14 +357,14 @@ def get_preds(self:Learner, ds_idx=1, dl=None, with_input=False, with_decoded=Fa
               cbs=None, reorder=True, save_preds=None, save_targs=None, with_preds=True, with_targs=True,
               concat_dim=0, pickle_protocol=2):
     "Predictions and targets on `dl` (or `dls[ds_idx]`): `(inputs?, preds, targs, decoded?, losses?)`"
-    if dl is None: dl = self._dl_of(ds_idx)
+    if dl is None: dl = self.dl_for(ds_idx)
     if reorder: dl = in_order(dl)
     gather = GatherPredsCallback(with_input=with_input, with_loss=with_loss, save_preds=save_preds, save_targs=save_targs,
                                  with_preds=with_preds, with_targs=with_targs, concat_dim=concat_dim, pickle_protocol=pickle_protocol)
     with _recorders_off(self), self.added_cbs([gather, *listify(cbs)]), self.no_logging():
         if with_loss:
-            with self.loss_not_reduced(): self._run_validation(ds_idx, dl)
-        else: self._run_validation(ds_idx, dl)
+            with self.loss_not_reduced(): self.run_validation(dl)
+        else: self.run_validation(dl)
     res = gather.all_tensors()
     i = 1 if with_input else 0
     if with_preds and res[i] is not None:
@@ -375,8 +375,8 @@ def get_preds(self:Learner, ds_idx=1, dl=None, with_input=False, with_decoded=Fa
 @patch
 def validate(self:Learner, ds_idx=1, dl=None, cbs=None):
     "Loss and metrics on `dl` (or `dls[ds_idx]`): `[valid_loss, *metrics]`"
-    if dl is None: dl = self._dl_of(ds_idx)
-    with self.added_cbs(cbs), self.no_logging(): self._run_validation(ds_idx, dl)
+    if dl is None: dl = self.dl_for(ds_idx)
+    with self.added_cbs(cbs), self.no_logging(): self.run_validation(dl)
     rec = getattr(self, 'recorder', None)
     return rec.last_valid if isinstance(rec, Recorder) else None
 

@@ -2,7 +2,7 @@
 
 Prints one line per configuration: microseconds per step, overhead per step, and the ratio to the raw loop.
 `python tests/bench/loop_overhead.py` for the full run, `--short` for the quick one CI runs."""
-import argparse, contextlib, io, tempfile, time
+import argparse, contextlib, cProfile, io, pstats, tempfile, time
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -71,6 +71,18 @@ def dispatch_us(n_cbs, n_calls):
     for _ in range(n_calls): learn('before_step')
     return (time.perf_counter() - t) / n_calls * 1e6
 
+def python_calls(fn):
+    "Python function calls (cProfile's total, builtins included) made by `fn()`"
+    prof = cProfile.Profile()
+    prof.enable(); fn(); prof.disable()
+    return pstats.Stats(prof).total_calls
+
+def calls_per_step(train, valid, n_epoch, n_steps):
+    "Python calls per step of the raw loop, and how many more learncb's loop (default callbacks) makes"
+    raw = python_calls(lambda: raw_loop(train, valid, n_epoch)) / n_steps
+    ours = python_calls(lambda: learncb_loop(train, valid, n_epoch)) / n_steps
+    return raw, ours - raw
+
 def main(short=False):
     torch.set_num_threads(1)
     n_batches, n_epoch, rounds = (200, 1, 3) if short else (600, 2, 5)
@@ -90,6 +102,8 @@ def main(short=False):
                            ('learncb + ProgressCallback + accuracy ', 'progress_metric', 'raw_metric'),
                            ('learncb + progress, accuracy, SaveModel, EarlyStopping, one-cycle', 'toolbox', 'raw_metric')]:
         print(f"{name}: {us[key]:7.1f} us/step, overhead {us[key] - us[ref]:+6.1f} us/step, {us[key] / us[ref]:.3f}x raw")
+    raw_calls, extra_calls = calls_per_step(train, valid, n_epoch, n_steps)
+    print(f"python calls per step                 : raw loop {raw_calls:.1f}, learncb default cbs {extra_calls:+.1f} over it")
     n_calls = 20_000 if short else 200_000
     d1, d50 = dispatch_us(1, n_calls), dispatch_us(50, n_calls)
     print(f"dispatch, unhandled event             : {d1:.3f} us with 1 callback, {d50:.3f} us with 50 ({d50 / d1:.2f}x)")
