@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from .learner import *
+from .metrics import *
 from .recorder import *
 from .progress import *
 

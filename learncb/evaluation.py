@@ -13,7 +13,9 @@ from contextlib import contextmanager
 from .core import *
 from .utils import *
 from .learner import *
+from .metrics import *
 from .recorder import *
+from .preds import *
 
 # %% ../nbs/15_evaluation.ipynb #02a151a1
 class FirstBatches:

@@ -21,15 +21,14 @@ from .recorder import *
 
 # %% ../nbs/14_loggers.ipynb #1731c748
 def value_names(recorder):
-    "Names of the columns of `recorder.values`: `recorder.metric_names` without `epoch` and `time`"
-    names = recorder.metric_names[1:]
-    return names[:-1] if recorder.add_time else names
+    "Names of the columns of `recorder.values` (`recorder.value_names`): `metric_names` without `epoch` and `time`"
+    return recorder.value_names
 
 def last_values(learn):
     "The last row of `learn.recorder.values` as a dict `{column name: value}`; empty without a Recorder or a row"
     rec = getattr(learn, 'recorder', None)
     if not isinstance(rec, Recorder) or not rec.values: return {}
-    return dict(zip(value_names(rec), rec.values[-1]))
+    return dict(zip(rec.value_names, rec.values[-1]))
 
 def _fmt_value(v):
     if v is None: return '-'

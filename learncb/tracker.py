@@ -62,7 +62,7 @@ class TrackerCallback(Callback):
         rec = getattr(self.learn, 'recorder', None)
         if rec is None: raise ValueError(f"{type(self).__name__} monitors {self.monitor!r}, a column of the Recorder, but "
                                          f"the learner has no Recorder: add one, or monitor a function f(learn) -> float")
-        names = rec.metric_names[1:-1] if rec.add_time else rec.metric_names[1:]
+        names = rec.value_names
         self.monitor = resolve_monitor(self.monitor, names)
         idx = names.index(self.monitor)
         return lambda: rec.values[-1][idx]
