@@ -52,8 +52,8 @@ class SanityCheckCallback(Callback):
     remove_on_lr_find = True
     order = 100    # after the other callbacks' before_fit: the check sees the setup the real validation will have
     def __init__(self, n_batches=2):
-        if not isinstance(n_batches, int) or n_batches < 0:
-            raise ValueError(f"n_batches must be an int >= 0 (the number of validation batches to check), not {n_batches!r}")
+        check_int(n_batches, 'n_batches', ge=0, who='SanityCheckCallback',
+                  hint='the number of validation batches to check')
         self.n_batches,self.result = n_batches,None
 
     def before_fit(self):
@@ -75,8 +75,10 @@ class EvaluateCallback(Callback):
     order = 40     # before the Recorder's after_epoch (50) writes the epoch's row
     _state_attrs = ('history',)
     def __init__(self, dl, every=1, name='extra', metrics=None):
-        if not isinstance(every, int) or every < 1: raise ValueError(f"every must be a positive int (evaluate every `every` epochs), not {every!r}")
-        if not isinstance(name, str) or not name.isidentifier(): raise ValueError(f"name must be an identifier such as 'test' (it prefixes the columns), not {name!r}")
+        check_int(every, 'every', ge=1, who='EvaluateCallback', hint='evaluate every `every` epochs')
+        if not (isinstance(name, str) and name.isidentifier()):
+            raise arg_error(name, 'name', "an identifier such as 'test'", who='EvaluateCallback',
+                            hint='it prefixes the columns')
         self.eval_dl,self.every,self._name,self.history = dl,every,name,[]
         self.eval_metrics = _metric_list(metrics)
 

@@ -111,9 +111,8 @@ class LogMetricsCallback(Callback):
     remove_on_lr_find = True
     order = 70
     def __init__(self, log_every=None):
-        if log_every is not None and (not isinstance(log_every, int) or log_every < 1):
-            raise ValueError(f"log_every must be None (log each epoch only) or a positive int, not {log_every!r}")
-        self.log_every = log_every
+        self.log_every = check_int(log_every, 'log_every', ge=1, allow_none=True, who=type(self).__name__,
+                                   hint='None logs at the end of each epoch only')
         self.run_train,self.run_valid = log_every is not None,False     # no batch events at all when not needed
 
     def log_metrics(self, metrics):

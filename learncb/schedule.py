@@ -20,17 +20,14 @@ from .learner import *
 from .recorder import *
 
 # %% ../nbs/11_schedule.ipynb #4be0a57e
-def _check_number(value, what, who):
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{who}: {what} must be a number, not {value!r}; for one value per parameter group, "
-                        f"make one schedule per group and return a list of their values")
-    return value
+_one_value = "for one value per parameter group, make one schedule per group and return a list of their values"
 
 class _Annealer:
     "Base of the annealers: goes from `start` (at `pos=0`) to `end` (at `pos=1`)"
     def __init__(self, start, end):
         who = type(self).__name__
-        self.start,self.end = _check_number(start, 'start', who),_check_number(end, 'end', who)
+        self.start = check_number(start, 'start', who=who, hint=_one_value, type_error=TypeError)
+        self.end = check_number(end, 'end', who=who, hint=_one_value, type_error=TypeError)
     def __repr__(self): return f'{type(self).__name__}({self.start!r}, {self.end!r})'
 
 class SchedLin(_Annealer):
@@ -58,9 +55,8 @@ class SchedPoly(_Annealer):
     "`start + (end - start) * pos ** power`: from `start` to `end` along a power curve"
     def __init__(self, start, end, power):
         super().__init__(start, end)
-        if _check_number(power, 'power', 'SchedPoly') <= 0:
-            raise ValueError(f"SchedPoly: power must be > 0, not {power!r} (power=1 is SchedLin)")
-        self.power = power
+        self.power = check_number(power, 'power', gt=0, who='SchedPoly', what='> 0', hint='power=1 is SchedLin',
+                                  type_error=TypeError)
     def __call__(self, pos): return self.start + (self.end - self.start) * pos ** self.power
     def __repr__(self): return f'SchedPoly({self.start!r}, {self.end!r}, {self.power!r})'
 
@@ -71,7 +67,7 @@ def combine_scheds(pcts, scheds):
     if len(pcts) != len(scheds) or not scheds:
         raise ValueError(f"combine_scheds: got {len(pcts)} fractions {pcts} for {len(scheds)} schedules; "
                          f"give one fraction of training per schedule (at least one)")
-    if any(isinstance(p, bool) or not isinstance(p, Real) or p < 0 for p in pcts):
+    if any(not is_number(p) or p < 0 for p in pcts):
         raise ValueError(f"combine_scheds: the fractions must be numbers >= 0, got {pcts}")
     if not math.isclose(sum(pcts), 1., abs_tol=1e-6):
         raise ValueError(f"combine_scheds: the fractions must sum to 1, got {pcts} (sum {sum(pcts):g})")
@@ -85,13 +81,11 @@ def combine_scheds(pcts, scheds):
         return scheds[i]((pos - starts[i]) / pcts[i])
     return combined
 
-def _check_pct(pct, what, who):
-    if isinstance(pct, bool) or not isinstance(pct, Real) or not 0 <= pct <= 1:
-        raise ValueError(f"{who}: {what} must be a fraction of training in [0, 1], not {pct!r}")
+_of_training = 'a fraction of training in [0, 1]'
 
 def combined_cos(pct, start, middle, end):
     "Cosine from `start` to `middle` over the first `pct` of training, then cosine from `middle` to `end`"
-    _check_pct(pct, 'pct', 'combined_cos')
+    check_fraction(pct, 'pct', who='combined_cos', what=_of_training)
     return combine_scheds([pct, 1 - pct], [SchedCos(start, middle), SchedCos(middle, end)])
 
 # %% ../nbs/11_schedule.ipynb #e1e6dd36
@@ -182,22 +176,11 @@ class ParamScheduler(Callback):
         return axs[0]
 
 # %% ../nbs/11_schedule.ipynb #af24031f
-def _check_lrs(lr, what, who):
-    "`lr`, checked to be a positive number or a list/tuple of them (one per param group)"
-    lrs = lr if isinstance(lr, (list, tuple)) else [lr]
-    if not lrs or any(isinstance(v, bool) or not isinstance(v, Real) or v <= 0 for v in lrs):
-        raise ValueError(f"{who}: {what} must be a positive number or a list with one per parameter group, not {lr!r}")
-    return lr
-
 def _per_group(make, value):
     "`make(value)`, or for a list of values a schedule returning the list of `make(v)(pos)`"
     if not isinstance(value, (list, tuple)): return make(value)
     scheds = [make(v) for v in value]
     return lambda pos: [s(pos) for s in scheds]
-
-def _check_positive(**kw):
-    for k,v in kw.items():
-        if isinstance(v, bool) or not isinstance(v, Real) or v <= 0: raise ValueError(f"{k} must be a number > 0, not {v!r}")
 
 def has_momentum(opt):
     "Whether `opt` has a momentum that `'mom'` can schedule (`momentum`, or `betas` for Adam-like optimizers)"
@@ -219,9 +202,10 @@ def _fit_scheduled(self:Learner, n_epoch, scheds, wd, cbs, reset_opt, resume):
 def fit_one_cycle(self:Learner, n_epoch, lr_max=None, div=25., div_final=1e5, pct_start=0.25, wd=None,
                   moms=(0.95, 0.85, 0.95), cbs=None, reset_opt=False, resume=None):
     "Fit `n_epoch` epochs with the 1cycle policy: lr from `lr_max/div` up to `lr_max` then down to `lr_max/div_final`"
-    lr_max = _check_lrs(self.lr if lr_max is None else lr_max, 'lr_max', 'fit_one_cycle')
-    _check_positive(div=div, div_final=div_final)
-    _check_pct(pct_start, 'pct_start', 'fit_one_cycle')
+    lr_max = check_number(self.lr if lr_max is None else lr_max, 'lr_max', gt=0, per_group=True, who='fit_one_cycle')
+    check_number(div, 'div', gt=0, who='fit_one_cycle')
+    check_number(div_final, 'div_final', gt=0, who='fit_one_cycle')
+    check_fraction(pct_start, 'pct_start', who='fit_one_cycle', what=_of_training)
     scheds = {'lr': _per_group(lambda lr: combined_cos(pct_start, lr / div, lr, lr / div_final), lr_max)}
     if moms is not None:
         if not isinstance(moms, (list, tuple)) or len(moms) != 3:
@@ -236,9 +220,9 @@ def fit_one_cycle(self:Learner, n_epoch, lr_max=None, div=25., div_final=1e5, pc
 @patch
 def fit_flat_cos(self:Learner, n_epoch, lr=None, div_final=1e5, pct_start=0.75, wd=None, cbs=None, reset_opt=False, resume=None):
     "Fit `n_epoch` epochs at a flat `lr` for `pct_start` of the fit, then with a cosine down to `lr/div_final`"
-    lr = _check_lrs(self.lr if lr is None else lr, 'lr', 'fit_flat_cos')
-    _check_positive(div_final=div_final)
-    _check_pct(pct_start, 'pct_start', 'fit_flat_cos')
+    lr = check_number(self.lr if lr is None else lr, 'lr', gt=0, per_group=True, who='fit_flat_cos')
+    check_number(div_final, 'div_final', gt=0, who='fit_flat_cos')
+    check_fraction(pct_start, 'pct_start', who='fit_flat_cos', what=_of_training)
     make = lambda v: combine_scheds([pct_start, 1 - pct_start], [SchedNo(v, v), SchedCos(v, v / div_final)])
     self._fit_scheduled(n_epoch, {'lr': _per_group(make, lr)}, wd, cbs, reset_opt, resume)
 
@@ -249,9 +233,8 @@ class LRSchedulerCallback(Callback):
     "Steps a `torch.optim.lr_scheduler` after every optimizer step that happened (`step_on='batch'`) or every epoch"
     order,run_valid = 0,False
     def __init__(self, scheduler, step_on='batch', monitor='valid_loss'):
-        if step_on not in ('batch', 'epoch'):
-            raise ValueError(f"LRSchedulerCallback: step_on must be 'batch' (after each optimizer step) or 'epoch' "
-                             f"(after each epoch), not {step_on!r}")
+        check_choice(step_on, 'step_on', ('batch', 'epoch'), who='LRSchedulerCallback',
+                     hint="'batch': after each optimizer step, 'epoch': after each epoch")
         if not _is_scheduler(scheduler) and not callable(scheduler):
             raise TypeError(f"LRSchedulerCallback takes a torch.optim.lr_scheduler scheduler built on learn.opt, or a "
                             f"function opt -> scheduler (e.g. lambda opt: StepLR(opt, step_size=10)), not {scheduler!r}")
@@ -340,10 +323,8 @@ class WarmupCallback(Callback):
     "Scales the lr of the first `n_steps` optimizer steps of a fit by a factor rising linearly from `start_factor` to 1"
     order = -5
     def __init__(self, n_steps, start_factor=0.):
-        if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 0:
-            raise ValueError(f"WarmupCallback: n_steps must be an int >= 0 (a number of optimizer steps), not {n_steps!r}")
-        if isinstance(start_factor, bool) or not isinstance(start_factor, Real) or not 0 <= start_factor <= 1:
-            raise ValueError(f"WarmupCallback: start_factor must be in [0, 1], not {start_factor!r}")
+        check_int(n_steps, 'n_steps', ge=0, who='WarmupCallback', hint='a number of optimizer steps')
+        check_fraction(start_factor, 'start_factor', who='WarmupCallback')
         self.n_steps,self.start_factor = n_steps,start_factor
         self.factors,self.n_done,self._saved,self._cancelled_at = [],0,None,-1
 

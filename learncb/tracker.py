@@ -6,7 +6,7 @@ Docs: https://learncb.github.io/learncb/tracker.html.md"""
 
 # %% auto #0
 __all__ = ['SaveBestModelCallback', 'greater_is_better_for', 'resolve_monitor', 'TrackerCallback', 'TerminateOnNaNCallback',
-           'SaveModelCallback', 'EarlyStoppingCallback', 'ReduceLROnPlateau']
+           'SaveModelCallback', 'PatienceCallback', 'EarlyStoppingCallback', 'ReduceLROnPlateau']
 
 # %% ../nbs/10_tracker.ipynb #217bd13a
 import difflib, math, warnings
@@ -41,7 +41,7 @@ class TrackerCallback(Callback):
     def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., reset_on_fit=True):
         if not (isinstance(monitor, str) or callable(monitor)):
             raise TypeError(f"monitor must be a column name or a function f(learn) -> float, not {monitor!r}")
-        if min_delta < 0: raise ValueError(f"min_delta must be >= 0, not {min_delta!r}")
+        check_number(min_delta, 'min_delta', ge=0, who=type(self).__name__, type_error=TypeError)
         self.monitor,self.greater_is_better,self.min_delta,self.reset_on_fit = monitor,greater_is_better,min_delta,reset_on_fit
         self.best,self.best_epoch,self.new_best,self.value = None,None,False,None
 
@@ -90,7 +90,7 @@ class TerminateOnNaNCallback(Callback):
     order,remove_on_lr_find = 55,True     # lr_find makes the loss diverge on purpose
     _state_attrs = ('_window', '_first_iter', 'found')
     def __init__(self, check_every=32):
-        if not isinstance(check_every, int) or check_every < 1: raise ValueError(f"check_every must be a positive int, not {check_every!r}")
+        check_int(check_every, 'check_every', ge=1, who='TerminateOnNaNCallback')
         self.check_every,self.found = check_every,None
         self._window,self._first_iter = [],0
 
@@ -155,48 +155,61 @@ class SaveModelCallback(TrackerCallback):
 
 SaveBestModelCallback = SaveModelCallback
 
-# %% ../nbs/10_tracker.ipynb #4d73d156
-class EarlyStoppingCallback(TrackerCallback):
-    "Stops the fit when `monitor` has not improved by more than `min_delta` for `patience` epochs"
-    _state_attrs = TrackerCallback._state_attrs + ('wait', 'stopped_epoch')
+# %% ../nbs/10_tracker.ipynb #33f22d8f
+class PatienceCallback(TrackerCallback):
+    "Base of trackers that act after `patience` epochs without improvement: counts them in `wait`"
+    _state_attrs = TrackerCallback._state_attrs + ('wait',)
     def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., patience=1, reset_on_fit=True):
         super().__init__(monitor, greater_is_better, min_delta, reset_on_fit)
-        if not isinstance(patience, int) or patience < 1: raise ValueError(f"patience must be a positive int, not {patience!r}")
-        self.patience,self.wait,self.stopped_epoch = patience,0,None
-
-    def before_fit(self):
-        super().before_fit()
-        if self.reset_on_fit: self.wait,self.stopped_epoch = 0,None
-
-    def after_epoch(self):
-        super().after_epoch()
-        self.wait = 0 if self.new_best else self.wait + 1
-        if self.wait < self.patience: return
-        self.stopped_epoch = self.learn.epoch
-        reason = f'No improvement of {self.monitor_name} since epoch {self.learn.epoch - self.wait}: early stopping'
-        if self.learn.logger is not noop: print(reason)
-        self.learn.stop_fit(reason)
-
-# %% ../nbs/10_tracker.ipynb #c8ea78a8
-class ReduceLROnPlateau(TrackerCallback):
-    "Divides the learning rate by `factor` when `monitor` has not improved for `patience` epochs, down to `min_lr`"
-    _state_attrs = TrackerCallback._state_attrs + ('wait',)
-    def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., patience=1, factor=10., min_lr=0.,
-                 reset_on_fit=True):
-        super().__init__(monitor, greater_is_better, min_delta, reset_on_fit)
-        if factor <= 1: raise ValueError(f"factor={factor!r}: the lr is divided by factor, so it must be > 1 "
-                                         f"(torch's factor=0.1 is factor=10 here)")
-        if not isinstance(patience, int) or patience < 1: raise ValueError(f"patience must be a positive int, not {patience!r}")
-        self.patience,self.factor,self.min_lr,self.wait = patience,factor,min_lr,0
+        self.patience,self.wait = check_int(patience, 'patience', ge=1, who=type(self).__name__),0
 
     def before_fit(self):
         super().before_fit()
         if self.reset_on_fit: self.wait = 0
 
     def after_epoch(self):
+        "Read the monitor, then count this epoch in `wait`: back to 0 on a new best, else one more"
         super().after_epoch()
         self.wait = 0 if self.new_best else self.wait + 1
-        if self.wait < self.patience: return
+
+    @property
+    def out_of_patience(self):
+        "Whether `monitor` has not improved for `patience` epochs"
+        return self.wait >= self.patience
+
+# %% ../nbs/10_tracker.ipynb #4d73d156
+class EarlyStoppingCallback(PatienceCallback):
+    "Stops the fit when `monitor` has not improved by more than `min_delta` for `patience` epochs"
+    _state_attrs = PatienceCallback._state_attrs + ('stopped_epoch',)
+    def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., patience=1, reset_on_fit=True):
+        super().__init__(monitor, greater_is_better, min_delta, patience, reset_on_fit)
+        self.stopped_epoch = None
+
+    def before_fit(self):
+        super().before_fit()
+        if self.reset_on_fit: self.stopped_epoch = None
+
+    def after_epoch(self):
+        super().after_epoch()
+        if not self.out_of_patience: return
+        self.stopped_epoch = self.learn.epoch
+        reason = f'No improvement of {self.monitor_name} since epoch {self.learn.epoch - self.wait}: early stopping'
+        if self.learn.logger is not noop: print(reason)
+        self.learn.stop_fit(reason)
+
+# %% ../nbs/10_tracker.ipynb #c8ea78a8
+class ReduceLROnPlateau(PatienceCallback):
+    "Divides the learning rate by `factor` when `monitor` has not improved for `patience` epochs, down to `min_lr`"
+    def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., patience=1, factor=10., min_lr=0.,
+                 reset_on_fit=True):
+        super().__init__(monitor, greater_is_better, min_delta, patience, reset_on_fit)
+        self.factor = check_number(factor, 'factor', gt=1, who='ReduceLROnPlateau', type_error=TypeError, hint=
+                                   "torch's factor=0.1 is factor=10 here: the lr is divided by factor, so it must be > 1")
+        self.min_lr = min_lr
+
+    def after_epoch(self):
+        super().after_epoch()
+        if not self.out_of_patience: return
         self.wait = 0
         groups = self.learn.opt.param_groups
         old = [pg['lr'] for pg in groups]

@@ -18,13 +18,6 @@ from .learner import *
 from .recorder import *
 
 # %% ../nbs/13_training.ipynb #fc0b2c38
-def _check_positive(name, value, kind=(int, float)):
-    "Raise a `ValueError` unless `value` is a positive number of type `kind`"
-    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
-        what = 'a positive int' if kind is int else 'a positive number'
-        raise ValueError(f"{name} must be {what}, not {value!r}")
-    return value
-
 def _scale_grads(learn, k):
     "Multiply the gradients of the optimizer's parameters by `k`, in place"
     for pg in learn.opt.param_groups:
@@ -39,7 +32,7 @@ class GradientAccumulation(Callback):
     "Step the optimizer once every `n_acc` samples, with the gradient a batch of `n_acc` samples would give"
     order,run_valid,_state_attrs = 5,False,('count',)
     def __init__(self, n_acc=32):
-        self.n_acc,self.count = _check_positive('GradientAccumulation: n_acc (a number of samples)', n_acc, int),0
+        self.n_acc,self.count = check_int(n_acc, 'n_acc (a number of samples)', ge=1, who='GradientAccumulation'),0
 
     def before_fit(self): self.count = 0
 
@@ -65,10 +58,10 @@ class GradientClip(Callback):
     "Clip the total norm of the model's gradients to `max_norm` before each optimizer step"
     order,run_valid = 20,False
     def __init__(self, max_norm=1., norm_type=2.):
-        self.max_norm = _check_positive('GradientClip: max_norm', max_norm)
+        self.max_norm = check_number(max_norm, 'max_norm', gt=0, who='GradientClip')
         if norm_type in ('inf', 'Inf'): norm_type = float('inf')
-        self.norm_type = _check_positive("GradientClip: norm_type (2. for the euclidean norm, 'inf' for the largest value)",
-                                         norm_type)
+        self.norm_type = check_number(norm_type, 'norm_type', gt=0, who='GradientClip',
+                                      hint="2. for the euclidean norm, 'inf' for the largest value")
 
     def before_fit(self): self._params = list(self.learn.model.parameters())
     def before_step(self): nn.utils.clip_grad_norm_(self._params, self.max_norm, self.norm_type)
@@ -128,8 +121,8 @@ class MixedPrecision(Callback):
     order = 10
     def __init__(self, dtype=None, init_scale=2.**16, growth_interval=2000):
         self.dtype = _check_amp_dtype(dtype)
-        self.init_scale = _check_positive('MixedPrecision: init_scale', init_scale)
-        self.growth_interval = _check_positive('MixedPrecision: growth_interval', growth_interval, int)
+        self.init_scale = check_number(init_scale, 'init_scale', gt=0, who='MixedPrecision')
+        self.growth_interval = check_int(growth_interval, 'growth_interval', ge=1, who='MixedPrecision')
         self.scaler,self.skipped_steps,self._scaler_state = None,0,None
         self._region,self._device_type,self._scaler_device,self._probe = None,None,None,None
 

@@ -1,4 +1,4 @@
-"""Small helpers that several modules of learncb share: devices and batches, lists, notes on exceptions, random states.
+"""Small helpers that several modules share: devices, batches, lists, exception notes, argument checks, random states.
 
 Docs: https://learncb.github.io/learncb/utils.html.md"""
 
@@ -6,10 +6,12 @@ Docs: https://learncb.github.io/learncb/utils.html.md"""
 
 # %% auto #0
 __all__ = ['default_device', 'model_device', 'to_device', 'tensors_of', 'find_bs', 'n_batches', 'listify', 'add_note',
-           'rng_state', 'set_rng_state']
+           'is_number', 'arg_error', 'check_number', 'check_int', 'check_fraction', 'check_choice', 'rng_state',
+           'set_rng_state']
 
 # %% ../nbs/01_utils.ipynb #4d5f189c
 import random
+from numbers import Integral, Real
 import torch
 
 # %% ../nbs/01_utils.ipynb #2140fa2d
@@ -58,6 +60,52 @@ def add_note(e, note):
     "Add `note` to exception `e` (shown under its traceback) unless it has it already"
     if note not in getattr(e, '__notes__', ()): e.add_note(note)
     return e
+
+# %% ../nbs/01_utils.ipynb #75f0ce38
+def is_number(x):
+    "Whether `x` is a real number (an int, a float, a numpy scalar...): a bool is not one, nor is a tensor"
+    return isinstance(x, Real) and not isinstance(x, bool)
+
+def arg_error(value, name, what, who=None, hint=None, err=ValueError):
+    "An `err` saying that argument `name` (of `who`) must be `what`, not `value`: the message of every check"
+    where,why = f'{who}: ' if who else '',f' ({hint})' if hint else ''
+    return err(f"{where}{name} must be {what}, not {value!r}{why}")
+
+def check_number(value, name, *, gt=None, ge=None, per_group=False, who=None, what=None, hint=None,
+                 type_error=ValueError):
+    "`value` if it is a number `> gt` (or `>= ge`); with `per_group`, a list of them (one per param group) is too"
+    if what is None:
+        what = ('a positive number' if gt == 0 else f'a number > {gt}' if gt is not None else
+                f'a number >= {ge}' if ge is not None else 'a number')
+        if per_group: what += ' or a list with one per parameter group'
+    values = value if per_group and isinstance(value, (list, tuple)) else [value]
+    if not values or not all(map(is_number, values)): raise arg_error(value, name, what, who, hint, type_error)
+    if not all((gt is None or v > gt) and (ge is None or v >= ge) for v in values):
+        raise arg_error(value, name, what, who, hint)
+    return value
+
+def check_int(value, name, *, ge=None, allow_none=False, who=None, what=None, hint=None):
+    "`value` if it is an int `>= ge` (or `None`, with `allow_none`), else a `ValueError` saying what it must be"
+    if allow_none and value is None: return value
+    if what is None:
+        what = 'a positive int' if ge == 1 else f'an int >= {ge}' if ge is not None else 'an int'
+        if allow_none: what += ' or None'
+    if isinstance(value, bool) or not isinstance(value, Integral) or (ge is not None and value < ge):
+        raise arg_error(value, name, what, who, hint)
+    return value
+
+def check_fraction(value, name, *, who=None, what='in [0, 1]', hint=None):
+    "`value` if it is a number in [0, 1], else a `ValueError` saying so"
+    if not (is_number(value) and 0 <= value <= 1): raise arg_error(value, name, what, who, hint)
+    return value
+
+def check_choice(value, name, choices, *, who=None, what=None, hint=None):
+    "`value` if it is one of `choices` (`True` is not `1` here), else a `ValueError` listing them"
+    if any(value == c and isinstance(value, bool) == isinstance(c, bool) for c in choices): return value
+    if what is None:
+        *rest,last = map(repr, choices)
+        what = f"{', '.join(rest)} or {last}" if rest else last
+    raise arg_error(value, name, what, who, hint)
 
 # %% ../nbs/01_utils.ipynb #8af991aa
 def rng_state():
