@@ -122,7 +122,7 @@ def _load_cb_states(self:Learner, states, where):
 def save_checkpoint(self:Learner, path, at=None):
     "Write the whole state to `path`, atomically. In a fit, call it at `after_batch` (training) or `after_epoch`"
     if at is None: at = 'batch' if self.fitting and self.training else 'epoch_end'
-    if at not in ('batch', 'epoch_end'): raise ValueError(f"at must be 'batch' or 'epoch_end', not {at!r}")
+    check_choice(at, 'at', ('batch', 'epoch_end'))
     state = self.state_dict()
     state['at'] = at
     return atomic_save(state, path)
@@ -221,9 +221,8 @@ class CheckpointCallback(Callback):
     "Saves resumable checkpoints every `every_n_steps` training batches and every epoch, keeping the last `keep_last`"
     order,remove_on_lr_find,run_valid = 95,True,False     # its batch handlers follow training batches only
     def __init__(self, path='checkpoints', every_n_steps=None, every_epoch=True, keep_last=2, on_exception=True):
-        if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps < 1):
-            raise ValueError(f"every_n_steps must be a positive int or None, not {every_n_steps!r}")
-        if not isinstance(keep_last, int) or keep_last < 1: raise ValueError(f"keep_last must be a positive int, not {keep_last!r}")
+        check_int(every_n_steps, 'every_n_steps', ge=1, allow_none=True, who='CheckpointCallback')
+        check_int(keep_last, 'keep_last', ge=1, who='CheckpointCallback')
         self.path,self.every_n_steps,self.every_epoch,self.keep_last,self.on_exception = Path(path),every_n_steps,every_epoch,keep_last,on_exception
         self.last,self._interrupted,self._old_sigint = None,False,None
         self._pos = {'at': None, 'epoch': 0, 'iter': -1, 'dirty': False}   # the last complete point of the run

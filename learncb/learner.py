@@ -207,7 +207,7 @@ def _fire(self:Learner, event_name):
 @contextmanager
 def _fit_session(self:Learner, n_epoch, lr, wd, cbs, reset_opt, resume):
     "Set up a fit; on an error fire `after_exception` then `after_fit`; leave the learner ready for the next fit"
-    if not isinstance(n_epoch, int) or n_epoch < 0: raise ValueError(f"n_epoch must be an int >= 0, not {n_epoch!r}")
+    check_int(n_epoch, 'n_epoch', ge=0)
     if self.loss_func is None: raise ValueError("this Learner has no loss_func; pass one, e.g. Learner(dls, model, "
                                                 "loss_func=nn.CrossEntropyLoss())")
     with self.added_cbs(cbs):
@@ -215,7 +215,7 @@ def _fit_session(self:Learner, n_epoch, lr, wd, cbs, reset_opt, resume):
         self._set_hypers(lr=self.lr if lr is None else lr, wd=self.wd if wd is None else wd)
         self.n_epoch,self.exception,self.stop_reason,self._raised_in = n_epoch,None,None,None
         self.start_epoch,self.start_iter = 0,0
-        with self.added_cbs(self._resume_cbs(resume)):
+        with self.added_cbs(self._resuming_cbs(resume)):
             try:
                 self.fitting,self.resume_from = True,resume or None
                 self._prepare_fit()
@@ -224,7 +224,7 @@ def _fit_session(self:Learner, n_epoch, lr, wd, cbs, reset_opt, resume):
             finally: self._end_fit()
 
 @patch
-def _resume_cbs(self:Learner, resume):
+def _resuming_cbs(self:Learner, resume):
     "The callbacks that resume from checkpoint `resume` (a path, or `True` for the newest): none if `resume` is not set"
     if resume is None or resume is False: return []
     from .checkpoint import resume_cbs       # the checkpoint module knows how; the loop only knows where to start
@@ -431,8 +431,7 @@ def on(self:Learner, event_name, every=None, once=None, filter_fn=None):
     check_event_name(event_name)
     if sum(o is not None for o in (every, once, filter_fn)) > 1:
         raise ValueError(f"learn.on: every={every!r}, once={once!r} and filter_fn={filter_fn!r} are exclusive; pass one")
-    for k,v in (('every', every), ('once', once)):
-        if v is not None and (not isinstance(v, int) or v < 1): raise ValueError(f"learn.on: {k} must be a positive int, not {v!r}")
+    for k,v in (('every', every), ('once', once)): check_int(v, k, ge=1, allow_none=True, who='learn.on')
     def register(fn):
         self.add_cb(EventFilter(event_name, fn, every=every, once=once, filter_fn=filter_fn))
         return fn
@@ -486,8 +485,7 @@ def run_validation(self:Learner, dl):
 @patch
 def dl_for(self:Learner, ds_idx):
     "The dataloader of `ds_idx`: 0 for the training one, 1 for the validation one (an error if there is none)"
-    if ds_idx not in (0, 1):
-        raise ValueError(f"ds_idx must be 0 (train) or 1 (valid), not {ds_idx!r}; pass dl= for another dataloader")
+    check_choice(ds_idx, 'ds_idx', (0, 1), hint='0 for the training dataloader, 1 for the validation one; pass dl= for another')
     dl = self.dls[ds_idx]
     if dl is None: raise ValueError(f"there is no {'train' if ds_idx == 0 else 'valid'} dataloader; pass dl=...")
     return dl
