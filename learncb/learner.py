@@ -139,7 +139,7 @@ class Learner:
     def one_batch(self, i, b):
         "Move batch `b` to the model's device, split it into `xb`/`yb` and run it with its events"
         self.iter = i
-        self.batch = b = self._move(b)
+        self.batch = b = self._move(b) if self._move else b
         if isinstance(b, (tuple, list)): self.xb,self.yb = tuple(b[:self.n_inp]),tuple(b[self.n_inp:])
         else: self.xb,self.yb = (b,),()
         self._with_events(self._do_one_batch, 'batch', CancelBatchException)
@@ -274,15 +274,13 @@ def _prepare_fit(self:Learner):
 
 @patch
 def _batch_mover(self:Learner, device):
-    "How to move batches to `device`: on the CPU, looked at on the first batch and skipped when already there"
+    "How to move batches to `device` (`None`: they are there): on the CPU, looked at on the first batch"
     to_dev = partial(to_device, device=device)
     if device.type != 'cpu': return to_dev
     def first_batch(b):
-        self._move = to_dev if any(t.device.type != 'cpu' for t in tensors_of(b)) else _same
-        return self._move(b)
+        self._move = to_dev if any(t.device.type != 'cpu' for t in tensors_of(b)) else None
+        return to_dev(b)
     return first_batch
-
-def _same(o): return o
 
 @patch
 def _batches(self:Learner, start):

@@ -40,8 +40,9 @@ def tensors_of(o):
 def find_bs(b):
     "The batch size of `b`: the length of its first tensor"
     while isinstance(b, (tuple, list)): b = b[0]
+    if isinstance(b, torch.Tensor) and b.ndim: return b.shape[0]
     if isinstance(b, dict): return find_bs(next(iter(b.values())))
-    return b.shape[0] if isinstance(b, torch.Tensor) and b.ndim else len(b)
+    return len(b)
 
 def n_batches(dl):
     "`len(dl)`, or `None` for a dataloader without a length"
