@@ -87,6 +87,7 @@ class defaults:
 fit_attrs = ('epoch', 'n_epoch', 'train_iter', 'pct_train')
 phase_attrs = ('dl', 'iter', 'n_iter', 'batch', 'xb', 'yb', 'pred', 'loss', 'loss_grad')
 
+# %% ../nbs/02_learner.ipynb #a7f9e2f1
 class Learner:
     "Trains `model` on `dls` with `loss_func` and `opt_func`; every stage of the loop fires events for callbacks"
     def __init__(self, dls, model, loss_func=None, opt_func=torch.optim.Adam, lr=1e-3, cbs=None, metrics=None,
@@ -107,7 +108,7 @@ class Learner:
         self('after_create')
 
     def fit(self, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, resume=None):
-        "Train for `n_epoch` epochs; `cbs` are added for this fit only; `resume` (a checkpoint, or `True`) continues a run"
+        "Train `n_epoch` epochs; `cbs` are added for this fit only; `resume` (a checkpoint, or `True`) continues a run"
         with self._fit_session(n_epoch, lr, wd, cbs, reset_opt, resume):
             self._with_events(self._do_fit, 'fit', CancelFitException)
 
@@ -160,7 +161,7 @@ class Learner:
         if self._with_events(self.opt.step, 'step', CancelStepException): self.opt.zero_grad()
 
     def _with_events(self, body, stage, cancel_exc):
-        "Fire `before_<stage>`, run `body`, fire `after_<stage>`; `cancel_exc` ends the stage. `False` if it was cancelled"
+        "Fire `before_<stage>`, run `body`, fire `after_<stage>`; `cancel_exc` ends the stage (then `False`)"
         before,after_cancel,after = stage_events[stage]
         done = True
         try:
@@ -230,6 +231,7 @@ def _resuming_cbs(self:Learner, resume):
     from .checkpoint import resume_cbs       # the checkpoint module knows how; the loop only knows where to start
     return resume_cbs(self, resume)
 
+# %% ../nbs/02_learner.ipynb #8d4055cb
 @patch
 def _after_exception(self:Learner, e):
     "Store `e`, fire `after_exception` (and `after_fit`), attaching any error of those handlers to `e`"
@@ -253,7 +255,7 @@ def _end_fit(self:Learner):
 
 @patch
 def stop_fit(self:Learner, reason='stop_fit was called'):
-    "Stop the fit once this epoch is over, after every `after_epoch` handler has run; `learn.stop_reason` keeps `reason`"
+    "Stop the fit at the end of this epoch, after every `after_epoch` handler; `learn.stop_reason` keeps `reason`"
     self.stop_reason = reason
 
 # %% ../nbs/02_learner.ipynb #343cc928
@@ -264,8 +266,8 @@ def _set_dl(self:Learner, dl, stage):
     what = _phase_names[stage]
     if dl is None: raise ValueError(f"there is no {what} dataloader: pass one in DataLoaders(train, valid)")
     self.dl,self.n_iter = dl,n_batches(dl)
-    if self.n_iter == 0: raise ValueError(f"the {what} dataloader is empty (len 0): check that its dataset has "
-                                         f"samples and that batch_size is not larger than the dataset with drop_last=True")
+    if self.n_iter == 0: raise ValueError(f"the {what} dataloader is empty (len 0): check that its dataset has samples "
+                                         f"and that batch_size is not larger than the dataset with drop_last=True")
 
 @patch
 def _prepare_fit(self:Learner):
@@ -282,6 +284,7 @@ def _batch_mover(self:Learner, device):
         return to_dev(b)
     return first_batch
 
+# %% ../nbs/02_learner.ipynb #21a29c99
 @patch
 def _batches(self:Learner, start):
     "The batches of `self.dl`, with `before_fetch`/`after_fetch` around taking each one when a callback handles them"
@@ -313,8 +316,9 @@ def _explain_device_error(self:Learner, e, where):
     if 'device' not in str(e): return
     batch_devs = sorted({str(t.device) for t in tensors_of(self.xb + self.yb)})
     model_devs = sorted({str(t.device) for t in [*self.model.parameters(), *self.model.buffers()]})
-    split = f"the model is split over {', '.join(model_devs)}: put all of it on one device" if len(model_devs) > 1 else \
-            f"the model is on {model_devs[0] if model_devs else self.device}: do not move it during a fit"
+    on_one = f"the model is on {model_devs[0] if model_devs else self.device}: do not move it during a fit"
+    split = on_one if len(model_devs) < 2 else \
+            f"the model is split over {', '.join(model_devs)}: put all of it on one device"
     add_note(e, f"learncb: {where} failed with the batch on {', '.join(batch_devs)}; learncb moves batches to the "
                 f"device of the model's first parameter, decided when fit starts, and {split} "
                 f"(Learner(device=...) moves the whole model).")
@@ -343,6 +347,7 @@ def add_cbs(self:Learner, cbs):
     for cb in listify(cbs): self.add_cb(cb)
     return self
 
+# %% ../nbs/02_learner.ipynb #999743df
 @patch
 def remove_cb(self:Learner, cb):
     "Remove a callback, or every callback of a class"
@@ -360,6 +365,7 @@ def remove_cbs(self:Learner, cbs):
     for cb in list(listify(cbs)): self.remove_cb(cb)
     return self
 
+# %% ../nbs/02_learner.ipynb #62a352db
 @patch
 @contextmanager
 def added_cbs(self:Learner, cbs):
@@ -383,6 +389,7 @@ def removed_cbs(self:Learner, cbs):
         for cb in gone: self._expose(cb)
         self.cbs_changed()
 
+# %% ../nbs/02_learner.ipynb #383ab2d2
 @patch
 def _expose(self:Learner, cb):
     "Make `cb` reachable as `learn.<cb.name>` unless that would hide a learner attribute"
@@ -428,7 +435,8 @@ def on(self:Learner, event_name, every=None, once=None, filter_fn=None):
     "Decorator: call `fn(learn)` at `event_name`, on every `every`-th call, only the `once`-th, or when `filter_fn`"
     check_event_name(event_name)
     if sum(o is not None for o in (every, once, filter_fn)) > 1:
-        raise ValueError(f"learn.on: every={every!r}, once={once!r} and filter_fn={filter_fn!r} are exclusive; pass one")
+        raise ValueError(f"learn.on: every={every!r}, once={once!r} and filter_fn={filter_fn!r} are exclusive; "
+                         f"pass one")
     for k,v in (('every', every), ('once', once)): check_int(v, k, ge=1, allow_none=True, who='learn.on')
     def register(fn):
         self.add_cb(EventFilter(event_name, fn, every=every, once=once, filter_fn=filter_fn))
@@ -473,7 +481,7 @@ def _saved_loop_state(self:Learner):
 
 @patch
 def run_validation(self:Learner, dl):
-    "Fire the validation stage on `dl` without touching the state of a running fit (what `validate` and `get_preds` run)"
+    "Fire the validation stage on `dl`, leaving a running fit's state alone (what `validate` and `get_preds` run)"
     with self._saved_loop_state():
         self._prepare_fit()
         self.validating_aside += 1
@@ -483,7 +491,7 @@ def run_validation(self:Learner, dl):
 @patch
 def dl_for(self:Learner, ds_idx):
     "The dataloader of `ds_idx`: 0 for the training one, 1 for the validation one (an error if there is none)"
-    check_choice(ds_idx, 'ds_idx', (0, 1), hint='0 for the training dataloader, 1 for the validation one; pass dl= for another')
+    check_choice(ds_idx, 'ds_idx', (0, 1), hint='0: the training dataloader, 1: the validation one; or pass dl=')
     dl = self.dls[ds_idx]
     if dl is None: raise ValueError(f"there is no {'train' if ds_idx == 0 else 'valid'} dataloader; pass dl=...")
     return dl
@@ -535,6 +543,7 @@ def _fsync_dir(d):
     except OSError: pass
     finally: os.close(fd)
 
+# %% ../nbs/02_learner.ipynb #5c31b34c
 def load_torch_file(path, map_location=None):
     "`torch.load(path, weights_only=True)`, with errors that name the file and say what was wrong"
     path = Path(path)
@@ -547,7 +556,8 @@ def load_torch_file(path, map_location=None):
             raise ValueError(f"refused to load {path}: it contains objects that would run code when unpickled "
                              f"(weights_only=True allows tensors, dicts, lists and numbers only); only load files "
                              f"you trust, and write them with Learner.save") from None
-        raise ValueError(f"cannot read {path}: it is truncated, corrupt or not a torch file ({type(e).__name__}: {e})") from e
+        raise ValueError(f"cannot read {path}: it is truncated, corrupt or not a torch file "
+                         f"({type(e).__name__}: {e})") from e
 
 def load_model_state(model, state, path='the checkpoint', strict=True):
     "`model.load_state_dict(state)` with an error that lists the missing, unexpected and mismatched keys"
