@@ -62,9 +62,6 @@ class ProgressCallback(Callback):
             self.pbar.comment = f'{sl:.4f}'
         self.pbar.update(learn.iter + 1)
 
-    def after_train(self): self._finish_bar()
-    def after_validate(self): self._finish_bar()
-
     def _finish_bar(self):
         "Show the bar's final position; close it if the phase ended early"
         pbar = self.pbar
@@ -72,6 +69,7 @@ class ProgressCallback(Callback):
         if pbar.last_v is not None: pbar.update(self.learn.iter + 1)
         if pbar.last_v is not None: pbar.on_iter_end()
         self.pbar = None
+    after_train = after_validate = _finish_bar
 
     def after_fit(self):
         if self.mbar is not None:

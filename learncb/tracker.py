@@ -104,9 +104,6 @@ class TerminateOnNaNCallback(Callback):
         self._window.append(learn.loss)
         if len(self._window) >= self.check_every: self._check()
 
-    def after_train(self): self._check()
-    def after_validate(self): self._check()
-
     def _check(self):
         "One host sync: are all the losses since the last check finite?"
         window = self._window
@@ -120,6 +117,7 @@ class TerminateOnNaNCallback(Callback):
                       f"batch {first_iter + bad}: training stopped")
         warnings.warn(self.found, RuntimeWarning)
         raise CancelFitException(self.found)
+    after_train = after_validate = _check
 
 # %% ../nbs/10_tracker.ipynb #fc42670d
 class SaveModelCallback(TrackerCallback):
@@ -181,9 +179,7 @@ class PatienceCallback(TrackerCallback):
 class EarlyStoppingCallback(PatienceCallback):
     "Stops the fit when `monitor` has not improved by more than `min_delta` for `patience` epochs"
     _state_attrs = PatienceCallback._state_attrs + ('stopped_epoch',)
-    def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., patience=1, reset_on_fit=True):
-        super().__init__(monitor, greater_is_better, min_delta, patience, reset_on_fit)
-        self.stopped_epoch = None
+    stopped_epoch = None     # the epoch at which it stopped the last fit
 
     def before_fit(self):
         super().before_fit()

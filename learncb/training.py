@@ -206,15 +206,13 @@ class MixedPrecision(Callback):
 class MoveModulesToDeviceCallback(Callback):
     "Move every `nn.Module` attribute of the learner except the model (loss function, teacher model...) to the model's device"
     order = -20
-    def before_fit(self): self.move_modules()
-    def before_validate(self): self.move_modules()
-
     def move_modules(self):
         "Move the learner's `nn.Module` attributes, other than the model, to the model's device"
         learn = self.learn
         device = model_device(learn.model, learn.device)
         for m in list(vars(learn).values()):
             if isinstance(m, nn.Module) and m is not learn.model: m.to(device)
+    before_fit = before_validate = move_modules
 
 # %% ../nbs/13_training.ipynb #a8ca4104
 def _channels_last(x):
