@@ -10,7 +10,6 @@ __all__ = ['SuggestedLRs', 'sits_out_lr_find', 'LRFinder', 'valley', 'minimum', 
 # %% ../nbs/12_lr_find.ipynb #874ab24c
 import copy, functools, math
 from collections import namedtuple
-from numbers import Real
 import torch
 from fastcore.basics import patch
 from .core import *
@@ -25,14 +24,15 @@ def sits_out_lr_find(cb):
     return isinstance(cb, Recorder) or bool(getattr(cb, 'remove_on_lr_find', False))
 
 def _check_lr_find_args(start_lr, end_lr, num_it):
+    "Raise a `ValueError` for lrs or a number of batches that `lr_find` cannot use"
     for k,v in (('start_lr', start_lr), ('end_lr', end_lr)):
-        if isinstance(v, bool) or not isinstance(v, Real) or not v > 0: raise ValueError(f"lr_find: {k} must be a number > 0, not {v!r}")
+        check_number(v, k, gt=0, who='lr_find', what='a number > 0')
     if end_lr <= start_lr: raise ValueError(f"lr_find: end_lr ({end_lr!r}) must be larger than start_lr ({start_lr!r})")
-    if isinstance(num_it, bool) or not isinstance(num_it, int) or num_it < 2:
-        raise ValueError(f"lr_find: num_it must be an int >= 2 (the number of batches to try), not {num_it!r}")
+    check_int(num_it, 'num_it', ge=2, who='lr_find', hint='the number of batches to try')
 
+# %% ../nbs/12_lr_find.ipynb #5f5e93c2
 class LRFinder(Callback):
-    "Raises the lr exponentially from `start_lr` to `end_lr` over `num_it` training batches, recording the smoothed loss"
+    "Raises the lr exponentially from `start_lr` to `end_lr` over `num_it` batches, recording the smoothed loss"
     order,run_valid = 0,False
     def __init__(self, start_lr=1e-7, end_lr=10, num_it=100, stop_div=True, beta=0.98):
         _check_lr_find_args(start_lr, end_lr, num_it)
@@ -65,7 +65,8 @@ class LRFinder(Callback):
         if not points: raise ValueError("lr_find recorded no finite loss: start from a smaller start_lr, and check "
                                         "that the model trains at all")
         lrs,losses = map(list, zip(*points))
-        self.suggestions = _suggested_lrs_type(tuple(f.__name__ for f in funcs))(*(float(f(lrs, losses)) for f in funcs))
+        result_type = _suggested_lrs_type(tuple(f.__name__ for f in funcs))
+        self.suggestions = result_type(*(float(f(lrs, losses)) for f in funcs))
         return self.suggestions
 
     def plot(self, skip_end=5, ax=None):
@@ -101,8 +102,10 @@ def steep(lrs, losses):
     slopes = [(losses[i + 1] - losses[i]) / (math.log(lrs[i + 1]) - math.log(lrs[i])) for i in range(len(lrs) - 1)]
     return lrs[min(range(len(slopes)), key=slopes.__getitem__)]
 
+# %% ../nbs/12_lr_find.ipynb #27e4c3b3
 SuggestedLRs = namedtuple('SuggestedLRs', ['valley'])
-SuggestedLRs.__doc__ = "What `lr_find` returns: one suggested lr per suggestion function, named after it (`valley` by default)"
+SuggestedLRs.__doc__ = ("What `lr_find` returns: one suggested lr per suggestion function, named after it "
+                        "(`valley` by default)")
 
 @functools.lru_cache(maxsize=None)
 def _suggested_lrs_type(names):
@@ -116,8 +119,8 @@ def _suggest_funcs(funcs):
     names = [getattr(f, '__name__', None) for f in funcs]
     for f,name in zip(funcs, names):
         if not callable(f) or not isinstance(name, str) or not name.isidentifier() or name.startswith('_'):
-            raise ValueError(f"lr_find: each suggestion function must be a function f(lrs, losses) -> lr defined with a "
-                             f"name (its name becomes the field of the result), not {f!r}")
+            raise ValueError(f"lr_find: each suggestion function must be a function f(lrs, losses) -> lr defined with "
+                             f"a name (its name becomes the field of the result), not {f!r}")
     if len(set(names)) != len(names): raise ValueError(f"lr_find: the suggestion functions have repeated names {names}")
     if not funcs: raise ValueError("lr_find: suggest_funcs is empty; pass at least one, e.g. (valley,)")
     return funcs
@@ -129,7 +132,7 @@ def _dl_generators(dl):
     return list({id(g): g for g in gens if isinstance(g, torch.Generator)}.values())
 
 class LearnerSnapshot:
-    "In-memory copy of what a trial fit changes: weights, grads, modes, optimizer, counters, RNGs; `restore()` puts it back"
+    "In-memory copy of what a trial fit changes: weights, grads, modes, optimizer, counters, RNGs; `restore` undoes it"
     def __init__(self, learn):
         self.learn,model = learn,learn.model
         self.model_state = copy.deepcopy(model.state_dict())
@@ -153,9 +156,10 @@ class LearnerSnapshot:
         set_rng_state(self.rng)
         for g,state in self.dl_rng: g.set_state(state)
 
+# %% ../nbs/12_lr_find.ipynb #347592ba
 @patch
 def lr_find(self:Learner, start_lr=1e-7, end_lr=10, num_it=100, stop_div=True, show_plot=True, suggest_funcs=(valley,)):
-    "Try lrs growing exponentially from `start_lr` to `end_lr` over `num_it` batches, plot the loss and suggest lrs; leaves the learner as it was"
+    "Try lrs rising from `start_lr` to `end_lr` over `num_it` batches, plot the loss, suggest lrs; then undo the trial"
     finder,funcs = LRFinder(start_lr, end_lr, num_it, stop_div),_suggest_funcs(suggest_funcs)
     n = n_batches(self.dls.train)
     n_epoch = math.ceil(num_it / n) if n else num_it

@@ -1,4 +1,4 @@
-"""Annealing functions, `ParamScheduler`, `fit_one_cycle`/`fit_flat_cos`, a wrapper for `torch.optim.lr_scheduler` and linear warmup.
+"""Annealers, `ParamScheduler`, `fit_one_cycle`/`fit_flat_cos`, a wrapper for `torch.optim.lr_scheduler`, linear warmup.
 
 Docs: https://learncb.github.io/learncb/schedule.html.md"""
 
@@ -90,8 +90,6 @@ def combined_cos(pct, start, middle, end):
 
 # %% ../nbs/11_schedule.ipynb #e1e6dd36
 _hp_keys = {'lr': 'lr', 'wd': 'weight_decay', 'eps': 'eps'}
-_hp_hints = {'mom': "'mom' sets 'momentum', or betas[0] for Adam-like optimizers", 'sqr_mom': "'sqr_mom' sets betas[1]",
-             'wd': "'wd' sets 'weight_decay'", 'eps': "'eps' sets 'eps'"}
 
 def hp_location(name, group):
     "Where hyper-parameter `name` lives in param group `group`: `(key, None)`, `('betas', index)`, or `None`"
@@ -112,6 +110,10 @@ def set_hp(groups, key, idx, value):
             old = pg[key]
             pg[key] = (v, old[1]) if idx == 0 else (old[0], v)
 
+# %% ../nbs/11_schedule.ipynb #ce1395ce
+_hp_hints = {'mom': "'mom' sets 'momentum', or betas[0] for Adam-like optimizers", 'sqr_mom': "'sqr_mom' sets betas[1]",
+             'wd': "'wd' sets 'weight_decay'", 'eps': "'eps' sets 'eps'"}
+
 def _opt_keys(opt): return sorted(k for k in opt.param_groups[0] if k != 'params')
 
 class ParamScheduler(Callback):
@@ -119,10 +121,11 @@ class ParamScheduler(Callback):
     order,run_valid = 0,False
     def __init__(self, scheds):
         if not isinstance(scheds, dict): raise TypeError(
-            f"ParamScheduler takes a dict mapping hyper-parameter names to schedules, e.g. {{'lr': SchedCos(1e-2, 1e-4)}}, "
-            f"not {type(scheds).__name__}")
+            f"ParamScheduler takes a dict mapping hyper-parameter names to schedules, e.g. "
+            f"{{'lr': SchedCos(1e-2, 1e-4)}}, not {type(scheds).__name__}")
         for name,s in scheds.items():
-            if not callable(s): raise TypeError(f"ParamScheduler: the schedule for {name!r} must be a function of pos, not {s!r}")
+            if not callable(s):
+                raise TypeError(f"ParamScheduler: the schedule for {name!r} must be a function of pos, not {s!r}")
         self.scheds,self.hps,self._plan = dict(scheds),{name: [] for name in scheds},[]
 
     def before_fit(self):
@@ -136,8 +139,9 @@ class ParamScheduler(Callback):
         locs = {hp_location(name, pg) for pg in opt.param_groups}
         if len(locs) == 1 and None not in locs: return locs.pop()
         hint = f" ({_hp_hints[name]})" if name in _hp_hints else ''
-        raise ValueError(f"ParamScheduler cannot schedule {name!r}{hint} on {type(opt).__name__}: its param groups have "
-                         f"the keys {_opt_keys(opt)}. Schedule one of those, or use an optimizer that has {name!r}")
+        raise ValueError(f"ParamScheduler cannot schedule {name!r}{hint} on {type(opt).__name__}: its param groups "
+                         f"have the keys {_opt_keys(opt)}. Schedule one of those, or use an optimizer that has "
+                         f"{name!r}")
 
     def _check_value(self, name, value, opt):
         n = len(opt.param_groups)
@@ -198,6 +202,7 @@ def _fit_scheduled(self:Learner, n_epoch, scheds, wd, cbs, reset_opt, resume):
     try: self.fit(n_epoch, wd=wd, cbs=[sched, *listify(cbs)], reset_opt=reset_opt, resume=resume)
     finally: self.param_scheduler = sched
 
+# %% ../nbs/11_schedule.ipynb #50bccc94
 @patch
 def fit_one_cycle(self:Learner, n_epoch, lr_max=None, div=25., div_final=1e5, pct_start=0.25, wd=None,
                   moms=(0.95, 0.85, 0.95), cbs=None, reset_opt=False, resume=None):
@@ -209,16 +214,19 @@ def fit_one_cycle(self:Learner, n_epoch, lr_max=None, div=25., div_final=1e5, pc
     scheds = {'lr': _per_group(lambda lr: combined_cos(pct_start, lr / div, lr, lr / div_final), lr_max)}
     if moms is not None:
         if not isinstance(moms, (list, tuple)) or len(moms) != 3:
-            raise ValueError(f"fit_one_cycle: moms must be (start, middle, end) momentums, like (0.95, 0.85, 0.95), not {moms!r}")
+            raise ValueError(f"fit_one_cycle: moms must be (start, middle, end) momentums, like (0.95, 0.85, 0.95), "
+                             f"not {moms!r}")
         opt = self._opt_for_fit(reset_opt)
         reset_opt = False                  # made just now if it had to be
         if has_momentum(opt): scheds['mom'] = combined_cos(pct_start, *moms)
-        else: warnings.warn(f"fit_one_cycle: {type(opt).__name__} has no momentum (neither 'momentum' nor 'betas' in its "
-                            f"param groups), so moms={moms} is not scheduled; pass moms=None to silence this", UserWarning, stacklevel=2)
+        else: warnings.warn(f"fit_one_cycle: {type(opt).__name__} has no momentum (neither 'momentum' nor 'betas' in "
+                            f"its param groups), so moms={moms} is not scheduled; pass moms=None to silence this",
+                            UserWarning, stacklevel=2)
     self._fit_scheduled(n_epoch, scheds, wd, cbs, reset_opt, resume)
 
 @patch
-def fit_flat_cos(self:Learner, n_epoch, lr=None, div_final=1e5, pct_start=0.75, wd=None, cbs=None, reset_opt=False, resume=None):
+def fit_flat_cos(self:Learner, n_epoch, lr=None, div_final=1e5, pct_start=0.75, wd=None, cbs=None, reset_opt=False,
+                 resume=None):
     "Fit `n_epoch` epochs at a flat `lr` for `pct_start` of the fit, then with a cosine down to `lr/div_final`"
     lr = check_number(self.lr if lr is None else lr, 'lr', gt=0, per_group=True, who='fit_flat_cos')
     check_number(div_final, 'div_final', gt=0, who='fit_flat_cos')
@@ -226,9 +234,10 @@ def fit_flat_cos(self:Learner, n_epoch, lr=None, div_final=1e5, pct_start=0.75, 
     make = lambda v: combine_scheds([pct_start, 1 - pct_start], [SchedNo(v, v), SchedCos(v, v / div_final)])
     self._fit_scheduled(n_epoch, {'lr': _per_group(make, lr)}, wd, cbs, reset_opt, resume)
 
-# %% ../nbs/11_schedule.ipynb #e529fd95
+# %% ../nbs/11_schedule.ipynb #daa72417
 def _is_scheduler(o): return callable(getattr(o, 'step', None)) and hasattr(o, 'optimizer')
 
+# %% ../nbs/11_schedule.ipynb #e529fd95
 class LRSchedulerCallback(Callback):
     "Steps a `torch.optim.lr_scheduler` after every optimizer step that happened (`step_on='batch'`) or every epoch"
     order,run_valid = 0,False
@@ -237,7 +246,8 @@ class LRSchedulerCallback(Callback):
                      hint="'batch': after each optimizer step, 'epoch': after each epoch")
         if not _is_scheduler(scheduler) and not callable(scheduler):
             raise TypeError(f"LRSchedulerCallback takes a torch.optim.lr_scheduler scheduler built on learn.opt, or a "
-                            f"function opt -> scheduler (e.g. lambda opt: StepLR(opt, step_size=10)), not {scheduler!r}")
+                            f"function opt -> scheduler (e.g. lambda opt: StepLR(opt, step_size=10)), "
+                            f"not {scheduler!r}")
         self.make_scheduler = None if _is_scheduler(scheduler) else scheduler
         self.scheduler = scheduler if _is_scheduler(scheduler) else None
         self.step_on,self.monitor,self._cancelled_at,self._monitor_idx = step_on,monitor,-1,None
@@ -272,7 +282,8 @@ class LRSchedulerCallback(Callback):
             f"LRSchedulerCallback: {type(self.scheduler).__name__} was built on another optimizer "
             f"({type(self.scheduler.optimizer).__name__} at {id(self.scheduler.optimizer):#x}), not on learn.opt "
             f"({type(opt).__name__} at {id(opt):#x}); the learner makes its optimizer at the first fit and again with "
-            f"reset_opt=True. Pass a function instead, LRSchedulerCallback(lambda opt: {type(self.scheduler).__name__}(opt, ...)), "
+            f"reset_opt=True. Pass a function instead, "
+            f"LRSchedulerCallback(lambda opt: {type(self.scheduler).__name__}(opt, ...)), "
             f"or call learn.create_opt() and build the scheduler on learn.opt")
 
     def _resume_lrs(self, opt):
@@ -285,10 +296,12 @@ class LRSchedulerCallback(Callback):
         "Index of `monitor` in the Recorder's `last_valid`, whose columns are its `valid_names`"
         learn,rec = self.learn,getattr(self.learn, 'recorder', None)
         if learn.dls.valid is None or not isinstance(rec, Recorder): raise ValueError(
-            "LRSchedulerCallback: ReduceLROnPlateau needs a validation dataloader and the Recorder to read its value from")
+            "LRSchedulerCallback: ReduceLROnPlateau needs a validation dataloader and the Recorder to read its value "
+            "from")
         names = rec.valid_names
         if self.monitor not in names: raise ValueError(
-            f"LRSchedulerCallback: ReduceLROnPlateau monitors {self.monitor!r}, which is not one of the validation values {names}")
+            f"LRSchedulerCallback: ReduceLROnPlateau monitors {self.monitor!r}, which is not one of the validation "
+            f"values {names}")
         return names.index(self.monitor)
 
     def after_cancel_step(self): self._cancelled_at = self.learn.train_iter

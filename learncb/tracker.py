@@ -1,4 +1,4 @@
-"""Callbacks that watch a metric each epoch: save the best model, stop early, reduce the learning rate on a plateau, stop on NaN.
+"""Callbacks that watch a metric each epoch: save the best model, stop early, lower the lr on a plateau, stop on NaN.
 
 Docs: https://learncb.github.io/learncb/tracker.html.md"""
 
@@ -42,7 +42,8 @@ class TrackerCallback(Callback):
         if not (isinstance(monitor, str) or callable(monitor)):
             raise TypeError(f"monitor must be a column name or a function f(learn) -> float, not {monitor!r}")
         check_number(min_delta, 'min_delta', ge=0, who=type(self).__name__, type_error=TypeError)
-        self.monitor,self.greater_is_better,self.min_delta,self.reset_on_fit = monitor,greater_is_better,min_delta,reset_on_fit
+        self.monitor,self.greater_is_better = monitor,greater_is_better
+        self.min_delta,self.reset_on_fit = min_delta,reset_on_fit
         self.best,self.best_epoch,self.new_best,self.value = None,None,False,None
 
     @property
@@ -52,7 +53,8 @@ class TrackerCallback(Callback):
 
     def before_fit(self):
         self._read = self._reader()
-        self._greater = greater_is_better_for(self.monitor_name) if self.greater_is_better is None else self.greater_is_better
+        greater = self.greater_is_better
+        self._greater = greater_is_better_for(self.monitor_name) if greater is None else greater
         self._warned = False
         if self.reset_on_fit or self.best is None: self.best,self.best_epoch = None,None
 
@@ -60,8 +62,9 @@ class TrackerCallback(Callback):
         "A function returning this epoch's value of the monitor"
         if callable(self.monitor): return lambda: self.monitor(self.learn)
         rec = getattr(self.learn, 'recorder', None)
-        if rec is None: raise ValueError(f"{type(self).__name__} monitors {self.monitor!r}, a column of the Recorder, but "
-                                         f"the learner has no Recorder: add one, or monitor a function f(learn) -> float")
+        if rec is None:
+            raise ValueError(f"{type(self).__name__} monitors {self.monitor!r}, a column of the Recorder, but "
+                             f"the learner has no Recorder: add one, or monitor a function f(learn) -> float")
         names = rec.value_names
         self.monitor = resolve_monitor(self.monitor, names)
         idx = names.index(self.monitor)
@@ -108,13 +111,14 @@ class TerminateOnNaNCallback(Callback):
         "One host sync: are all the losses since the last check finite?"
         window = self._window
         if not window: return
-        finite = torch.isfinite(torch.stack([l.float().mean() for l in window]) if window[0].ndim else torch.stack(window))
+        losses = torch.stack([l.float().mean() for l in window]) if window[0].ndim else torch.stack(window)
+        finite = torch.isfinite(losses)
         first_iter = self._first_iter
         window.clear()
         if bool(finite.all()): return
         learn,bad = self.learn,int((~finite).nonzero()[0])
-        self.found = (f"{'training' if learn.training else 'validation'} loss is NaN or infinite at epoch {learn.epoch}, "
-                      f"batch {first_iter + bad}: training stopped")
+        self.found = (f"{'training' if learn.training else 'validation'} loss is NaN or infinite at epoch "
+                      f"{learn.epoch}, batch {first_iter + bad}: training stopped")
         warnings.warn(self.found, RuntimeWarning)
         raise CancelFitException(self.found)
     after_train = after_validate = _check
@@ -147,8 +151,8 @@ class SaveModelCallback(TrackerCallback):
         if self.at_end: return self._save(self.fname)
         if self.every_epoch is not False or self.best_epoch is None: return
         if self.learn.exception is not None:
-            warnings.warn(f"the fit ended with {type(self.learn.exception).__name__}: the model keeps its current weights; "
-                          f"the best ones (epoch {self.best_epoch}) are in {self.saved}")
+            warnings.warn(f"the fit ended with {type(self.learn.exception).__name__}: the model keeps its current "
+                          f"weights; the best ones (epoch {self.best_epoch}) are in {self.saved}")
         else: self.learn.load(self.fname, with_opt=self.with_opt)
 
 SaveBestModelCallback = SaveModelCallback
@@ -199,8 +203,9 @@ class ReduceLROnPlateau(PatienceCallback):
     def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., patience=1, factor=10., min_lr=0.,
                  reset_on_fit=True):
         super().__init__(monitor, greater_is_better, min_delta, patience, reset_on_fit)
-        self.factor = check_number(factor, 'factor', gt=1, who='ReduceLROnPlateau', type_error=TypeError, hint=
-                                   "torch's factor=0.1 is factor=10 here: the lr is divided by factor, so it must be > 1")
+        self.factor = check_number(
+            factor, 'factor', gt=1, who='ReduceLROnPlateau', type_error=TypeError,
+            hint="torch's factor=0.1 is factor=10 here: the lr is divided by factor, so it must be > 1")
         self.min_lr = min_lr
 
     def after_epoch(self):

@@ -1,4 +1,4 @@
-"""Callbacks that change how a step is taken: `GradientAccumulation`, `GradientClip`, `MixedPrecision`, and two that place things in memory, `MoveModulesToDeviceCallback` and `ChannelsLast`.
+"""Callbacks that change how a step is taken (accumulation, clipping, mixed precision) or where things sit in memory.
 
 Docs: https://learncb.github.io/learncb/training.html.md"""
 
@@ -77,6 +77,7 @@ def _check_amp_dtype(dtype):
     raise ValueError(f"MixedPrecision: dtype must be torch.bfloat16, torch.float16 (or 'bf16', 'fp16'), or None to let "
                      f"the device choose, not {dtype!r}")
 
+# %% ../nbs/13_training.ipynb #83d7a1ec
 def autocast_for(device_type, dtype):
     "A `torch.autocast` for `device_type` and `dtype`, or a `ValueError` when the device cannot autocast to `dtype`"
     if not torch.amp.is_autocast_available(device_type):
@@ -93,6 +94,7 @@ def autocast_for(device_type, dtype):
                          f"dtype={other}, or dtype=None to let the device choose")
     return ctx
 
+# %% ../nbs/13_training.ipynb #a90f5094
 class _Region:
     "An autocast context opened and closed by events: closing it when it is not open does nothing"
     __slots__ = ('ctx', 'open')
@@ -116,8 +118,9 @@ def _to_float(o):
     if isinstance(o, dict): return {k: _to_float(v) for k,v in o.items()}
     return o
 
+# %% ../nbs/13_training.ipynb #7f37f7d5
 class MixedPrecision(Callback):
-    "Forward pass and loss under `torch.autocast`; with float16, a `GradScaler` that skips the steps whose gradients overflow"
+    "Forward pass and loss under `torch.autocast`; with float16, a `GradScaler` skipping steps whose gradients overflow"
     order = 10
     def __init__(self, dtype=None, init_scale=2.**16, growth_interval=2000):
         self.dtype = _check_amp_dtype(dtype)
@@ -145,7 +148,8 @@ class MixedPrecision(Callback):
         return device_type
 
     def _make_scaler(self, device_type):
-        self.scaler = torch.amp.GradScaler(device_type, init_scale=self.init_scale, growth_interval=self.growth_interval)
+        self.scaler = torch.amp.GradScaler(device_type, init_scale=self.init_scale,
+                                           growth_interval=self.growth_interval)
         if self._scaler_state is not None: self.scaler.load_state_dict(self._scaler_state)
         self._scaler_state,self._scaler_device = None,device_type
 
@@ -176,7 +180,7 @@ class MixedPrecision(Callback):
         raise CancelStepException()
 
     def after_cancel_step(self):
-        "A callback after this one cancelled a step whose gradients were unscaled: scale them again for the next backward"
+        "A later callback cancelled a step whose gradients were unscaled: scale them again for the next backward"
         probe = self._probe
         if self.scaler is None or probe is None or not probe.stepped: return
         probe.stepped = False
@@ -204,7 +208,7 @@ class MixedPrecision(Callback):
 
 # %% ../nbs/13_training.ipynb #545ffde1
 class MoveModulesToDeviceCallback(Callback):
-    "Move every `nn.Module` attribute of the learner except the model (loss function, teacher model...) to the model's device"
+    "Move every `nn.Module` attribute of the learner but the model (loss function, teacher...) to the model's device"
     order = -20
     def move_modules(self):
         "Move the learner's `nn.Module` attributes, other than the model, to the model's device"
