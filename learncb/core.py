@@ -1,4 +1,4 @@
-"""The vocabulary of learncb: the names of the events the loop fires, the exceptions that steer it, and the `Callback` class that listens.
+"""The vocabulary of learncb: the events the loop fires, the exceptions that steer it, and the `Callback` that listens.
 
 Docs: https://learncb.github.io/learncb/core.html.md"""
 
@@ -8,8 +8,8 @@ Docs: https://learncb.github.io/learncb/core.html.md"""
 __all__ = ['loop_outline', 'batch_events', 'stage_events', 'event', 'CancelBatch', 'CancelStep', 'CancelBackward', 'CancelTrain',
            'CancelValid', 'CancelEpoch', 'CancelFit', 'closest_event', 'did_you_mean', 'CancelException',
            'CancelBatchException', 'CancelStepException', 'CancelBackwardException', 'CancelTrainException',
-           'CancelValidException', 'CancelEpochException', 'CancelFitException', 'snake_name', 'Callback',
-           'name_is_own']
+           'CancelValidException', 'CancelEpochException', 'CancelFitException', 'snake_name', 'name_is_own',
+           'Callback']
 
 # %% ../nbs/00_core.ipynb #fdd1603a
 import difflib, re, warnings
@@ -56,6 +56,7 @@ after_exception
 after_fit
 End Fit'''.splitlines()
 
+# %% ../nbs/00_core.ipynb #4bee7991
 def _is_event(line): return line.isidentifier()
 
 def _batch_loop_events(outline):
@@ -115,7 +116,8 @@ class CancelFitException(CancelException):
     "Stop training now: `after_cancel_fit` then `after_fit` fire"
 
 CancelBatch,CancelStep,CancelBackward = CancelBatchException,CancelStepException,CancelBackwardException
-CancelTrain,CancelValid,CancelEpoch,CancelFit = CancelTrainException,CancelValidException,CancelEpochException,CancelFitException
+CancelTrain,CancelValid = CancelTrainException,CancelValidException
+CancelEpoch,CancelFit = CancelEpochException,CancelFitException
 
 # %% ../nbs/00_core.ipynb #b9d86a19
 def snake_name(cls_name):
@@ -124,10 +126,16 @@ def snake_name(cls_name):
     name = re.sub(r'([A-Z]+)([A-Z][a-z])', r'\1_\2', name)
     return re.sub(r'([a-z\d])([A-Z])', r'\1_\2', name).lower()
 
-# %% ../nbs/00_core.ipynb #acc45a64
+# %% ../nbs/00_core.ipynb #11d4a66e
+def name_is_own(cb, name):
+    "Whether `cb` itself defines a callable `name` (found without falling back to the learner)"
+    return (name in cb.__dict__ or hasattr(type(cb), name)) and callable(getattr(cb, name))
+
+# %% ../nbs/00_core.ipynb #e5206507
 _dispatch_attrs = frozenset(('run', 'run_train', 'run_valid', 'order'))
 _own_attrs = frozenset(('learn', '_name'))
 
+# %% ../nbs/00_core.ipynb #acc45a64
 class Callback:
     "Base class of callbacks: methods named like events run when the learner fires those events"
     order,run,run_train,run_valid,remove_on_fetch,remove_on_lr_find,learn,_name = 0,True,True,True,False,False,None,None
@@ -201,7 +209,3 @@ class Callback:
         for k,v in state.items(): object.__setattr__(self, k, v)
 
     def __repr__(self): return type(self).__name__ if self._name is None else f'{type(self).__name__}({self._name!r})'
-
-def name_is_own(cb, name):
-    "Whether `cb` itself defines a callable `name` (found without falling back to the learner)"
-    return (name in cb.__dict__ or hasattr(type(cb), name)) and callable(getattr(cb, name))

@@ -20,13 +20,15 @@ def error_rate(pred, targ, axis=-1):
     "1 - `accuracy`"
     return 1 - accuracy(pred, targ, axis=axis)
 
+# %% ../nbs/03_metrics.ipynb #92cb2a4c
 def metric_name(m):
     "The name a metric is shown and recorded under"
-    name = getattr(m, 'name', None) or getattr(m, '__name__', None) or getattr(getattr(m, 'func', None), '__name__', None)
+    name = (getattr(m, 'name', None) or getattr(m, '__name__', None)
+            or getattr(getattr(m, 'func', None), '__name__', None))
     return name if isinstance(name, str) else snake_name(type(m).__name__)
 
 def is_stateful_metric(m):
-    "Whether `m` accumulates itself (`update`/`compute`/`reset`, like a `torchmetrics.Metric`) rather than being a function"
+    "Whether `m` accumulates itself (`update`/`compute`/`reset`, like a `torchmetrics.Metric`), not a function"
     return all(callable(getattr(m, a, None)) for a in ('update', 'compute', 'reset'))
 
 # %% ../nbs/03_metrics.ipynb #de19ecfc

@@ -28,9 +28,11 @@ def n_samples(dl):
     except TypeError: return None
     return n - n % bs.batch_size if bs.drop_last else n
 
+# %% ../nbs/05_preds.ipynb #5a3f8792
 class Gatherer:
     "Collects per-batch tensors (or tuples of them) along `dim` on the CPU, into preallocated memory when `n` is known"
-    def __init__(self, n=None, dim=0): self.n,self.dim,self.kids,self.buf,self.parts,self.pos,self.cuda = n,dim,None,None,[],0,False
+    def __init__(self, n=None, dim=0):
+        self.n,self.dim,self.kids,self.buf,self.parts,self.pos,self.cuda = n,dim,None,None,[],0,False
 
     def add(self, o):
         "Append one batch: a tensor, or a tuple/list of tensors"
@@ -41,12 +43,15 @@ class Gatherer:
 
     def _add_tensor(self, t):
         self.cuda |= t.is_cuda
-        if self.buf is None and (self.n is None or t.ndim <= self.dim): return self.parts.append(t.to('cpu', non_blocking=True))
+        if self.buf is None and (self.n is None or t.ndim <= self.dim):
+            return self.parts.append(t.to('cpu', non_blocking=True))
         if self.buf is None: self.buf = self._alloc(t)
         k = t.shape[self.dim]
-        same_item_shape = t.shape[:self.dim] + t.shape[self.dim+1:] == self.buf.shape[:self.dim] + self.buf.shape[self.dim+1:]
+        same_item_shape = (t.shape[:self.dim] + t.shape[self.dim+1:]
+                           == self.buf.shape[:self.dim] + self.buf.shape[self.dim+1:])
         if self.pos + k > self.n or not same_item_shape:
-            raise ValueError(f"cannot gather a batch of shape {tuple(t.shape)} after {self.pos} items into {tuple(self.buf.shape)}: "
+            raise ValueError(f"cannot gather a batch of shape {tuple(t.shape)} after {self.pos} items "
+                             f"into {tuple(self.buf.shape)}: "
                              f"items must have the same shape in every batch (pad them, or pass concat_dim=...)")
         self.buf.narrow(self.dim, self.pos, k).copy_(t, non_blocking=True)
         self.pos += k
@@ -70,10 +75,12 @@ class GatherPredsCallback(Callback):
     def __init__(self, with_input=False, with_loss=False, save_preds=None, save_targs=None, with_preds=True,
                  with_targs=True, concat_dim=0, pickle_protocol=2):
         self.with_input,self.with_loss,self.with_preds,self.with_targs = with_input,with_loss,with_preds,with_targs
-        self.save_preds,self.save_targs,self.concat_dim,self.pickle_protocol = save_preds,save_targs,concat_dim,pickle_protocol
+        self.save_preds,self.save_targs = save_preds,save_targs
+        self.concat_dim,self.pickle_protocol = concat_dim,pickle_protocol
         self._new_gatherers(None)
 
-    def _new_gatherers(self, n): self.inputs,self.preds,self.targets,self.losses = (Gatherer(n, self.concat_dim) for _ in range(4))
+    def _new_gatherers(self, n):
+        self.inputs,self.preds,self.targets,self.losses = (Gatherer(n, self.concat_dim) for _ in range(4))
 
     def before_validate(self):
         self._new_gatherers(n_samples(self.learn.dl))
@@ -118,13 +125,16 @@ def decodes_of(loss_func):
     if isinstance(loss_func, nn.BCEWithLogitsLoss): return lambda x: x > 0.5
     return lambda x: x
 
+# %% ../nbs/05_preds.ipynb #618fcd33
 def in_order(dl):
     "`dl` itself, or a copy that reads its dataset in order without dropping the last batch"
     if not isinstance(dl, DataLoader) or not isinstance(dl.batch_sampler, BatchSampler): return dl
     if not isinstance(dl.sampler, RandomSampler) and not dl.drop_last: return dl
     return DataLoader(dl.dataset, batch_size=dl.batch_size, shuffle=False, drop_last=False, num_workers=dl.num_workers,
-                      collate_fn=dl.collate_fn, pin_memory=dl.pin_memory, timeout=dl.timeout, worker_init_fn=dl.worker_init_fn)
+                      collate_fn=dl.collate_fn, pin_memory=dl.pin_memory, timeout=dl.timeout,
+                      worker_init_fn=dl.worker_init_fn)
 
+# %% ../nbs/05_preds.ipynb #10969ed5
 @contextmanager
 def _recorders_off(learn):
     "The Recorders sit out (`run=False`) for a while: `get_preds` leaves no trace in the history"
@@ -141,8 +151,9 @@ def get_preds(self:Learner, ds_idx=1, dl=None, with_input=False, with_decoded=Fa
     "Predictions and targets on `dl` (or `dls[ds_idx]`): `(inputs?, preds, targs, decoded?, losses?)`"
     if dl is None: dl = self.dl_for(ds_idx)
     if reorder: dl = in_order(dl)
-    gather = GatherPredsCallback(with_input=with_input, with_loss=with_loss, save_preds=save_preds, save_targs=save_targs,
-                                 with_preds=with_preds, with_targs=with_targs, concat_dim=concat_dim, pickle_protocol=pickle_protocol)
+    gather = GatherPredsCallback(with_input=with_input, with_loss=with_loss, save_preds=save_preds,
+                                 save_targs=save_targs, with_preds=with_preds, with_targs=with_targs,
+                                 concat_dim=concat_dim, pickle_protocol=pickle_protocol)
     with _recorders_off(self), self.added_cbs([gather, *listify(cbs)]), self.no_logging():
         if with_loss:
             with self.loss_not_reduced(): self.run_validation(dl)
@@ -154,6 +165,7 @@ def get_preds(self:Learner, ds_idx=1, dl=None, with_input=False, with_decoded=Fa
         if with_decoded: res.insert(i + 2, decodes_of(self.loss_func)(res[i]))
     return tuple(res)
 
+# %% ../nbs/05_preds.ipynb #04aac0df
 @patch
 def validate(self:Learner, ds_idx=1, dl=None, cbs=None):
     "Loss and metrics on `dl` (or `dls[ds_idx]`): `[valid_loss, *metrics]`"

@@ -1,4 +1,4 @@
-"""`ProgressCallback`: progress bars for epochs and batches and the table of metrics, in a terminal or in Jupyter, with fastprogress.
+"""`ProgressCallback`: fastprogress bars for epochs and batches, and the table of metrics, in a terminal or in Jupyter.
 
 Docs: https://learncb.github.io/learncb/progress.html.md"""
 
@@ -24,8 +24,9 @@ def can_draw_bars():
     isatty = getattr(sys.stdout, 'isatty', None)
     return IN_NOTEBOOK or bool(isatty and isatty())
 
+# %% ../nbs/06_progress.ipynb #d2f342ed
 class ProgressCallback(Callback):
-    "Progress bars for epochs and batches, the smoothed loss as the bar's comment, and the metrics table, with fastprogress"
+    "Progress bars for epochs and batches (the smoothed loss as comment) and the metrics table, with fastprogress"
     order,remove_on_fetch = 60,True
     refresh_every = 0.25   # seconds between bar updates: reading the loss for the comment costs a host sync
     mbar = pbar = _old_logger = None
@@ -58,7 +59,8 @@ class ProgressCallback(Callback):
         if self.pbar is None or (now := time.monotonic()) < self._next: return
         self._next = now + self.refresh_every
         learn = self.learn
-        if learn.training and (rec := getattr(learn, 'recorder', None)) is not None and (sl := rec.smooth_loss) is not None:
+        if (learn.training and (rec := getattr(learn, 'recorder', None)) is not None
+                and (sl := rec.smooth_loss) is not None):
             self.pbar.comment = f'{sl:.4f}'
         self.pbar.update(learn.iter + 1)
 
@@ -77,6 +79,7 @@ class ProgressCallback(Callback):
             self.mbar = None
         if self._old_logger is not None: self.learn.logger,self._old_logger = self._old_logger,None
 
+# %% ../nbs/06_progress.ipynb #29511386
 @patch
 @contextmanager
 def no_bar(self:Learner):

@@ -64,7 +64,8 @@ class Recorder(Callback):
     @property
     def extra_columns(self):
         "Columns asked for by other callbacks through their `recorder_columns` attribute"
-        return [c for cb in self.learn.cbs for c in getattr(type(cb), 'recorder_columns', None) and cb.recorder_columns or []]
+        return [c for cb in self.learn.cbs
+                for c in getattr(type(cb), 'recorder_columns', None) and cb.recorder_columns or []]
 
     def record(self, name, value):
         "Set the value of extra column `name` for the current epoch (ignored during `validate`/`get_preds` runs)"
@@ -145,8 +146,9 @@ class Recorder(Callback):
                 if is_stateful_metric(m): m.update(learn.pred, *learn.yb)
                 else: col.append(m(learn.pred, *learn.yb))
             except Exception as e:
-                add_note(e, f"learncb: metric {name!r} failed on batch {learn.iter} (pred shape {tuple(learn.pred.shape)}); "
-                             f"a metric is called as metric(pred, *yb) and must return a scalar")
+                add_note(e, f"learncb: metric {name!r} failed on batch {learn.iter} "
+                            f"(pred shape {tuple(learn.pred.shape)}); "
+                            f"a metric is called as metric(pred, *yb) and must return a scalar")
                 raise
 
     def after_validate(self):
@@ -169,7 +171,8 @@ class Recorder(Callback):
         "`[valid_loss, *metrics]`: batch averages in one host sync, then each stateful metric's `compute()`"
         stateful = [is_stateful_metric(m) for _,m in self._valid_metrics]
         means = iter(weighted_means([c for c,s in zip(self._valid_cols, [False, *stateful]) if not s], self._valid_bs))
-        return [next(means), *(float(m.compute()) if s else next(means) for (_,m),s in zip(self._valid_metrics, stateful))]
+        return [next(means), *(float(m.compute()) if s else next(means)
+                               for (_,m),s in zip(self._valid_metrics, stateful))]
 
     def after_train(self): self._flush()
 
@@ -204,6 +207,7 @@ class Recorder(Callback):
         ax.set_xlabel('batch'); ax.set_ylabel('loss'); ax.legend()
         return ax
 
+# %% ../nbs/04_recorder.ipynb #bc55d3be
 def _fmt(v): return '' if v is None else f'{v:.6f}'
 
 defaults.add_callback(Recorder)

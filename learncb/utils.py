@@ -31,6 +31,7 @@ def to_device(b, device):
     if isinstance(b, dict): return {k: to_device(v, device) for k,v in b.items()}
     return b
 
+# %% ../nbs/01_utils.ipynb #b72853eb
 def tensors_of(o):
     "The tensors in `o`, a tensor or nested tuples/lists/dicts of them"
     if isinstance(o, torch.Tensor): return [o]
@@ -51,7 +52,7 @@ def n_batches(dl):
 
 # %% ../nbs/01_utils.ipynb #8a9f4c0d
 def listify(o):
-    "`o` as a list: `[]` for `None`, the items of a list, tuple or other iterable, else `[o]` (classes, strings, tensors)"
+    "`o` as a list: `[]` for `None`, the items of a list, tuple or iterable, else `[o]` (classes, strings, tensors)"
     if o is None: return []
     if isinstance(o, (list, tuple)): return list(o)
     if isinstance(o, (type, str, bytes, dict, torch.Tensor)) or not hasattr(o, '__iter__'): return [o]
@@ -72,6 +73,7 @@ def arg_error(value, name, what, who=None, hint=None, err=ValueError):
     where,why = f'{who}: ' if who else '',f' ({hint})' if hint else ''
     return err(f"{where}{name} must be {what}, not {value!r}{why}")
 
+# %% ../nbs/01_utils.ipynb #ff0e35a7
 def check_number(value, name, *, gt=None, ge=None, per_group=False, who=None, what=None, hint=None,
                  type_error=ValueError):
     "`value` if it is a number `> gt` (or `>= ge`); with `per_group`, a list of them (one per param group) is too"
@@ -85,6 +87,7 @@ def check_number(value, name, *, gt=None, ge=None, per_group=False, who=None, wh
         raise arg_error(value, name, what, who, hint)
     return value
 
+# %% ../nbs/01_utils.ipynb #d5287530
 def check_int(value, name, *, ge=None, allow_none=False, who=None, what=None, hint=None):
     "`value` if it is an int `>= ge` (or `None`, with `allow_none`), else a `ValueError` saying what it must be"
     if allow_none and value is None: return value
