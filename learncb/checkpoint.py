@@ -1,4 +1,4 @@
-"""Save the whole state of a run in one file, atomically, and resume from any batch with exactly the weights an uninterrupted run would have had.
+"""Save a run's whole state in one file, atomically, and resume from any batch to the weights of an uninterrupted run.
 
 Docs: https://learncb.github.io/learncb/checkpoint.html.md"""
 
@@ -38,6 +38,7 @@ class ResumableSampler(Sampler):
     def state_dict(self): return {'seed': self.seed, 'epoch': self.epoch}
     def load_state_dict(self, state): self.seed,self.epoch = state['seed'],state['epoch']
 
+# %% ../nbs/16_checkpoint.ipynb #0a843dab
 def cannot_resume_reason(dl):
     "Why `dl` cannot be made to resume exactly (`None` if it can)"
     if not isinstance(dl, DataLoader): return f"it is a {type(dl).__name__}, not a torch DataLoader"
@@ -46,7 +47,8 @@ def cannot_resume_reason(dl):
     if isinstance(dl.sampler, ResumableSampler): return None
     if isinstance(dl.sampler, RandomSampler) and (dl.sampler.replacement or dl.sampler._num_samples is not None):
         return "its RandomSampler draws with replacement or a num_samples"
-    if not isinstance(dl.sampler, (RandomSampler, SequentialSampler)): return f"it has a custom sampler ({type(dl.sampler).__name__})"
+    if not isinstance(dl.sampler, (RandomSampler, SequentialSampler)):
+        return f"it has a custom sampler ({type(dl.sampler).__name__})"
     return None
 
 def resumable_dataloader(dl, seed):
@@ -86,11 +88,13 @@ def state_dict(self:Learner):
             'cbs': {k: s for k,cb in zip(_cb_keys(self.cbs), self.cbs) if (s := cb.state_dict())},
             'state': dict(self.state)}
 
+# %% ../nbs/16_checkpoint.ipynb #6da5d3fa
 @patch
 def load_state_dict(self:Learner, state, strict=True, where='the checkpoint'):
     "Put back what `state_dict` returned; `strict` model keys, callbacks matched by name"
     if not isinstance(state, dict) or state.get('format') != 'learncb-checkpoint':
-        raise ValueError(f"{where} is not a learncb checkpoint (written by Learner.save_checkpoint or CheckpointCallback)")
+        raise ValueError(f"{where} is not a learncb checkpoint "
+                         "(written by Learner.save_checkpoint or CheckpointCallback)")
     load_model_state(self.model, state['model'], where, strict=strict)
     if state['opt'] is not None:
         if self.opt is None: self.create_opt()
@@ -135,7 +139,7 @@ def load_checkpoint(self:Learner, path, strict=True):
 
 # %% ../nbs/16_checkpoint.ipynb #a6b0ba29
 class ResumeCallback(Callback):
-    "Restores a checkpoint's state in a fit, after the other callbacks' `before_fit`/`before_train`, and sets where the loop starts"
+    "Restores a checkpoint in a fit, after the other callbacks' `before_fit`/`before_train`; sets where the loop starts"
     order = 200     # after every other callback: what their before_fit and before_train reset is then overwritten
     def __init__(self, state, path):
         self.state,self.path,self.at = state,Path(path),state.get('at', 'epoch_end')
@@ -159,9 +163,10 @@ class ResumeCallback(Callback):
         sampler = getattr(learn.dl, 'sampler', None)
         if isinstance(sampler, ResumableSampler): sampler.start = start * learn.dl.batch_size
         else:
-            warnings.warn(f"the training dataloader cannot skip batches ({cannot_resume_reason(learn.dl)}): the first {start} "
-                          f"batches of the epoch are read again and dropped; the order is the same only if it does not "
-                          f"depend on the random state. Use a torch DataLoader (shuffle=True or False) to resume exactly.")
+            warnings.warn(f"the training dataloader cannot skip batches ({cannot_resume_reason(learn.dl)}): the first "
+                          f"{start} batches of the epoch are read again and dropped; the order is the same only if it "
+                          f"does not depend on the random state. Use a torch DataLoader (shuffle=True or False) to "
+                          f"resume exactly.")
             learn.dl = _Skip(learn.dl, start)
         learn.start_iter = start
 
@@ -191,16 +196,18 @@ def _newest_checkpoint(learn):
                                           f"without resume, or pass the checkpoint's path")
     return found[-1]
 
+# %% ../nbs/16_checkpoint.ipynb #ec6c046f
 def resume_cbs(learn, resume):
-    "The callbacks `fit(resume=...)` adds: a `ResumeCallback` for checkpoint `resume` (`True`: the newest), and a `CheckpointCallback` if the learner has none"
+    "What `fit(resume=...)` adds: a `ResumeCallback` of `resume` (`True`: the newest), a `CheckpointCallback` if none"
     path = _newest_checkpoint(learn) if resume is True else Path(resume)
     state = load_torch_file(path, map_location=model_device(learn.model, learn.device))
     if not isinstance(state, dict) or state.get('format') != 'learncb-checkpoint':
-        raise ValueError(f"{path} is not a learncb checkpoint (written by Learner.save_checkpoint or CheckpointCallback)")
+        raise ValueError(f"{path} is not a learncb checkpoint "
+                         "(written by Learner.save_checkpoint or CheckpointCallback)")
     n_epoch = state['loop']['n_epoch']
     if n_epoch != learn.n_epoch:
-        raise ValueError(f"{path} was taken in a fit of {n_epoch} epochs, but this fit has {learn.n_epoch}: resume the same "
-                         f"run with learn.fit({n_epoch}, resume=...)")
+        raise ValueError(f"{path} was taken in a fit of {n_epoch} epochs, but this fit has {learn.n_epoch}: resume "
+                         f"the same run with learn.fit({n_epoch}, resume=...)")
     if not state.get('exact', True):
         warnings.warn(f"{path} was written after an error in the middle of a batch: the run continues from the last "
                       f"complete batch, but may not end exactly as an uninterrupted run would")
@@ -223,7 +230,8 @@ class CheckpointCallback(Callback):
     def __init__(self, path='checkpoints', every_n_steps=None, every_epoch=True, keep_last=2, on_exception=True):
         check_int(every_n_steps, 'every_n_steps', ge=1, allow_none=True, who='CheckpointCallback')
         check_int(keep_last, 'keep_last', ge=1, who='CheckpointCallback')
-        self.path,self.every_n_steps,self.every_epoch,self.keep_last,self.on_exception = Path(path),every_n_steps,every_epoch,keep_last,on_exception
+        self.path,self.every_n_steps,self.every_epoch = Path(path),every_n_steps,every_epoch
+        self.keep_last,self.on_exception = keep_last,on_exception
         self.last,self._interrupted,self._old_sigint = None,False,None
         self._pos = {'at': None, 'epoch': 0, 'iter': -1, 'dirty': False}   # the last complete point of the run
 
@@ -239,9 +247,9 @@ class CheckpointCallback(Callback):
         resuming = next((cb for cb in learn.cbs if isinstance(cb, ResumeCallback)), None)
         if resuming is None:
             reason = _make_train_resumable(learn, seed=int(torch.randint(0, 2**62, ())))
-            if reason: warnings.warn(f"the training dataloader cannot resume in the middle of an epoch exactly ({reason}); "
-                                     f"checkpoints taken in an epoch will replay it from its start. Use a torch DataLoader "
-                                     f"(shuffle=True or False) to resume exactly.")
+            if reason: warnings.warn(f"the training dataloader cannot resume in the middle of an epoch exactly "
+                                     f"({reason}); checkpoints taken in an epoch will replay it from its start. Use a "
+                                     f"torch DataLoader (shuffle=True or False) to resume exactly.")
             self._pos.update(at=None, epoch=0, iter=-1, dirty=False)
         else: self._pos.update(at=resuming.at, epoch=resuming.epoch, iter=resuming.iter, dirty=False)
         self._interrupted = False
@@ -267,7 +275,7 @@ class CheckpointCallback(Callback):
         elif self.every_epoch: self.save()
 
     def save(self):
-        "Write a checkpoint of the run as of its last complete point (a training batch or an epoch), then remove old ones"
+        "Write a checkpoint as of the run's last complete point (a training batch or an epoch), then remove old ones"
         learn,pos = self.learn,self._pos
         state = learn.state_dict()
         state['loop'].update(epoch=pos['epoch'], iter=pos['iter'])
@@ -293,16 +301,19 @@ class CheckpointCallback(Callback):
     def _stop_now(self):
         path = self.save()
         self._restore_sigint()
-        raise KeyboardInterrupt(f"interrupted; the run is saved in {path}: continue it with learn.fit(..., resume=True)")
+        raise KeyboardInterrupt(f"interrupted; the run is saved in {path}: "
+                                "continue it with learn.fit(..., resume=True)")
 
     def after_exception(self):
         learn,e = self.learn,self.learn.exception
-        if not self.on_exception or self._pos['at'] is None or (isinstance(e, KeyboardInterrupt) and self._interrupted): return
+        if (not self.on_exception or self._pos['at'] is None
+            or (isinstance(e, KeyboardInterrupt) and self._interrupted)): return
         if learn.training and (learn.epoch, learn.iter) != (self._pos['epoch'], self._pos['iter']):
             self._pos['dirty'] = True      # a batch had begun (even if our before_batch, at order 95, had not run yet)
         path = self.save()
         add_note(e, f"learncb: the run is saved in {path}" +
-                  (' (after an error in the middle of a batch: resuming from it is not exact)' if self._pos['dirty'] else ''))
+                  (' (after an error in the middle of a batch: resuming from it is not exact)'
+                   if self._pos['dirty'] else ''))
 
     def after_fit(self):
         self._restore_sigint()

@@ -1,4 +1,4 @@
-"""Plain-text progress for log files, a live loss graph, one method to send metrics anywhere, the epoch table as CSV, and a timer for each phase of the loop.
+"""Plain-text progress for logs, a live loss graph, metrics sent anywhere, the epoch table as CSV, a timer per phase.
 
 Docs: https://learncb.github.io/learncb/loggers.html.md"""
 
@@ -30,17 +30,18 @@ def last_values(learn):
     if not isinstance(rec, Recorder) or not rec.values: return {}
     return dict(zip(rec.value_names, rec.values[-1]))
 
+# %% ../nbs/14_loggers.ipynb #a7e33f07
 def _fmt_value(v):
     if v is None: return '-'
     return f'{v:.6f}' if isinstance(v, float) else str(v)
 
-# %% ../nbs/14_loggers.ipynb #9d66b92e
 def _batches(dl, what):
     n = n_batches(dl)
     return f"{'?' if n is None else n} {what} batches"
 
+# %% ../nbs/14_loggers.ipynb #9d66b92e
 class PrintProgressCallback(Callback):
-    "Progress as plain printed lines for logs: one when the fit starts, one per epoch with every recorded value, one at the end"
+    "Progress as printed lines for logs: one when the fit starts, one per epoch with every value, one at the end"
     remove_on_lr_find = True
     order = 70
     def __init__(self): self._end,self._fit_start,self._epoch_start = None,None,None
@@ -107,7 +108,7 @@ class ShowGraphCallback(Callback):
 
 # %% ../nbs/14_loggers.ipynb #568b824f
 class LogMetricsCallback(Callback):
-    "Base class for metrics loggers: override `log_metrics(metrics)`, called with a dict each epoch and every `log_every` training batches"
+    "Base class of metrics loggers: override `log_metrics(metrics)`, called each epoch and every `log_every` batches"
     remove_on_lr_find = True
     order = 70
     def __init__(self, log_every=None):
@@ -129,13 +130,6 @@ class LogMetricsCallback(Callback):
     def after_epoch(self): self.log_metrics({'epoch': self.learn.epoch, **last_values(self.learn)})
 
 # %% ../nbs/14_loggers.ipynb #7aa67c7f
-def _parse_cell(name, s):
-    "A CSV cell back as a value: `None` for an empty cell, an int epoch, a float, or the text (the time)"
-    if s == '': return None
-    if name == 'epoch': return int(s)
-    try: return float(s)
-    except ValueError: return s
-
 class CSVLogger(Callback):
     "Writes the Recorder's epoch table to the CSV file `learn.path/fname`, flushing each row; `append=True` adds to it"
     remove_on_lr_find = True
@@ -170,7 +164,8 @@ class CSVLogger(Callback):
         with open(path, newline='') as f: old = next(csv.reader(f), [])
         if old != header: raise ValueError(
             f"CSVLogger(append=True): {path} has the columns {old}, but this fit's table has {header}; "
-            f"append only to a file written with the same metrics, or pass another fname (or append=False to overwrite it)")
+            f"append only to a file written with the same metrics, or pass another fname "
+            f"(or append=False to overwrite it)")
 
     def _write_row(self, row):
         self._writer.writerow(['' if v is None else v for v in row])
@@ -204,11 +199,19 @@ class CSVLogger(Callback):
         with open(self.file_path, newline='') as f:
             return [{k: _parse_cell(k, v) for k,v in row.items()} for row in csv.DictReader(f)]
 
+# %% ../nbs/14_loggers.ipynb #2ffdb265
+def _parse_cell(name, s):
+    "A CSV cell back as a value: `None` for an empty cell, an int epoch, a float, or the text (the time)"
+    if s == '': return None
+    if name == 'epoch': return int(s)
+    try: return float(s)
+    except ValueError: return s
+
 # %% ../nbs/14_loggers.ipynb #2d13a1d4
 _batch_phases = ('fetch', 'forward', 'loss', 'backward', 'step')
 
 class TimerCallback(Callback):
-    "Seconds spent per epoch fetching batches, in forward, loss, backward, optimizer step, training and validation: `times`"
+    "Seconds per epoch spent fetching batches, in forward, loss, backward, step, training and validation: `times`"
     remove_on_lr_find = True
     order,run_valid = 70,False
     _state_attrs = ('times',)

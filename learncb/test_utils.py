@@ -16,9 +16,9 @@ from .learner import *
 from .progress import ProgressCallback
 
 # %% ../nbs/07_test_utils.ipynb #17972601
-def _synth_xy(n, seed):
-    "`n` items of the problem: `x` of shape `(n, 2)` and `y = 1` where `x.sum(1) > 0`"
-    x = torch.randn(n, 2, generator=torch.Generator().manual_seed(seed))
+def _synth_xy(n, seed, n_in=2):
+    "`n` items of the problem: `x` of shape `(n, n_in)` and `y = 1` where `x.sum(1) > 0`"
+    x = torch.randn(n, n_in, generator=torch.Generator().manual_seed(seed))
     return x, (x.sum(1) > 0).long()
 
 def _dl(x, y, bs, seed, shuffle=False):
@@ -26,13 +26,13 @@ def _dl(x, y, bs, seed, shuffle=False):
     return DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=shuffle,
                       generator=torch.Generator().manual_seed(seed))
 
-def synth_dl(n=64, bs=16, seed=0, shuffle=False):
-    "A `DataLoader` of `n` items drawn with `seed`: 2 features, label 1 when their sum is positive"
-    return _dl(*_synth_xy(n, seed), bs, seed, shuffle)
+def synth_dl(n=64, bs=16, seed=0, shuffle=False, n_in=2):
+    "A `DataLoader` of `n` items drawn with `seed`: `n_in` features, label 1 when their sum is positive"
+    return _dl(*_synth_xy(n, seed, n_in), bs, seed, shuffle)
 
-def synth_dls(n_train=64, n_valid=32, bs=16, seed=0, shuffle=False):
+def synth_dls(n_train=64, n_valid=32, bs=16, seed=0, shuffle=False, n_in=2):
     "`DataLoaders` of `n_train` training items and `n_valid` other ones to validate on (`n_valid=0`: no validation set)"
-    x,y = _synth_xy(n_train + n_valid, seed)
+    x,y = _synth_xy(n_train + n_valid, seed, n_in)
     train = _dl(x[:n_train], y[:n_train], bs, seed, shuffle)
     valid = DataLoader(TensorDataset(x[n_train:], y[n_train:]), batch_size=bs) if n_valid else None
     return DataLoaders(train, valid)

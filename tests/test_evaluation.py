@@ -2,15 +2,12 @@
 import copy
 import pytest, torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 from learncb.all import *
 from learncb.evaluation import *
 from conftest import synth_learner, synth_dls, EventLog
+from learncb.test_utils import synth_dl
 
-def extra_dl(n=48, seed=5, bs=16):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 2, generator=g); y = (x.sum(1) > 0).long()
-    return DataLoader(TensorDataset(x, y), batch_size=bs)
+def extra_dl(n=48, seed=5, bs=16): return synth_dl(n, bs=bs, seed=seed)
 
 class CountBatches(Callback):
     def __init__(self): self.train = self.valid = 0

@@ -82,11 +82,9 @@ class Evil:
     def __reduce__(self): return (os.system, (f'touch {os.environ["LEARNCB_PWNED"]}',))
 
 def small_learner(path, make_model=lambda: nn.Linear(2, 2)):
-    from conftest import synth_dls
+    from conftest import synth_dls, synth_learner
     torch.manual_seed(0)                 # before the model is made: same initial weights in every run
-    learn = Learner(synth_dls(shuffle=True), make_model(), nn.CrossEntropyLoss(), path=path, device='cpu')
-    learn.remove_cb(ProgressCallback); learn.logger = lambda row: None
-    return learn
+    return synth_learner(dls=synth_dls(shuffle=True), model=make_model(), path=path, lr=1e-3)
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_a_checkpoint_that_would_run_code_is_refused(tmp_path, monkeypatch):
