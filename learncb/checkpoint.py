@@ -9,14 +9,16 @@ __all__ = ['ResumableSampler', 'cannot_resume_reason', 'resumable_dataloader', '
            'CheckpointCallback']
 
 # %% ../nbs/16_checkpoint.ipynb #02239c3a
-import os, random, re, signal, threading, warnings
+import itertools, os, random, re, signal, threading, warnings
+from functools import partial
 from pathlib import Path
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
-from fastcore.basics import patch
+from fastcore.basics import noop, patch
 from .core import *
 from .utils import *
 from .learner import *
+from .learner import _swap_prefix, _wrapper_prefix
 
 # %% ../nbs/16_checkpoint.ipynb #f739fcd4
 class ResumableSampler(Sampler):
@@ -39,25 +41,40 @@ class ResumableSampler(Sampler):
     def load_state_dict(self, state): self.seed,self.epoch = state['seed'],state['epoch']
 
 # %% ../nbs/16_checkpoint.ipynb #0a843dab
+def _has_state(dl):
+    "Whether `dl` keeps its own position, with `state_dict` and `load_state_dict` (torchdata's `StatefulDataLoader`)"
+    return callable(getattr(dl, 'state_dict', None)) and callable(getattr(dl, 'load_state_dict', None))
+
+def _sampler_of(dl):
+    "The `ResumableSampler` that orders `dl`, if any: its sampler, or its batch sampler's"
+    for s in (getattr(dl, 'sampler', None), getattr(getattr(dl, 'batch_sampler', None), 'sampler', None)):
+        if isinstance(s, ResumableSampler): return s
+    return None
+
 def cannot_resume_reason(dl):
     "Why `dl` cannot be made to resume exactly (`None` if it can)"
+    if _has_state(dl): return None
     if not isinstance(dl, DataLoader): return f"it is a {type(dl).__name__}, not a torch DataLoader"
     if isinstance(dl.dataset, IterableDataset): return "its dataset is an IterableDataset"
-    if not isinstance(dl.batch_sampler, BatchSampler): return "it has a custom batch_sampler (or batch_size=None)"
-    if isinstance(dl.sampler, ResumableSampler): return None
+    if type(dl.batch_sampler) is not BatchSampler: return "it has a custom batch_sampler (or batch_size=None)"
+    if _sampler_of(dl) is not None: return None
     if isinstance(dl.sampler, RandomSampler) and (dl.sampler.replacement or dl.sampler._num_samples is not None):
         return "its RandomSampler draws with replacement or a num_samples"
     if not isinstance(dl.sampler, (RandomSampler, SequentialSampler)):
         return f"it has a custom sampler ({type(dl.sampler).__name__})"
     return None
 
+# %% ../nbs/16_checkpoint.ipynb #f57d8da2
 def resumable_dataloader(dl, seed):
-    "`dl` rebuilt around a `ResumableSampler` (same dataset, batch size, collate function, workers)"
-    if isinstance(dl.sampler, ResumableSampler):
-        dl.sampler.seed = seed
+    "`dl` ordered by a `ResumableSampler`: a plain `DataLoader` rebuilt around one, a subclass given one in place"
+    if (sampler := _sampler_of(dl)) is not None:
+        sampler.seed = seed
         return dl
     gen = torch.Generator().manual_seed(seed)
     sampler = ResumableSampler(len(dl.dataset), shuffle=isinstance(dl.sampler, RandomSampler), seed=seed, generator=gen)
+    if type(dl) is not DataLoader:          # the user's own class: keep the object, change the order it draws from
+        dl.batch_sampler.sampler,dl.generator = sampler,gen
+        return dl
     extra = dict(prefetch_factor=dl.prefetch_factor, persistent_workers=dl.persistent_workers) if dl.num_workers else {}
     return DataLoader(dl.dataset, batch_size=dl.batch_size, sampler=sampler, num_workers=dl.num_workers,
                       collate_fn=dl.collate_fn, pin_memory=dl.pin_memory, drop_last=dl.drop_last, timeout=dl.timeout,
@@ -73,53 +90,101 @@ def _cb_keys(cbs):
         keys.append(cb.name if n == 0 else f'{cb.name}_{n}')
     return keys
 
+def _data_shape(dl):
+    "What a resumed run checks of the training data: batches per epoch, batch size, number of items"
+    try: n_items = len(dl.dataset)
+    except (AttributeError, TypeError): n_items = None
+    return {'n_batches': n_batches(dl), 'batch_size': getattr(dl, 'batch_size', None), 'n_items': n_items}
+
 @patch
 def state_dict(self:Learner):
     "Everything a run depends on: model, optimizer, gradients, loop position, random generators, data order, callbacks"
-    dl = self.dls.train
-    return {'format': 'learncb-checkpoint', 'version': 1,
+    dl,stop = self.dls.train,self.stop_reason
+    sampler = _sampler_of(dl)
+    return {'format': 'learncb-checkpoint', 'version': 2,
             'model': self.model.state_dict(),
             'opt': None if self.opt is None else self.opt.state_dict(),
             'grads': {n: p.grad for n,p in self.model.named_parameters() if p.grad is not None},
             'loop': {'epoch': self.epoch, 'iter': self.iter, 'train_iter': self.train_iter, 'pct_train': self.pct_train,
-                     'n_epoch': self.n_epoch},
+                     'n_epoch': self.n_epoch, 'stop_reason': None if stop is None else str(stop)},
             'rng': rng_state(),
-            'data': dl.sampler.state_dict() if isinstance(getattr(dl, 'sampler', None), ResumableSampler) else None,
+            'data': None if sampler is None else sampler.state_dict(),
+            'loader': dl.state_dict() if _has_state(dl) else None,
+            'data_shape': _data_shape(dl),
             'cbs': {k: s for k,cb in zip(_cb_keys(self.cbs), self.cbs) if (s := cb.state_dict())},
             'state': dict(self.state)}
+
+# %% ../nbs/16_checkpoint.ipynb #ba4f48b7
+_parts = ('model', 'opt', 'grads', 'loop', 'rng', 'data', 'cbs', 'state')
+
+def _check_format(state, where):
+    if not isinstance(state, dict) or state.get('format') != 'learncb-checkpoint':
+        raise ValueError(f"{where} is not a learncb checkpoint "
+                         "(written by Learner.save_checkpoint or CheckpointCallback)")
+    if (lacking := [k for k in _parts if k not in state]):
+        raise ValueError(f"{where} is a learncb checkpoint without {lacking}: it was cut or edited; use another one")
+
+@patch
+def _check_state(self:Learner, state, where, strict=True, with_opt=True):
+    "The weights and gradients of checkpoint `state`, if it fits this learner (and its optimizer); nothing changes"
+    _check_format(state, where)
+    weights = check_model_state(self.model, state['model'], where, strict=strict)
+    grads = _swap_prefix(state['grads'], _wrapper_prefix(state['model']), _wrapper_prefix(self.model.state_dict()))
+    params = dict(self.model.named_parameters())
+    bad = [n for n,g in grads.items() if (n not in params and strict) or (n in params and g.shape != params[n].shape)]
+    if bad: raise ValueError(f"{where} has gradients that do not fit the model's parameters: {bad}; load it into "
+                             f"the model it was saved from")
+    if with_opt and state['opt'] is not None: self._load_opt_state(state['opt'], where)()     # tried, then undone
+    return weights,{n: g for n,g in grads.items() if n in params}
 
 # %% ../nbs/16_checkpoint.ipynb #6da5d3fa
 @patch
 def load_state_dict(self:Learner, state, strict=True, where='the checkpoint'):
-    "Put back what `state_dict` returned; `strict` model keys, callbacks matched by name"
-    if not isinstance(state, dict) or state.get('format') != 'learncb-checkpoint':
-        raise ValueError(f"{where} is not a learncb checkpoint "
-                         "(written by Learner.save_checkpoint or CheckpointCallback)")
-    load_model_state(self.model, state['model'], where, strict=strict)
-    if state['opt'] is not None:
-        if self.opt is None: self.create_opt()
-        try: self.opt.load_state_dict(state['opt'])
-        except (ValueError, KeyError) as e:
-            raise ValueError(f"{where}: the optimizer state does not fit this optimizer ({e}); use the same opt_func "
-                             f"and parameter groups as the run that saved it") from e
-    params = dict(self.model.named_parameters())
-    for n,p in params.items(): p.grad = state['grads'][n].to(p.device) if n in state['grads'] else None
+    "Put back what `state_dict` returned if all of it fits this learner; else raise naming `where`, changing nothing"
+    weights,grads = self._check_state(state, where, strict=strict, with_opt=False)
+    undos = []
+    try:
+        if state['opt'] is not None: undos.append(self._load_opt_state(state['opt'], where))
+        undos.append(self._load_sampler_state(state['data']))
+        undos.append(self._load_cb_states(state['cbs'], where))
+        self.model.load_state_dict(weights, strict=strict)
+    except BaseException:
+        for undo in reversed(undos): undo()
+        raise
+    for n,p in self.model.named_parameters(): p.grad = grads[n].to(p.device) if n in grads else None
     for k,v in state['loop'].items(): setattr(self, k, v)
     set_rng_state(state['rng'])
-    sampler = getattr(self.dls.train, 'sampler', None)
-    if state['data'] is not None and isinstance(sampler, ResumableSampler): sampler.load_state_dict(state['data'])
-    self._load_cb_states(state['cbs'], where)
     self.state.clear(); self.state.update(state['state'])
     return self
 
 @patch
+def _load_sampler_state(self:Learner, data):
+    "Put the training order (`ResumableSampler`'s seed and epoch) back; returns an undo"
+    sampler = _sampler_of(self.dls.train)
+    if data is None or sampler is None: return noop
+    before = sampler.state_dict()
+    sampler.load_state_dict(data)
+    return partial(sampler.load_state_dict, before)
+
+@patch
 def _load_cb_states(self:Learner, states, where):
+    "Load each callback's state, matched by name; returns an undo"
+    done = []
+    def undo():
+        for cb,before in reversed(done): cb.load_state_dict(before)
     keys = _cb_keys(self.cbs)
     for k,cb in zip(keys, self.cbs):
-        if k in states: cb.load_state_dict(states[k])
+        if k not in states: continue
+        before = cb.state_dict()
+        try: cb.load_state_dict(states[k])
+        except Exception as e:
+            undo()
+            raise add_note(e, f"learncb: {where}: the state saved for callback {k!r} does not load into {cb!r}")
+        done.append((cb, before))
     missing = [k for k in states if k not in keys]
     if missing: warnings.warn(f"{where} has state for callbacks this learner does not have: {missing}; add them to "
                               f"restore it, or ignore this if they are gone on purpose")
+    return undo
 
 # %% ../nbs/16_checkpoint.ipynb #4390f480
 @patch
@@ -129,13 +194,18 @@ def save_checkpoint(self:Learner, path, at=None):
     check_choice(at, 'at', ('batch', 'epoch_end'))
     state = self.state_dict()
     state['at'] = at
-    return atomic_save(state, path)
+    return atomic_save(with_checksum(state), path)
+
+def _read_checkpoint(learn, path):
+    "The state in checkpoint file `path`: a learncb checkpoint, intact (else a `CorruptFileError`)"
+    state = load_torch_file(path, map_location=model_device(learn.model, learn.device))
+    _check_format(state, path)
+    return check_checksum(state, path, required=state.get('version', 1) >= 2)
 
 @patch
 def load_checkpoint(self:Learner, path, strict=True):
     "Load a checkpoint's whole state into the learner (to continue the run, use `fit(..., resume=path)`)"
-    state = load_torch_file(path, map_location=model_device(self.model, self.device))
-    return self.load_state_dict(state, strict=strict, where=str(path))
+    return self.load_state_dict(_read_checkpoint(self, path), strict=strict, where=str(path))
 
 # %% ../nbs/16_checkpoint.ipynb #a6b0ba29
 class ResumeCallback(Callback):
@@ -143,10 +213,16 @@ class ResumeCallback(Callback):
     order = 200     # after every other callback: what their before_fit and before_train reset is then overwritten
     def __init__(self, state, path):
         self.state,self.path,self.at = state,Path(path),state.get('at', 'epoch_end')
-        self.epoch,self.iter = state['loop']['epoch'],state['loop']['iter']
+        self.epoch,self.iter,self.finished = state['loop']['epoch'],state['loop']['iter'],_finished(state) is not None
 
     def _restore(self):
-        self.learn.load_state_dict(self.state, where=str(self.path))
+        learn,state = self.learn,self.state
+        learn.load_state_dict(state, where=str(self.path))
+        dl = learn.dls.train
+        if state.get('loader') is not None and _has_state(dl):
+            dl.load_state_dict(state['loader'])                       # the dataloader's own place in its epoch
+            if state.get('loader_drain'):                             # after its last batch: finish that epoch
+                for _ in _RngAfterIter(dl, state['rng']): pass
         self.run = False        # restored once: out of the dispatch tables for the rest of the fit
 
     def before_fit(self):
@@ -154,22 +230,25 @@ class ResumeCallback(Callback):
         self.learn.start_epoch = self.epoch
         if self.at == 'epoch_end':
             self._restore()
-            self.learn.start_epoch += 1
+            self.learn.start_epoch = self.learn.n_epoch if self.finished else self.epoch + 1
 
     def before_train(self):
         "A checkpoint taken after a batch is restored in its epoch, which goes on with the next batch"
         self._restore()
         learn,start = self.learn,self.iter + 1
-        sampler = getattr(learn.dl, 'sampler', None)
-        if isinstance(sampler, ResumableSampler): sampler.start = start * learn.dl.batch_size
+        dl,learn.start_iter = learn.dl,start
+        if self.state.get('loader') is not None and _has_state(dl): learn.dl = _RngAfterIter(dl, self.state['rng'])
+        elif (sampler := _sampler_of(dl)) is not None:
+            sampler.start = start * dl.batch_size
+            if type(dl).__iter__ is not DataLoader.__iter__: learn.dl = _CheckedStart(dl, sampler, start)
         else:
-            warnings.warn(f"the training dataloader cannot skip batches ({cannot_resume_reason(learn.dl)}): the first "
+            warnings.warn(f"the training dataloader cannot skip batches ({cannot_resume_reason(dl)}): the first "
                           f"{start} batches of the epoch are read again and dropped; the order is the same only if it "
                           f"does not depend on the random state. Use a torch DataLoader (shuffle=True or False) to "
                           f"resume exactly.")
-            learn.dl = _Skip(learn.dl, start)
-        learn.start_iter = start
+            learn.dl = _Skip(dl, start)
 
+# %% ../nbs/16_checkpoint.ipynb #f24aae20
 class _Skip:
     "A dataloader without its first `n` batches (read and dropped)"
     def __init__(self, dl, n): self.dl,self.n = dl,n
@@ -178,50 +257,123 @@ class _Skip:
         for _ in range(self.n): next(it, None)
         yield from it
 
+class _RngAfterIter:
+    "A dataloader whose iterator, once made, puts the random generators back to `rng`"
+    def __init__(self, dl, rng): self.dl,self.rng = dl,rng
+    def __iter__(self):
+        it = iter(self.dl)
+        set_rng_state(self.rng)
+        yield from it
+
+class _CheckedStart:
+    "The rest of an epoch of `dl`, whose `sampler` skips `n` batches: if `dl` does not read it, they are dropped"
+    def __init__(self, dl, sampler, n): self.dl,self.sampler,self.n = dl,sampler,n
+    def __iter__(self):
+        it = iter(self.dl)
+        first = list(itertools.islice(it, 1))
+        if self.sampler.start:          # still there after a batch: the dataloader does not draw from its sampler
+            self.sampler.start = 0
+            warnings.warn(f"{type(self.dl).__name__} does not take its order from its batch sampler: the first "
+                          f"{self.n} batches of the epoch are read again and dropped, and its order is the same only "
+                          f"if it does not depend on the random state")
+            it,first = itertools.islice(itertools.chain(first, it), self.n, None),[]
+        yield from itertools.chain(first, it)
+
+def _finished(state):
+    "Why the run of checkpoint `state` is over, or `None`: all its epochs are done, or it was stopped"
+    if state.get('at', 'epoch_end') != 'epoch_end': return None
+    loop = state['loop']
+    if loop['epoch'] >= loop['n_epoch'] - 1: return f"all its {loop['n_epoch']} epochs are done"
+    if loop.get('stop_reason') is not None: return f"it was stopped after epoch {loop['epoch']}: {loop['stop_reason']}"
+    return None
+
 # %% ../nbs/16_checkpoint.ipynb #cb6f12ba
 _ckpt_re = re.compile(r'^checkpoint_(\d{8})_(batch|epoch_end)\.pt$')
+
+def _ckpt_key(p):
+    "Where checkpoint file `p` is in its run: (training batches done, taken at the end of an epoch)"
+    m = _ckpt_re.match(Path(p).name)
+    return int(m[1]),m[2] == 'epoch_end'
 
 def checkpoints_in(folder):
     "The checkpoint files in `folder`, oldest first"
     folder = Path(folder)
     if not folder.is_dir(): return []
-    found = [(int(m[1]), m[2] == 'epoch_end', p) for p in folder.iterdir() if (m := _ckpt_re.match(p.name))]
-    return [p for *_,p in sorted(found)]
+    return sorted((p for p in folder.iterdir() if _ckpt_re.match(p.name)), key=_ckpt_key)
 
-def _newest_checkpoint(learn):
+def _folder_of(learn):
     cb = next((cb for cb in learn.cbs if isinstance(cb, CheckpointCallback)), None)
-    folder = cb.folder if cb is not None else learn.path/'checkpoints'
-    found = checkpoints_in(folder)
+    return cb.folder if cb is not None else learn.path/'checkpoints'
+
+def _newest_intact(learn):
+    "The newest checkpoint of the learner's folder that reads back intact, and its state (warns of newer damaged ones)"
+    folder = _folder_of(learn)
+    found,damaged = checkpoints_in(folder),[]
     if not found: raise FileNotFoundError(f"resume=True but there is no checkpoint in {folder}: start the run "
                                           f"without resume, or pass the checkpoint's path")
-    return found[-1]
+    for path in reversed(found):
+        try: state = _read_checkpoint(learn, path)
+        except CorruptFileError:
+            damaged.append(path.name)
+            continue
+        if damaged: warnings.warn(f"resume=True: the newest checkpoints in {folder} are damaged (truncated, corrupt or "
+                                  f"changed since written): {damaged}; resuming from {path.name}, the newest intact "
+                                  f"one. The damaged files are left as they are")
+        return path,state
+    raise CorruptFileError(f"resume=True but every checkpoint in {folder} is damaged (truncated, corrupt or changed "
+                           f"since written): {damaged}; start the run again without resume")
 
-# %% ../nbs/16_checkpoint.ipynb #ec6c046f
-def resume_cbs(learn, resume):
-    "What `fit(resume=...)` adds: a `ResumeCallback` of `resume` (`True`: the newest), a `CheckpointCallback` if none"
-    path = _newest_checkpoint(learn) if resume is True else Path(resume)
-    state = load_torch_file(path, map_location=model_device(learn.model, learn.device))
-    if not isinstance(state, dict) or state.get('format') != 'learncb-checkpoint':
-        raise ValueError(f"{path} is not a learncb checkpoint "
-                         "(written by Learner.save_checkpoint or CheckpointCallback)")
+# %% ../nbs/16_checkpoint.ipynb #93ee8723
+def _describe(shape):
+    n,bs,items = (shape.get(k) for k in ('n_batches', 'batch_size', 'n_items'))
+    return f"{n} batches per epoch, batch size {bs}, {items} items"
+
+def _check_same_run(learn, state, path):
+    "Refuse checkpoint `state` if it is of another run: another number of epochs, training data of another shape"
     n_epoch = state['loop']['n_epoch']
     if n_epoch != learn.n_epoch:
         raise ValueError(f"{path} was taken in a fit of {n_epoch} epochs, but this fit has {learn.n_epoch}: resume "
                          f"the same run with learn.fit({n_epoch}, resume=...)")
+    saved,now = state.get('data_shape') or {},_data_shape(learn.dls.train)
+    if any(saved.get(k) is not None and v is not None and saved[k] != v for k,v in now.items()):
+        raise ValueError(f"{path} was taken with training data of {_describe(saved)}, but the training data now has "
+                         f"{_describe(now)}: resume with the data the run was trained on (the same dataset, batch_size "
+                         f"and drop_last). To train on this data from the checkpoint's weights, start a new fit: "
+                         f"learn.load_checkpoint(path), then learn.fit(n)")
+
+# %% ../nbs/16_checkpoint.ipynb #ec6c046f
+def resume_cbs(learn, resume):
+    "What `fit(resume=...)` adds: a `ResumeCallback` of `resume` (`True`: the newest), a `CheckpointCallback` if none"
+    if resume is True: path,state = _newest_intact(learn)
+    else: path,state = Path(resume),_read_checkpoint(learn, Path(resume))
+    _check_same_run(learn, state, path)
+    learn._check_state(state, path)                  # the model and the optimizer take it: nothing is changed yet
+    if (why := _finished(state)):
+        warnings.warn(f"{path} is the end of a run that is over ({why}): there is nothing left to train, and the "
+                      f"learner gets that run's final state. To train more, start a new fit without resume")
     if not state.get('exact', True):
         warnings.warn(f"{path} was written after an error in the middle of a batch: the run continues from the last "
                       f"complete batch, but may not end exactly as an uninterrupted run would")
     _make_train_resumable(learn, seed=(state['data'] or {}).get('seed', 0))
+    if resume is not True: _warn_newer(path)
     saving = [] if any(isinstance(cb, CheckpointCallback) for cb in learn.cbs) else \
              [CheckpointCallback(path=path.parent, **state.get('checkpointing', {}))]
     return [ResumeCallback(state, path), *saving]
 
 def _make_train_resumable(learn, seed):
-    "Give the learner's training dataloader a `ResumableSampler` if it can have one (else warn)"
+    "Give the learner's training dataloader a resumable order if it can have one (else say why not)"
     dl = learn.dls.train
     reason = cannot_resume_reason(dl)
-    if reason is None: learn.dls.train = resumable_dataloader(dl, seed)
+    if reason is None and not _has_state(dl): learn.dls.train = resumable_dataloader(dl, seed)
     return reason
+
+def _warn_newer(path):
+    "Warn if checkpoints newer than `path`, of the run that went on from it, are beside it"
+    if not _ckpt_re.match(path.name): return
+    newer = [p.name for p in checkpoints_in(path.parent) if _ckpt_key(p) > _ckpt_key(path)]
+    if newer: warnings.warn(f"resuming from {path.name}, but {path.parent} holds newer checkpoints of the run that "
+                            f"went on from it: {newer}. This run removes them as it passes them; until then, "
+                            f"resume=True would take the newest of them")
 
 # %% ../nbs/16_checkpoint.ipynb #a2867ded
 class CheckpointCallback(Callback):
@@ -232,7 +384,7 @@ class CheckpointCallback(Callback):
         check_int(keep_last, 'keep_last', ge=1, who='CheckpointCallback')
         self.path,self.every_n_steps,self.every_epoch = Path(path),every_n_steps,every_epoch
         self.keep_last,self.on_exception = keep_last,on_exception
-        self.last,self._interrupted,self._old_sigint = None,False,None
+        self.last,self._interrupted,self._old_sigint,self._stateful,self._loader_end = None,False,None,False,None
         self._pos = {'at': None, 'epoch': 0, 'iter': -1, 'dirty': False}   # the last complete point of the run
 
     @property
@@ -241,23 +393,32 @@ class CheckpointCallback(Callback):
         return self.path if self.path.is_absolute() else self.learn.path/self.path
 
     def before_fit(self):
+        self._restore_sigint()                          # left by an earlier fit that could not give it back
         self.folder.mkdir(parents=True, exist_ok=True)
         for stale in self.folder.glob('.checkpoint_*.tmp'): stale.unlink()      # left by a kill during a save
         learn = self.learn
         resuming = next((cb for cb in learn.cbs if isinstance(cb, ResumeCallback)), None)
         if resuming is None:
+            self._warn_earlier_run()
             reason = _make_train_resumable(learn, seed=int(torch.randint(0, 2**62, ())))
             if reason: warnings.warn(f"the training dataloader cannot resume in the middle of an epoch exactly "
                                      f"({reason}); checkpoints taken in an epoch will replay it from its start. Use a "
                                      f"torch DataLoader (shuffle=True or False) to resume exactly.")
             self._pos.update(at=None, epoch=0, iter=-1, dirty=False)
         else: self._pos.update(at=resuming.at, epoch=resuming.epoch, iter=resuming.iter, dirty=False)
-        self._interrupted = False
+        self._interrupted,self._stateful,self._loader_end = False,_has_state(learn.dls.train),None
         self._catch_sigint()
 
+    def _warn_earlier_run(self):
+        if not (earlier := checkpoints_in(self.folder)): return
+        n = f"{len(earlier)} checkpoint{'s' if len(earlier) > 1 else ''}"
+        warnings.warn(f"{self.folder} already holds {n} of an earlier run (the newest: {earlier[-1].name}): this run "
+                      f"removes them as it passes them, but until then resume=True takes the newest there. Give each "
+                      f"run its own folder (CheckpointCallback(path=...)), or pass resume=True to continue that run")
+
     def before_train(self):
-        sampler = getattr(self.learn.dl, 'sampler', None)
-        if isinstance(sampler, ResumableSampler): sampler.set_epoch(self.learn.epoch)
+        sampler = _sampler_of(self.learn.dl)
+        if sampler is not None: sampler.set_epoch(self.learn.epoch)
 
     def before_batch(self): self._pos['dirty'] = True
 
@@ -266,6 +427,8 @@ class CheckpointCallback(Callback):
     def after_batch(self):
         learn = self.learn
         self._pos.update(at='batch', epoch=learn.epoch, iter=learn.iter, dirty=False)
+        if self._stateful and learn.iter == learn.n_iter - 1:     # the last batch: its state, before the epoch ends
+            self._loader_end = (learn.epoch, learn.iter, learn.dls.train.state_dict())
         if self._interrupted: self._stop_now()
         elif self.every_n_steps and learn.train_iter % self.every_n_steps == 0: self.save()
 
@@ -274,38 +437,54 @@ class CheckpointCallback(Callback):
         if self._interrupted: self._stop_now()
         elif self.every_epoch: self.save()
 
-    def save(self):
-        "Write a checkpoint as of the run's last complete point (a training batch or an epoch), then remove old ones"
-        learn,pos = self.learn,self._pos
-        state = learn.state_dict()
-        state['loop'].update(epoch=pos['epoch'], iter=pos['iter'])
-        state.update(at=pos['at'], exact=not pos['dirty'], checkpointing=dict(every_n_steps=self.every_n_steps,
-                     every_epoch=self.every_epoch, keep_last=self.keep_last, on_exception=self.on_exception))
-        self.last = atomic_save(state, self.folder/f"checkpoint_{learn.train_iter:08d}_{pos['at']}.pt")
-        for old in checkpoints_in(self.folder)[:-self.keep_last]: old.unlink()
-        return self.last
+# %% ../nbs/16_checkpoint.ipynb #f7b9ccb4
+@patch
+def save(self:CheckpointCallback):
+    "Write a checkpoint as of the run's last complete point (a training batch or an epoch), then remove old ones"
+    learn,pos = self.learn,self._pos
+    state = learn.state_dict()
+    state['loop'].update(epoch=pos['epoch'], iter=pos['iter'])
+    state.update(at=pos['at'], exact=not pos['dirty'], checkpointing=dict(every_n_steps=self.every_n_steps,
+                 every_epoch=self.every_epoch, keep_last=self.keep_last, on_exception=self.on_exception))
+    end = self._loader_end
+    if end is not None and end[0] == pos['epoch'] and (pos['at'] == 'epoch_end' or pos['iter'] == end[1]):
+        state.update(loader=end[2], loader_drain=pos['at'] == 'epoch_end')
+    path = self.folder/f"checkpoint_{learn.train_iter:08d}_{pos['at']}.pt"
+    self.last = atomic_save(with_checksum(state), path)
+    older = [p for p in checkpoints_in(self.folder) if _ckpt_key(p) < _ckpt_key(path)]
+    for old in older[:max(0, len(older) - self.keep_last + 1)]: old.unlink(missing_ok=True)
+    return self.last
 
-    def _catch_sigint(self):
-        "Hold Ctrl-C until the end of the batch, so that the checkpoint written then is exact"
-        if not self.on_exception or threading.current_thread() is not threading.main_thread(): return
-        def hold(signum, frame):
-            self._interrupted = True
-            signal.signal(signal.SIGINT, self._old_sigint)     # a second Ctrl-C interrupts at once
-        self._old_sigint = signal.signal(signal.SIGINT, hold)
+# %% ../nbs/16_checkpoint.ipynb #30b278de
+@patch
+def _catch_sigint(self:CheckpointCallback):
+    "Hold Ctrl-C until the end of the batch, so that the checkpoint written then is exact"
+    if not self.on_exception or threading.current_thread() is not threading.main_thread(): return
+    def hold(signum, frame):
+        if self.learn is None or not self.learn.fitting:       # the fit is over: give Ctrl-C back, and pass it on
+            self._restore_sigint()
+            return signal.raise_signal(signum)
+        self._interrupted = True
+        signal.signal(signal.SIGINT, self._old_sigint)     # a second Ctrl-C interrupts at once
+    self._old_sigint = signal.signal(signal.SIGINT, hold)
 
-    def _restore_sigint(self):
-        if self._old_sigint is not None:
-            signal.signal(signal.SIGINT, self._old_sigint)
-            self._old_sigint = None
+@patch
+def _restore_sigint(self:CheckpointCallback):
+    if self._old_sigint is not None:
+        signal.signal(signal.SIGINT, self._old_sigint)
+        self._old_sigint = None
 
-    def _stop_now(self):
-        path = self.save()
-        self._restore_sigint()
-        raise KeyboardInterrupt(f"interrupted; the run is saved in {path}: "
-                                "continue it with learn.fit(..., resume=True)")
+@patch
+def _stop_now(self:CheckpointCallback):
+    path = self.save()
+    self._restore_sigint()
+    raise KeyboardInterrupt(f"interrupted; the run is saved in {path}: continue it with learn.fit(..., resume=True)")
 
-    def after_exception(self):
-        learn,e = self.learn,self.learn.exception
+# %% ../nbs/16_checkpoint.ipynb #e37b2923
+@patch
+def after_exception(self:CheckpointCallback):
+    learn,e = self.learn,self.learn.exception
+    try:
         if (not self.on_exception or self._pos['at'] is None
             or (isinstance(e, KeyboardInterrupt) and self._interrupted)): return
         if learn.training and (learn.epoch, learn.iter) != (self._pos['epoch'], self._pos['iter']):
@@ -314,9 +493,11 @@ class CheckpointCallback(Callback):
         add_note(e, f"learncb: the run is saved in {path}" +
                   (' (after an error in the middle of a batch: resuming from it is not exact)'
                    if self._pos['dirty'] else ''))
+    finally: self._restore_sigint()
 
-    def after_fit(self):
-        self._restore_sigint()
-        if self._interrupted and self.learn.exception is None:    # Ctrl-C came when no batch was left to finish
-            self._interrupted = False
-            raise KeyboardInterrupt("interrupted at the end of the fit")
+@patch
+def after_fit(self:CheckpointCallback):
+    self._restore_sigint()
+    if self._interrupted and self.learn.exception is None:    # Ctrl-C came when no batch was left to finish
+        self._interrupted = False
+        raise KeyboardInterrupt("interrupted at the end of the fit")

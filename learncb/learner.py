@@ -6,7 +6,8 @@ Docs: https://learncb.github.io/learncb/learner.html.md"""
 
 # %% auto #0
 __all__ = ['fit_attrs', 'phase_attrs', 'DataLoaders', 'to_dls', 'check_event_name', 'print_row', 'TrainEvalCallback', 'defaults',
-           'Learner', 'EventFilter', 'atomic_save', 'load_torch_file', 'load_model_state']
+           'Learner', 'EventFilter', 'atomic_save', 'CorruptFileError', 'state_checksum', 'with_checksum',
+           'check_checksum', 'load_torch_file', 'check_model_state', 'load_model_state']
 
 # %% ../nbs/02_learner.ipynb #4ceb359e
 import io, itertools, os, tempfile, warnings
@@ -524,17 +525,27 @@ def atomic_save(obj, path):
     "`torch.save` `obj` to `path` so that a crash leaves either the old file or the new one, never half of one"
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
-    torch.save(obj, buf)                   # serialise in memory, then one write: much faster than many small ones
-    fd,tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix='.tmp')
+    try: torch.save(obj, buf)               # serialise in memory, then one write: much faster than many small ones
+    except Exception as e: raise add_note(e, f"learncb: while saving {path}: only tensors, numbers, strings and "
+                                             f"containers of them can be saved")
+    tmp = None
     try:
+        fd,tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix='.tmp')
         with os.fdopen(fd, 'wb') as f:
             f.write(buf.getbuffer()); f.flush(); os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp): os.remove(tmp)
+    except BaseException as e:
+        if tmp is not None and os.path.exists(tmp): os.remove(tmp)
+        if isinstance(e, OSError): raise _write_error(e, path) from None
         raise
     _fsync_dir(path.parent)
     return path
+
+def _write_error(e, path):
+    "`e`, an error of writing the temporary file of `path`, told about `path` itself"
+    err = OSError(e.errno, e.strerror, str(path)) if e.errno else OSError(f"cannot write {path}: {e}")
+    return add_note(err, f"learncb: {path} was not written (any file there is unchanged): check that its folder "
+                         f"exists and can be written, that no folder has that name, and that the disk has space")
 
 def _fsync_dir(d):
     try: fd = os.open(d, os.O_RDONLY)
@@ -542,6 +553,48 @@ def _fsync_dir(d):
     try: os.fsync(fd)
     except OSError: pass
     finally: os.close(fd)
+
+# %% ../nbs/02_learner.ipynb #bddab1c1
+import hashlib
+
+class CorruptFileError(ValueError):
+    "A file that cannot be read back as it was written: truncated, corrupt, or not matching its checksum"
+
+def state_checksum(state):
+    "A SHA-256 of everything in `state`: tensors' bytes, dtypes and shapes, numbers, strings, and their nesting"
+    h = hashlib.sha256()
+    _feed(h, state)
+    return 'sha256:' + h.hexdigest()
+
+def _feed(h, o):
+    if isinstance(o, torch.Tensor):
+        t = o.detach()
+        if t.layout != torch.strided: t = t.to_dense()
+        t = t.cpu().resolve_conj().resolve_neg().contiguous()
+        h.update(f'T{t.dtype}{tuple(t.shape)};'.encode())
+        if t.numel(): h.update(t.reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(o, dict):
+        h.update(f'D{len(o)};'.encode())
+        for k,v in o.items(): _feed(h, k); _feed(h, v)
+    elif isinstance(o, (list, tuple)):
+        h.update(f'L{len(o)};'.encode())
+        for v in o: _feed(h, v)
+    else: h.update(f'{type(o).__name__}:{o!r};'.encode())
+
+def with_checksum(state):
+    "`state` (a dict) with a `'checksum'` entry: the `state_checksum` of the rest"
+    state = {k: v for k,v in state.items() if k != 'checksum'}
+    return {**state, 'checksum': state_checksum(state)}
+
+def check_checksum(state, path, required=False):
+    "`state` if it matches its `'checksum'` (if it has one, or must have one: `required`); else a `CorruptFileError`"
+    saved = state.get('checksum')
+    if saved is None and not required: return state
+    if saved is None or state_checksum({k: v for k,v in state.items() if k != 'checksum'}) != saved:
+        raise CorruptFileError(f"{path} is damaged: its content does not match the checksum written with it (its bytes "
+                               f"changed after it was saved: a disk, copy or transfer error). Use another copy of it, "
+                               f"or an older file")
+    return state
 
 # %% ../nbs/02_learner.ipynb #5c31b34c
 def load_torch_file(path, map_location=None):
@@ -556,47 +609,117 @@ def load_torch_file(path, map_location=None):
             raise ValueError(f"refused to load {path}: it contains objects that would run code when unpickled "
                              f"(weights_only=True allows tensors, dicts, lists and numbers only); only load files "
                              f"you trust, and write them with Learner.save") from None
-        raise ValueError(f"cannot read {path}: it is truncated, corrupt or not a torch file "
-                         f"({type(e).__name__}: {e})") from e
+        raise CorruptFileError(f"cannot read {path}: it is truncated, corrupt or not a torch file "
+                               f"({type(e).__name__}: {e})") from e
 
-def load_model_state(model, state, path='the checkpoint', strict=True):
-    "`model.load_state_dict(state)` with an error that lists the missing, unexpected and mismatched keys"
+# %% ../nbs/02_learner.ipynb #5550f412
+_wrappers = ('module', '_orig_mod')      # what DistributedDataParallel and torch.compile put before the model's keys
+
+def _wrapper_prefix(keys):
+    "The wrappers' prefix that every key of `keys` starts with: `'module.'`, `'_orig_mod.'`, ... or `''`"
+    keys,prefix = list(keys),''
+    while keys and (head := keys[0].split('.', 1)[0]) in _wrappers and all(k.startswith(head + '.') for k in keys):
+        prefix,keys = prefix + head + '.',[k[len(head) + 1:] for k in keys]
+    return prefix
+
+def _swap_prefix(state, theirs, ours):
+    "`state` with `theirs` in front of each key (and of its module metadata) replaced by `ours`"
+    if theirs == ours: return state
+    out = type(state)((ours + k[len(theirs):], v) for k,v in state.items())
+    meta = getattr(state, '_metadata', None)
+    if meta is not None:
+        dotted = {(k + '.' if k else ''): v for k,v in meta.items()}
+        out._metadata = {(ours + k[len(theirs):]).rstrip('.'): v for k,v in dotted.items() if k.startswith(theirs)}
+    return out
+
+def _some(keys, n=8):
+    "`keys` as a list, cut to its first `n` when longer"
+    keys = list(keys)
+    return f"{keys[:n]} and {len(keys) - n} more" if len(keys) > n else f"{keys}"
+
+# %% ../nbs/02_learner.ipynb #1591de51
+def check_model_state(model, state, path='the file', strict=True):
+    "`state`, keyed as `model`'s (through wrappers' prefixes), if it loads into `model`; else an error naming `path`"
     own = model.state_dict()
+    state = _swap_prefix(state, _wrapper_prefix(state), _wrapper_prefix(own))
     missing,unexpected = [k for k in own if k not in state],[k for k in state if k not in own]
     shapes = [f'{k}: file {tuple(state[k].shape)} vs model {tuple(v.shape)}' for k,v in own.items()
               if k in state and hasattr(state[k], 'shape') and state[k].shape != v.shape]
     if shapes or (strict and (missing or unexpected)):
-        parts = [f'missing keys {missing}' if missing else '', f'unexpected keys {unexpected}' if unexpected else '',
+        parts = [f'missing keys {_some(missing)}' if missing else '',
+                 f'unexpected keys {_some(unexpected)}' if unexpected else '',
                  f'shape mismatches [{"; ".join(shapes)}]' if shapes else '']
         raise ValueError(f"{path} was saved from a different model: {', '.join(p for p in parts if p)}. "
                          f"Load it into the model it was saved from" + ('' if shapes else ', or pass strict=False'))
-    model.load_state_dict(state, strict=strict)
+    if own and len(missing) == len(own):
+        raise ValueError(f"{path} has no key in common with the model, even with strict=False: the file has "
+                         f"{_some(state)}, the model {_some(own)}. It holds another model's weights: load it into "
+                         f"that model, or rename its keys to the model's")
+    if missing or unexpected:
+        warnings.warn(f"{path}: strict=False loaded {len(own) - len(missing)} of the model's {len(own)} entries; "
+                      f"left as they were (not in the file): {_some(missing)}; ignored (not in the model): "
+                      f"{_some(unexpected)}", UserWarning, stacklevel=3)
+    return state
+
+def load_model_state(model, state, path='the checkpoint', strict=True):
+    "`model.load_state_dict(state)` after `check_model_state`: errors list the missing, unexpected and mismatched keys"
+    model.load_state_dict(check_model_state(model, state, path, strict=strict), strict=strict)
 
 # %% ../nbs/02_learner.ipynb #9fb1bc54
 @patch
 def _file(self:Learner, name):
-    p = Path(name)
-    return p if p.suffix else self.path/self.model_dir/f'{name}.pth'
+    "Where `save` and `load` put `name`: `path/model_dir/name.pth`, unless `name` has a folder or is absolute"
+    s = str(name)
+    if Path(s).is_absolute() or os.sep in s or (os.altsep and os.altsep in s): return Path(s)
+    return self.path/self.model_dir/(s if Path(s).suffix in ('.pth', '.pt') else f'{s}.pth')
 
 @patch
 def save(self:Learner, name, with_opt=True):
     "Save the model weights (and optimizer state) to `path/model_dir/name.pth`, atomically; returns the path"
     state = {'model': self.model.state_dict()}
     if with_opt and self.opt is not None: state['opt'] = self.opt.state_dict()
-    return atomic_save(state, self._file(name))
+    return atomic_save(with_checksum(state), self._file(name))
 
 @patch
 def load(self:Learner, name, with_opt=True, strict=True, device=None):
-    "Load weights (and optimizer state) saved by `save`; the file cannot run code (`weights_only=True`)"
+    "Load weights (and optimizer state) saved by `save` if all of it fits; else raise, changing nothing"
     path = self._file(name)
     state = load_torch_file(path, map_location=device or model_device(self.model, self.device))
     if not isinstance(state, dict) or 'model' not in state:
         raise ValueError(f"{path} is not a file written by Learner.save (no 'model' entry)")
-    load_model_state(self.model, state['model'], path, strict=strict)
-    if with_opt and 'opt' in state:
-        if self.opt is None: self.create_opt()
-        self.opt.load_state_dict(state['opt'])
+    check_checksum(state, path)
+    weights = check_model_state(self.model, state['model'], path, strict=strict)
+    undo = noop
+    if with_opt and state.get('opt') is not None:
+        undo = self._load_opt_state(state['opt'], path, hint='or pass with_opt=False to load the weights alone')
+    try: self.model.load_state_dict(weights, strict=strict)
+    except BaseException: undo(); raise
     return self
+
+# %% ../nbs/02_learner.ipynb #7816f455
+@patch
+def _load_opt_state(self:Learner, state, path, hint=''):
+    "Load optimizer `state` if it fits, else raise naming `path` with the optimizer as it was; returns an undo"
+    created = self.opt is None
+    if created: self.create_opt()
+    opt = self.opt
+    before = opt.state,opt.param_groups
+    def undo():
+        if created: self.opt = None
+        else: opt.state,opt.param_groups = before
+    try:
+        opt.load_state_dict(state)
+        lacking = sorted({k for g in opt.param_groups for k in opt.defaults if k not in g})
+        if lacking: raise ValueError(f"its parameter groups have no {lacking}")
+    except Exception as e:
+        undo()
+        groups = state.get('param_groups') if isinstance(state, dict) else None
+        saved = sorted({k for g in groups for k in g if k != 'params'}) if isinstance(groups, list) else '?'
+        raise ValueError(f"{path}: its optimizer state does not fit this learner's {type(opt).__name__} ({e}); it "
+                         f"was saved by another optimizer (its hyper-parameters: {saved}) or with other parameter "
+                         f"groups. Nothing was changed: load it into a learner with the same opt_func and parameter "
+                         f"groups" + (f", {hint}" if hint else '')) from e
+    return undo
 
 # %% ../nbs/02_learner.ipynb #b8f2b91e
 @patch
