@@ -6,11 +6,13 @@ Docs: https://learncb.github.io/learncb/learner.html.md"""
 
 # %% auto #0
 __all__ = ['fit_attrs', 'phase_attrs', 'DataLoaders', 'to_dls', 'check_event_name', 'print_row', 'TrainEvalCallback', 'defaults',
-           'Learner', 'EventFilter', 'atomic_save', 'CorruptFileError', 'state_checksum', 'with_checksum',
-           'check_checksum', 'load_torch_file', 'check_model_state', 'load_model_state']
+           'check_model', 'check_loss_func', 'check_opt_func', 'check_metrics', 'Learner', 'EventFilter', 'atomic_save',
+           'CorruptFileError', 'state_checksum', 'with_checksum', 'check_checksum', 'load_torch_file',
+           'check_model_state', 'load_model_state']
 
 # %% ../nbs/02_learner.ipynb #4ceb359e
-import io, itertools, os, tempfile, warnings
+import importlib, io, itertools, os, tempfile, threading, warnings, weakref
+from collections import namedtuple
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -38,11 +40,11 @@ def to_dls(dls):
 
 # %% ../nbs/02_learner.ipynb #971445b3
 def check_event_name(name):
-    "Raise a `ValueError` naming the closest event if `name` looks like a misspelled event"
+    "Raise a `ValueError` naming the event meant if `name` looks like a misspelled event or another library's"
     if name in event: return name
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"an event name must be an identifier like 'after_batch', not {name!r}")
-    if (close := closest_event(name, cutoff=0.85)): raise ValueError(f"unknown event {name!r}; did you mean {close!r}?")
+    if closest_event(name, cutoff=0.85): raise ValueError(f"unknown event {name!r}{did_you_mean(name, cutoff=0.85)}")
     return name
 
 class _Handlers(dict):
@@ -83,6 +85,65 @@ class defaults:
         "Add `cb_cls` to the default callbacks, replacing a class of the same name (so reloading a module is safe)"
         cls.callbacks = [c for c in cls.callbacks if c.__name__ != cb_cls.__name__] + [cb_cls]
 
+# %% ../nbs/02_learner.ipynb #b7883c4e
+def _call_of(cls):
+    "How a user writes a call of `cls`: `nn.CrossEntropyLoss()`, `MyModel(...)`"
+    return f"{'nn.' if cls.__module__.startswith('torch.nn') else ''}{cls.__name__}()"
+
+def check_model(model):
+    "`model` if it is a model (an `nn.Module`), not a class"
+    if isinstance(model, type): raise TypeError(
+        f"model must be a model (an nn.Module instance), not the class {model.__name__}: make one, "
+        f"model={model.__name__}(...)")
+    if not (callable(model) and hasattr(model, 'parameters')): raise TypeError(
+        f"model must be an nn.Module, not {type(model).__name__}: wrap your function in an nn.Module subclass")
+    return model
+
+def check_loss_func(loss_func, allow_none=False):
+    "`loss_func` if it is a function `loss_func(pred, *yb)` or a loss module instance, not a class"
+    if loss_func is None and allow_none: return loss_func
+    if isinstance(loss_func, type): raise TypeError(
+        f"loss_func must be a loss function or an instance of a loss class, not the class {loss_func.__name__}: "
+        f"call it, loss_func={_call_of(loss_func)}")
+    if not callable(loss_func): raise TypeError(
+        f"loss_func must be a function loss_func(pred, *yb) returning a scalar tensor, like nn.CrossEntropyLoss() "
+        f"or F.cross_entropy, not {loss_func!r}")
+    return loss_func
+
+# %% ../nbs/02_learner.ipynb #a6bddcd0
+def _is_optimizer(o):
+    "Whether `o` is an optimizer already made (it has `param_groups` and `step`), not a function that makes one"
+    return not isinstance(o, type) and hasattr(o, 'param_groups') and callable(getattr(o, 'step', None))
+
+def check_opt_func(opt_func):
+    "`opt_func` if it is a function that makes an optimizer from parameters (`torch.optim.SGD`), not an optimizer"
+    if _is_optimizer(opt_func):
+        name = type(opt_func).__name__
+        raise TypeError(f"opt_func must be a function that makes an optimizer from the model's parameters, not the "
+                        f"optimizer {name} already made: pass opt_func=torch.optim.{name} (options in a partial: "
+                        f"partial(torch.optim.{name}, momentum=0.9)), or set learn.opt = <your optimizer>")
+    if not callable(opt_func): raise TypeError(
+        f"opt_func must be a function that makes an optimizer, like torch.optim.AdamW, not {opt_func!r}")
+    return opt_func
+
+def _check_metric(m):
+    if isinstance(m, str):
+        known = callable(getattr(importlib.import_module('learncb.metrics'), m, None))
+        fix = f"from learncb.metrics import {m}; metrics={m}" if known else "from learncb.metrics import accuracy"
+        raise TypeError(f"metrics must be functions f(pred, *yb) or metric objects, not the string {m!r}: pass the "
+                        f"function itself ({fix})")
+    if isinstance(m, type): raise TypeError(f"metrics must be functions or metric objects, not the class "
+                                            f"{m.__name__}: pass an instance, {m.__name__}(...)")
+    if not (callable(m) or all(callable(getattr(m, a, None)) for a in ('update', 'compute', 'reset'))):
+        raise TypeError(f"metrics must be functions f(pred, *yb) -> scalar or objects with update/compute/reset, "
+                        f"not {m!r}")
+
+def check_metrics(metrics):
+    "`metrics` as a list (`None`: none), each a function `f(pred, *yb)` or an object with `update`/`compute`/`reset`"
+    metrics = list(metrics) if isinstance(metrics, (list, tuple)) else [] if metrics is None else [metrics]
+    for m in metrics: _check_metric(m)
+    return metrics
+
 # %% ../nbs/02_learner.ipynb #c7159f19
 # The loop's attributes: where a fit is, and what the current phase and batch hold
 fit_attrs = ('epoch', 'n_epoch', 'train_iter', 'pct_train')
@@ -93,13 +154,16 @@ class Learner:
     "Trains `model` on `dls` with `loss_func` and `opt_func`; every stage of the loop fires events for callbacks"
     def __init__(self, dls, model, loss_func=None, opt_func=torch.optim.Adam, lr=1e-3, cbs=None, metrics=None,
                  path='.', model_dir='models', wd=None, device=None, default_cbs=True, n_inp=1):
-        self.dls,self.model,self.loss_func,self.opt_func = to_dls(dls),model,loss_func,opt_func
-        self.lr,self.wd,self.n_inp,self.model_dir,self.path = lr,wd,n_inp,model_dir,Path(path)
-        self.metrics = list(metrics) if isinstance(metrics, (list, tuple)) else [] if metrics is None else [metrics]
+        self.dls,self.model = to_dls(dls),check_model(model)
+        self.loss_func,self.opt_func = check_loss_func(loss_func, allow_none=True),check_opt_func(opt_func)
+        self.lr,self.wd = check_lr(lr, who='Learner'),check_wd(wd, who='Learner')
+        self.n_inp,self.model_dir,self.path = n_inp,model_dir,Path(path)
+        self.metrics = check_metrics(metrics)
         self.device = torch.device(device) if device is not None else default_device()
         self.model.to(self.device)
         self.opt,self.state,self.logger,self.exception,self.cbs = None,AttrDict(),print_row,None,[]
         self.fitting,self.validating_aside,self.stop_reason,self.resume_from = False,0,None,None
+        self._running,self._opt_made = None,None      # who runs a fit or validation now; the model `opt` was made for
         self.epoch,self.n_epoch,self.iter,self.n_iter,self.train_iter,self.pct_train = 0,1,0,0,0,0.
         self.dl = self.batch = self.xb = self.yb = self.pred = self.loss = self.loss_grad = None
         self.training,self.start_epoch,self.start_iter = False,0,0
@@ -209,21 +273,20 @@ def _fire(self:Learner, event_name):
 @contextmanager
 def _fit_session(self:Learner, n_epoch, lr, wd, cbs, reset_opt, resume):
     "Set up a fit; on an error fire `after_exception` then `after_fit`; leave the learner ready for the next fit"
-    check_int(n_epoch, 'n_epoch', ge=0)
-    if self.loss_func is None: raise ValueError("this Learner has no loss_func; pass one, e.g. Learner(dls, model, "
-                                                "loss_func=nn.CrossEntropyLoss())")
-    with self.added_cbs(cbs):
-        if reset_opt or self.opt is None: self.create_opt()
-        self._set_hypers(lr=self.lr if lr is None else lr, wd=self.wd if wd is None else wd)
-        self.n_epoch,self.exception,self.stop_reason,self._raised_in = n_epoch,None,None,None
-        self.start_epoch,self.start_iter = 0,0
-        with self.added_cbs(self._resuming_cbs(resume)):
-            try:
-                self.fitting,self.resume_from = True,resume or None
-                self._prepare_fit()
-                yield
-            except BaseException as e: self._after_exception(e); raise
-            finally: self._end_fit()
+    with self._exclusive('learn.fit()'):
+        n_epoch = self._check_fit(n_epoch, lr, wd, 'fit')
+        with self.added_cbs(cbs):
+            self._opt_for_fit(reset_opt)
+            self._set_hypers(lr=self.lr if lr is None else lr, wd=self.wd if wd is None else wd)
+            self.n_epoch,self.exception,self.stop_reason,self._raised_in = n_epoch,None,None,None
+            self.start_epoch,self.start_iter = 0,0
+            with self.added_cbs(self._resuming_cbs(resume)):
+                try:
+                    self.fitting,self.resume_from = True,resume or None
+                    self._prepare_fit()
+                    yield
+                except BaseException as e: self._after_exception(e); raise
+                finally: self._end_fit()
 
 @patch
 def _resuming_cbs(self:Learner, resume):
@@ -259,16 +322,70 @@ def stop_fit(self:Learner, reason='stop_fit was called'):
     "Stop the fit at the end of this epoch, after every `after_epoch` handler; `learn.stop_reason` keeps `reason`"
     self.stop_reason = reason
 
+# %% ../nbs/02_learner.ipynb #7467a658
+@patch
+def _check_fit(self:Learner, n_epoch, lr, wd, who):
+    "Check what a fit needs, before anything runs: arguments, parts and data; returns `n_epoch` as an int"
+    n_epoch = check_int(n_epoch, 'n_epoch', ge=0, who=who, hint='a number of epochs, e.g. 3')
+    check_lr(self.lr if lr is None else lr, 'learn.lr' if lr is None else 'lr', who)
+    check_wd(self.wd if wd is None else wd, 'learn.wd' if wd is None else 'wd', who)
+    if self.loss_func is None: raise ValueError("this Learner has no loss_func; pass one, e.g. Learner(dls, model, "
+                                                "loss_func=nn.CrossEntropyLoss())")
+    check_model(self.model); check_loss_func(self.loss_func); check_opt_func(self.opt_func)
+    metrics = check_metrics(self.metrics)
+    if not isinstance(self.metrics, list): self.metrics = metrics      # set by hand to one metric: keep a list
+    self._check_data()
+    return n_epoch
+
+@patch
+def _check_data(self:Learner):
+    "Raise if there is no training dataloader, or if one of the dataloaders is known to be empty"
+    dls = to_dls(self.dls)
+    if dls.train is None: raise ValueError(_no_dl('training'))
+    for dl,what in zip(dls, ('training', 'validation')):
+        if dl is not None and n_batches(dl) == 0: raise ValueError(_empty_dl(what))
+
+# %% ../nbs/02_learner.ipynb #4e06130d
+_Running = namedtuple('_Running', 'thread name what lends')
+_running_lock = threading.Lock()
+
+def _busy_error(what, running, me):
+    "The error for `what`, called in thread `me` while `running` runs on the learner"
+    if running.thread == me.ident: return RuntimeError(
+        f"{what} was called during {running.what} of this learner (from a callback?): it cannot run inside it, and "
+        f"{running.what} goes on if this error is caught. To look at the model during a fit use learn.validate() or "
+        f"learn.get_preds(), which can run inside it; to train more, call {what} after {running.what} returns")
+    return RuntimeError(
+        f"{what} was called in thread {me.name!r} while thread {running.name!r} runs {running.what} on this learner: "
+        f"a learner runs one fit at a time. Wait for that thread to end (thread.join()), or give this thread a "
+        f"Learner and a model of its own")
+
+@patch
+@contextmanager
+def _exclusive(self:Learner, what, lends=False, inside=False):
+    "Context manager: `what` runs alone on the learner; a fit called meanwhile (nested or in another thread) raises"
+    me = threading.current_thread()
+    with _running_lock:
+        before = self._running
+        if before is not None and not (before.thread == me.ident and (before.lends or inside)):
+            raise _busy_error(what, before, me)
+        self._running = _Running(me.ident, me.name, what, lends)
+    try: yield
+    finally: self._running = before
+
 # %% ../nbs/02_learner.ipynb #343cc928
 _phase_names = {'train': 'training', 'validate': 'validation'}
+
+def _no_dl(what): return f"there is no {what} dataloader: pass one in DataLoaders(train, valid)"
+def _empty_dl(what): return (f"the {what} dataloader is empty (len 0): check that its dataset has samples and that "
+                             f"batch_size is not larger than the dataset with drop_last=True")
 
 @patch
 def _set_dl(self:Learner, dl, stage):
     what = _phase_names[stage]
-    if dl is None: raise ValueError(f"there is no {what} dataloader: pass one in DataLoaders(train, valid)")
+    if dl is None: raise ValueError(_no_dl(what))
     self.dl,self.n_iter = dl,n_batches(dl)
-    if self.n_iter == 0: raise ValueError(f"the {what} dataloader is empty (len 0): check that its dataset has samples "
-                                         f"and that batch_size is not larger than the dataset with drop_last=True")
+    if self.n_iter == 0: raise ValueError(_empty_dl(what))
 
 @patch
 def _prepare_fit(self:Learner):
@@ -325,17 +442,37 @@ def _explain_device_error(self:Learner, e, where):
                 f"(Learner(device=...) moves the whole model).")
 
 # %% ../nbs/02_learner.ipynb #f313f99f
+def _not_a_callback(cb):
+    "The `TypeError` for something given as a callback that is not one, saying what to pass instead"
+    if isinstance(cb, str): what = f"the string {cb!r}"
+    elif isinstance(cb, type): what = f"the class {cb.__name__}"
+    elif callable(cb) and hasattr(cb, '__name__'): what = f"the function {cb.__name__}"
+    else: what = repr(cb)
+    ev = cb.__name__ if callable(cb) and getattr(cb, '__name__', None) in event else 'after_batch'
+    return TypeError(f"{what} is not a Callback: pass a Callback instance or subclass; for a function, wrap it: "
+                     f"Callback({ev}=fn) (fn(cb) reads the learner through cb), or register it: "
+                     f"learn.on(event.{ev})(fn) (fn(learn)); or subclass Callback")
+
+def _as_callback(cb):
+    "`cb` as a `Callback` instance: a class is called with no arguments; anything else raises saying what to pass"
+    if isinstance(cb, type) and issubclass(cb, Callback):
+        try: cb = cb()
+        except TypeError as e:
+            add_note(e, f"learncb: the class {cb.__name__} was given as a callback, and {cb.__name__}() failed: pass "
+                        f"an instance, {cb.__name__}(...), with its arguments")
+            raise
+    if not isinstance(cb, Callback): raise _not_a_callback(cb)
+    check_order(cb, cb.order)
+    return cb
+
 @patch
 def add_cb(self:Learner, cb):
     "Add one callback (an instance or a `Callback` subclass) to the learner"
-    if isinstance(cb, type): cb = cb()
-    if not isinstance(cb, Callback):
-        raise TypeError(f"{cb!r} is not a Callback: subclass Callback, use Callback(after_batch=fn) for a "
-                        f"one-off, or learn.on(event.after_batch)(fn) for a plain function of the learner")
+    cb = _as_callback(cb)
     if cb in self.cbs: return self
     for meth,close in cb.misspelled_handlers():
-        warnings.warn(f"{type(cb).__name__}.{meth} is not an event and will never be called; did you mean "
-                      f"{close!r}?", UserWarning, stacklevel=3)
+        warnings.warn(f"{type(cb).__name__}.{meth} is not an event and will never be called"
+                      f"{did_you_mean(meth, cutoff=0.85)}", UserWarning, stacklevel=3)
     cb.learn = self
     self.cbs.append(cb)
     self._expose(cb)
@@ -344,8 +481,8 @@ def add_cb(self:Learner, cb):
 
 @patch
 def add_cbs(self:Learner, cbs):
-    "Add each callback of `cbs`"
-    for cb in listify(cbs): self.add_cb(cb)
+    "Add each callback of `cbs`, all checked before any is added"
+    for cb in [_as_callback(cb) for cb in listify(cbs)]: self.add_cb(cb)
     return self
 
 # %% ../nbs/02_learner.ipynb #999743df
@@ -371,7 +508,7 @@ def remove_cbs(self:Learner, cbs):
 @contextmanager
 def added_cbs(self:Learner, cbs):
     "Context manager: `cbs` are added on entry and removed on exit, even after an error"
-    new = [cb for cb in (c() if isinstance(c, type) else c for c in listify(cbs)) if cb not in self.cbs]
+    new = [cb for cb in map(_as_callback, listify(cbs)) if cb not in self.cbs]
     self.add_cbs(new)
     try: yield self
     finally: self.remove_cbs(new)
@@ -445,17 +582,71 @@ def on(self:Learner, event_name, every=None, once=None, filter_fn=None):
     return register
 
 # %% ../nbs/02_learner.ipynb #43e68a11
+def _first(v): return v[0] if isinstance(v, (list, tuple)) else v
+
+def _group_values(value, opt, name):
+    "`value` for each param group of `opt`: the same for all, or the items of a list with one per group"
+    n = len(opt.param_groups)
+    if not isinstance(value, (list, tuple)): return [value] * n
+    if len(value) == n: return list(value)
+    raise ValueError(f"{name}={value!r} gives {len(value)} values, but {type(opt).__name__} has {n} param group"
+                     f"{'s' if n > 1 else ''}: pass one {name}, or one per param group (opt_func makes the groups)")
+
+def _weak(o):
+    try: return weakref.ref(o)
+    except TypeError: return None
+
 @patch
 def create_opt(self:Learner):
     "Create the optimizer: `opt_func(model.parameters(), lr=self.lr)` (and `weight_decay=self.wd` if set)"
-    kw = {} if self.wd is None else {'weight_decay': self.wd}
-    self.opt = self.opt_func(self.model.parameters(), lr=self.lr, **kw)
+    lr,wd = self.lr,self.wd
+    kw = {} if wd is None else {'weight_decay': _first(wd)}
+    opt = self.opt_func(self.model.parameters(), lr=_first(lr), **kw)
+    if not _is_optimizer(opt): raise TypeError(
+        f"opt_func {self.opt_func!r} returned {type(opt).__name__}, not an optimizer: it must make one from the "
+        f"parameters and lr, like torch.optim.AdamW")
+    if isinstance(lr, (list, tuple)) or isinstance(wd, (list, tuple)): self._set_hypers(lr, wd, opt)
+    self.opt,self._opt_made = opt,(_weak(opt), [weakref.ref(p) for p in self.model.parameters()])
 
 @patch
-def _set_hypers(self:Learner, lr=None, wd=None):
-    for pg in self.opt.param_groups:
-        if lr is not None: pg['lr'] = lr
-        if wd is not None: pg['weight_decay'] = wd
+def _set_hypers(self:Learner, lr=None, wd=None, opt=None):
+    opt = self.opt if opt is None else opt
+    for name,key,value in (('lr', 'lr', lr), ('wd', 'weight_decay', wd)):
+        if value is None: continue
+        for pg,v in zip(opt.param_groups, _group_values(value, opt, name)): pg[key] = v
+
+# %% ../nbs/02_learner.ipynb #e3ab0fd4
+@patch
+def _opt_is_made(self:Learner):
+    "Whether `opt` is the optimizer `create_opt` made last, not one set by hand"
+    made = self._opt_made
+    return made is not None and made[0] is not None and made[0]() is self.opt
+
+@patch
+def _opt_fits_model(self:Learner):
+    "Whether `opt` trains `model` as it is: made for these very parameters (set by hand: it holds only model tensors)"
+    params = list(self.model.parameters())
+    if self._opt_is_made():
+        refs = self._opt_made[1]
+        return len(refs) == len(params) and all(r() is p for r,p in zip(refs, params))
+    own = {id(p) for p in params}
+    return all(id(p) in own for pg in self.opt.param_groups for p in pg['params'])
+
+@patch
+def _opt_for_fit(self:Learner, reset_opt=False):
+    "The optimizer the next fit uses: made now if there is none, with `reset_opt`, or when the model has changed"
+    if reset_opt or self.opt is None: self.create_opt()
+    elif not self._opt_fits_model():
+        name = type(self.opt).__name__
+        if not self._opt_is_made():
+            raise ValueError(f"learn.opt ({name}, set by hand) updates tensors that are not parameters of learn.model "
+                             f"(was the model replaced?), so the model would not train: set learn.opt to an "
+                             f"optimizer of learn.model.parameters(), or pass reset_opt=True to make one with opt_func")
+        warnings.warn(f"learn.model (or some of its parameters) changed since the optimizer was made: a new {name} is "
+                      f"made for this fit, with a fresh state (momentum, running averages); pass reset_opt=True to "
+                      f"do this without a warning", UserWarning, stacklevel=4)
+        self.create_opt()
+    return self.opt
 
 # %% ../nbs/02_learner.ipynb #e04774fb
 @patch(as_prop=True)
@@ -483,7 +674,7 @@ def _saved_loop_state(self:Learner):
 @patch
 def run_validation(self:Learner, dl):
     "Fire the validation stage on `dl`, leaving a running fit's state alone (what `validate` and `get_preds` run)"
-    with self._saved_loop_state():
+    with self._exclusive('learn.validate() or learn.get_preds()', inside=True), self._saved_loop_state():
         self._prepare_fit()
         self.validating_aside += 1
         try: self._do_phase(dl, 'validate')

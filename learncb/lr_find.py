@@ -161,20 +161,21 @@ class LearnerSnapshot:
 def lr_find(self:Learner, start_lr=1e-7, end_lr=10, num_it=100, stop_div=True, show_plot=True, suggest_funcs=(valley,)):
     "Try lrs rising from `start_lr` to `end_lr` over `num_it` batches, plot the loss, suggest lrs; then undo the trial"
     finder,funcs = LRFinder(start_lr, end_lr, num_it, stop_div),_suggest_funcs(suggest_funcs)
-    n = n_batches(self.dls.train)
-    n_epoch = math.ceil(num_it / n) if n else num_it
-    snapshot = LearnerSnapshot(self)
-    try:
-        with self.removed_cbs([cb for cb in self.cbs if sits_out_lr_find(cb)]), self.no_logging():
-            self.fit(n_epoch, cbs=finder)
-    except Exception as e:
-        add_note(e, "learncb: raised during lr_find, which runs without the Recorder and skips validation; a callback "
-                     "that needs them should set remove_on_lr_find = True, or be removed around it: "
-                     "with learn.removed_cbs(cb): learn.lr_find()")
-        raise
-    finally:
-        snapshot.restore()
-        self.lr_finder = finder
+    with self._exclusive('learn.lr_find()', lends=True):
+        n = n_batches(self.dls.train)
+        n_epoch = math.ceil(num_it / n) if n else num_it
+        snapshot = LearnerSnapshot(self)
+        try:
+            with self.removed_cbs([cb for cb in self.cbs if sits_out_lr_find(cb)]), self.no_logging():
+                self.fit(n_epoch, cbs=finder)
+        except Exception as e:
+            add_note(e, "learncb: raised during lr_find, which runs without the Recorder and skips validation; a "
+                        "callback that needs them should set remove_on_lr_find = True, or be removed around it: "
+                        "with learn.removed_cbs(cb): learn.lr_find()")
+            raise
+        finally:
+            snapshot.restore()
+            self.lr_finder = finder
     res = finder.suggest(funcs)
     if show_plot: finder.plot()
     return res

@@ -6,7 +6,7 @@ Docs: https://learncb.github.io/learncb/schedule.html.md"""
 
 # %% auto #0
 __all__ = ['SchedLin', 'SchedCos', 'SchedNo', 'SchedExp', 'SchedPoly', 'combine_scheds', 'combined_cos', 'hp_location', 'set_hp',
-           'ParamScheduler', 'has_momentum', 'LRSchedulerCallback', 'WarmupCallback']
+           'check_has_len', 'ParamScheduler', 'has_momentum', 'LRSchedulerCallback', 'WarmupCallback']
 
 # %% ../nbs/11_schedule.ipynb #d9c31cae
 import bisect, math, warnings
@@ -111,6 +111,14 @@ def set_hp(groups, key, idx, value):
             pg[key] = (v, old[1]) if idx == 0 else (old[0], v)
 
 # %% ../nbs/11_schedule.ipynb #ce1395ce
+def check_has_len(dl, who):
+    "`dl` if it has a `len`, which a schedule of the fraction of training done needs; else a `ValueError` naming `who`"
+    if n_batches(dl) is not None: return dl
+    raise ValueError(f"{who}: the training dataloader ({type(dl).__name__}) has no len(), so the fraction of training "
+                     f"done (learn.pct_train) is unknown and the schedule would stay at its start: give it a length "
+                     f"(a dataset with __len__, an IterableDataset too), or schedule by optimizer steps with "
+                     f"LRSchedulerCallback or WarmupCallback, which need none")
+
 _hp_hints = {'mom': "'mom' sets 'momentum', or betas[0] for Adam-like optimizers", 'sqr_mom': "'sqr_mom' sets betas[1]",
              'wd': "'wd' sets 'weight_decay'", 'eps': "'eps' sets 'eps'"}
 
@@ -129,6 +137,7 @@ class ParamScheduler(Callback):
         self.scheds,self.hps,self._plan = dict(scheds),{name: [] for name in scheds},[]
 
     def before_fit(self):
+        check_has_len(self.learn.dls.train, 'ParamScheduler')
         opt = self.learn.opt
         self.hps = {name: [] for name in self.scheds}
         self._plan = [(s, *self._locate(name, opt), self.hps[name]) for name,s in self.scheds.items()]
@@ -191,12 +200,6 @@ def has_momentum(opt):
     return all(hp_location('mom', pg) is not None for pg in opt.param_groups)
 
 @patch
-def _opt_for_fit(self:Learner, reset_opt):
-    "The optimizer the next fit will use, made now if it does not exist yet (or `reset_opt`)"
-    if reset_opt or self.opt is None: self.create_opt()
-    return self.opt
-
-@patch
 def _fit_scheduled(self:Learner, n_epoch, scheds, wd, cbs, reset_opt, resume):
     sched = ParamScheduler(scheds)
     try: self.fit(n_epoch, wd=wd, cbs=[sched, *listify(cbs)], reset_opt=reset_opt, resume=resume)
@@ -207,32 +210,38 @@ def _fit_scheduled(self:Learner, n_epoch, scheds, wd, cbs, reset_opt, resume):
 def fit_one_cycle(self:Learner, n_epoch, lr_max=None, div=25., div_final=1e5, pct_start=0.25, wd=None,
                   moms=(0.95, 0.85, 0.95), cbs=None, reset_opt=False, resume=None):
     "Fit `n_epoch` epochs with the 1cycle policy: lr from `lr_max/div` up to `lr_max` then down to `lr_max/div_final`"
-    lr_max = check_number(self.lr if lr_max is None else lr_max, 'lr_max', gt=0, per_group=True, who='fit_one_cycle')
-    check_number(div, 'div', gt=0, who='fit_one_cycle')
-    check_number(div_final, 'div_final', gt=0, who='fit_one_cycle')
-    check_fraction(pct_start, 'pct_start', who='fit_one_cycle', what=_of_training)
-    scheds = {'lr': _per_group(lambda lr: combined_cos(pct_start, lr / div, lr, lr / div_final), lr_max)}
-    if moms is not None:
-        if not isinstance(moms, (list, tuple)) or len(moms) != 3:
+    with self._exclusive('learn.fit_one_cycle()', lends=True):
+        lr_max = check_lr(self.lr if lr_max is None else lr_max, 'lr_max', who='fit_one_cycle')
+        check_number(div, 'div', gt=0, who='fit_one_cycle')
+        check_number(div_final, 'div_final', gt=0, who='fit_one_cycle')
+        check_fraction(pct_start, 'pct_start', who='fit_one_cycle', what=_of_training)
+        if moms is not None and (not isinstance(moms, (list, tuple)) or len(moms) != 3):
             raise ValueError(f"fit_one_cycle: moms must be (start, middle, end) momentums, like (0.95, 0.85, 0.95), "
                              f"not {moms!r}")
-        opt = self._opt_for_fit(reset_opt)
-        reset_opt = False                  # made just now if it had to be
-        if has_momentum(opt): scheds['mom'] = combined_cos(pct_start, *moms)
-        else: warnings.warn(f"fit_one_cycle: {type(opt).__name__} has no momentum (neither 'momentum' nor 'betas' in "
-                            f"its param groups), so moms={moms} is not scheduled; pass moms=None to silence this",
-                            UserWarning, stacklevel=2)
-    self._fit_scheduled(n_epoch, scheds, wd, cbs, reset_opt, resume)
+        self._check_fit(n_epoch, None, wd, 'fit_one_cycle')
+        check_has_len(self.dls.train, 'fit_one_cycle')
+        scheds = {'lr': _per_group(lambda lr: combined_cos(pct_start, lr / div, lr, lr / div_final), lr_max)}
+        if moms is not None:
+            opt = self._opt_for_fit(reset_opt)
+            reset_opt = False                  # made just now if it had to be
+            if has_momentum(opt): scheds['mom'] = combined_cos(pct_start, *moms)
+            else: warnings.warn(
+                f"fit_one_cycle: {type(opt).__name__} has no momentum (neither 'momentum' nor 'betas' in its param "
+                f"groups), so moms={moms} is not scheduled; pass moms=None to silence this", UserWarning, stacklevel=3)
+        self._fit_scheduled(n_epoch, scheds, wd, cbs, reset_opt, resume)
 
 @patch
 def fit_flat_cos(self:Learner, n_epoch, lr=None, div_final=1e5, pct_start=0.75, wd=None, cbs=None, reset_opt=False,
                  resume=None):
     "Fit `n_epoch` epochs at a flat `lr` for `pct_start` of the fit, then with a cosine down to `lr/div_final`"
-    lr = check_number(self.lr if lr is None else lr, 'lr', gt=0, per_group=True, who='fit_flat_cos')
-    check_number(div_final, 'div_final', gt=0, who='fit_flat_cos')
-    check_fraction(pct_start, 'pct_start', who='fit_flat_cos', what=_of_training)
-    make = lambda v: combine_scheds([pct_start, 1 - pct_start], [SchedNo(v, v), SchedCos(v, v / div_final)])
-    self._fit_scheduled(n_epoch, {'lr': _per_group(make, lr)}, wd, cbs, reset_opt, resume)
+    with self._exclusive('learn.fit_flat_cos()', lends=True):
+        lr = check_lr(self.lr if lr is None else lr, 'lr', who='fit_flat_cos')
+        check_number(div_final, 'div_final', gt=0, who='fit_flat_cos')
+        check_fraction(pct_start, 'pct_start', who='fit_flat_cos', what=_of_training)
+        self._check_fit(n_epoch, None, wd, 'fit_flat_cos')
+        check_has_len(self.dls.train, 'fit_flat_cos')
+        make = lambda v: combine_scheds([pct_start, 1 - pct_start], [SchedNo(v, v), SchedCos(v, v / div_final)])
+        self._fit_scheduled(n_epoch, {'lr': _per_group(make, lr)}, wd, cbs, reset_opt, resume)
 
 # %% ../nbs/11_schedule.ipynb #daa72417
 def _is_scheduler(o): return callable(getattr(o, 'step', None)) and hasattr(o, 'optimizer')

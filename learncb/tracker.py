@@ -67,6 +67,10 @@ class TrackerCallback(Callback):
                              f"the learner has no Recorder: add one, or monitor a function f(learn) -> float")
         names = rec.value_names
         self.monitor = resolve_monitor(self.monitor, names)
+        if self.monitor in rec.valid_names and self.learn.dls.valid is None: raise ValueError(
+            f"{type(self).__name__} monitors {self.monitor!r}, a value of the validation, but this learner has no "
+            f"validation dataloader, so it would never get a value: pass DataLoaders(train, valid), or monitor "
+            f"'train_loss'")
         idx = names.index(self.monitor)
         return lambda: rec.values[-1][idx]
 

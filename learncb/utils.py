@@ -6,12 +6,12 @@ Docs: https://learncb.github.io/learncb/utils.html.md"""
 
 # %% auto #0
 __all__ = ['default_device', 'model_device', 'to_device', 'tensors_of', 'find_bs', 'n_batches', 'listify', 'add_note',
-           'is_number', 'arg_error', 'check_number', 'check_int', 'check_fraction', 'check_choice', 'rng_state',
-           'set_rng_state']
+           'is_number', 'ArgTypeError', 'arg_error', 'check_number', 'check_lr', 'check_wd', 'check_int',
+           'check_fraction', 'check_choice', 'rng_state', 'set_rng_state']
 
 # %% ../nbs/01_utils.ipynb #4d5f189c
-import random
-from numbers import Integral, Real
+import math, operator, random
+from numbers import Real
 import torch
 
 # %% ../nbs/01_utils.ipynb #2140fa2d
@@ -68,39 +68,61 @@ def is_number(x):
     "Whether `x` is a real number (an int, a float, a numpy scalar...): a bool is not one, nor is a tensor"
     return isinstance(x, Real) and not isinstance(x, bool)
 
+class ArgTypeError(TypeError, ValueError):
+    "An argument of the wrong type: a `TypeError`, and a `ValueError` as learncb's checks raised before"
+
 def arg_error(value, name, what, who=None, hint=None, err=ValueError):
     "An `err` saying that argument `name` (of `who`) must be `what`, not `value`: the message of every check"
     where,why = f'{who}: ' if who else '',f' ({hint})' if hint else ''
     return err(f"{where}{name} must be {what}, not {value!r}{why}")
 
 # %% ../nbs/01_utils.ipynb #ff0e35a7
-def check_number(value, name, *, gt=None, ge=None, per_group=False, who=None, what=None, hint=None,
-                 type_error=ValueError):
-    "`value` if it is a number `> gt` (or `>= ge`); with `per_group`, a list of them (one per param group) is too"
+def check_number(value, name, *, gt=None, ge=None, finite=False, per_group=False, who=None, what=None, hint=None,
+                 type_error=ArgTypeError):
+    "`value` if it is a number `> gt` (or `>= ge`, finite); with `per_group`, a list of them (one per param group) too"
     if what is None:
         what = ('a positive number' if gt == 0 else f'a number > {gt}' if gt is not None else
                 f'a number >= {ge}' if ge is not None else 'a number')
+        if finite: what += ' (not inf or nan)'
         if per_group: what += ' or a list with one per parameter group'
     values = value if per_group and isinstance(value, (list, tuple)) else [value]
     if not values or not all(map(is_number, values)): raise arg_error(value, name, what, who, hint, type_error)
-    if not all((gt is None or v > gt) and (ge is None or v >= ge) for v in values):
+    if not all((gt is None or v > gt) and (ge is None or v >= ge) and (not finite or math.isfinite(v)) for v in values):
         raise arg_error(value, name, what, who, hint)
     return value
 
+# %% ../nbs/01_utils.ipynb #f14c7e7b
+def check_lr(lr, name='lr', who=None):
+    "`lr` if it is a finite number > 0, or a list of them with one per parameter group"
+    return check_number(lr, name, gt=0, finite=True, per_group=True, who=who,
+                        hint='a learning rate such as 1e-3; learn.lr_find() suggests one')
+
+def check_wd(wd, name='wd', who=None):
+    "`wd` if it is `None` (the optimizer's default), a finite number >= 0, or a list of them, one per parameter group"
+    if wd is None: return wd
+    return check_number(wd, name, ge=0, finite=True, per_group=True, who=who, hint='a weight decay such as 0.01')
+
 # %% ../nbs/01_utils.ipynb #d5287530
+def _as_int(value):
+    "`operator.index(value)`, or `None` for a value that is not an int (a bool, a bool tensor, a float...)"
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool): return None
+    try: return operator.index(value)
+    except TypeError: return None
+
 def check_int(value, name, *, ge=None, allow_none=False, who=None, what=None, hint=None):
-    "`value` if it is an int `>= ge` (or `None`, with `allow_none`), else a `ValueError` saying what it must be"
+    "`value` as an `int` if it is one (numpy and 0-d tensor ints too) `>= ge` (or `None`, with `allow_none`)"
     if allow_none and value is None: return value
     if what is None:
         what = 'a positive int' if ge == 1 else f'an int >= {ge}' if ge is not None else 'an int'
         if allow_none: what += ' or None'
-    if isinstance(value, bool) or not isinstance(value, Integral) or (ge is not None and value < ge):
-        raise arg_error(value, name, what, who, hint)
-    return value
+    if (i := _as_int(value)) is None: raise arg_error(value, name, what, who, hint, ArgTypeError)
+    if ge is not None and i < ge: raise arg_error(value, name, what, who, hint)
+    return i
 
 def check_fraction(value, name, *, who=None, what='in [0, 1]', hint=None):
     "`value` if it is a number in [0, 1], else a `ValueError` saying so"
-    if not (is_number(value) and 0 <= value <= 1): raise arg_error(value, name, what, who, hint)
+    if not is_number(value): raise arg_error(value, name, what, who, hint, ArgTypeError)
+    if not 0 <= value <= 1: raise arg_error(value, name, what, who, hint)
     return value
 
 def check_choice(value, name, choices, *, who=None, what=None, hint=None):
