@@ -18,7 +18,6 @@ from fastcore.basics import noop, patch
 from .core import *
 from .utils import *
 from .learner import *
-from .learner import _swap_prefix, _wrapper_prefix
 
 # %% ../nbs/16_checkpoint.ipynb #f739fcd4
 class ResumableSampler(Sampler):
@@ -129,7 +128,7 @@ def _check_state(self:Learner, state, where, strict=True, with_opt=True):
     "The weights and gradients of checkpoint `state`, if it fits this learner (and its optimizer); nothing changes"
     _check_format(state, where)
     weights = check_model_state(self.model, state['model'], where, strict=strict)
-    grads = _swap_prefix(state['grads'], _wrapper_prefix(state['model']), _wrapper_prefix(self.model.state_dict()))
+    grads = match_prefix(state['grads'], state['model'], self.model.state_dict())
     params = dict(self.model.named_parameters())
     bad = [n for n,g in grads.items() if (n not in params and strict) or (n in params and g.shape != params[n].shape)]
     if bad: raise ValueError(f"{where} has gradients that do not fit the model's parameters: {bad}; load it into "

@@ -7,7 +7,7 @@ Docs: https://learncb.github.io/learncb/learner.html.md"""
 # %% auto #0
 __all__ = ['fit_attrs', 'phase_attrs', 'DataLoaders', 'to_dls', 'check_event_name', 'print_row', 'TrainEvalCallback', 'defaults',
            'check_model', 'check_loss_func', 'check_opt_func', 'check_metrics', 'Learner', 'EventFilter', 'atomic_save',
-           'CorruptFileError', 'state_checksum', 'with_checksum', 'check_checksum', 'load_torch_file',
+           'CorruptFileError', 'state_checksum', 'with_checksum', 'check_checksum', 'load_torch_file', 'match_prefix',
            'check_model_state', 'load_model_state']
 
 # %% ../nbs/02_learner.ipynb #4ceb359e
@@ -292,8 +292,8 @@ def _fit_session(self:Learner, n_epoch, lr, wd, cbs, reset_opt, resume):
 def _resuming_cbs(self:Learner, resume):
     "The callbacks that resume from checkpoint `resume` (a path, or `True` for the newest): none if `resume` is not set"
     if resume is None or resume is False: return []
-    from .checkpoint import resume_cbs       # the checkpoint module knows how; the loop only knows where to start
-    return resume_cbs(self, resume)
+    from . import checkpoint      # the checkpoint module knows how; the loop only knows where to start
+    return checkpoint.resume_cbs(self, resume)
 
 # %% ../nbs/02_learner.ipynb #8d4055cb
 @patch
@@ -823,6 +823,10 @@ def _swap_prefix(state, theirs, ours):
         out._metadata = {(ours + k[len(theirs):]).rstrip('.'): v for k,v in dotted.items() if k.startswith(theirs)}
     return out
 
+def match_prefix(state, saved_keys, model_keys):
+    "`state` with the wrappers' prefix of `saved_keys` (`module.`, `_orig_mod.`, ...) replaced by that of `model_keys`"
+    return _swap_prefix(state, _wrapper_prefix(saved_keys), _wrapper_prefix(model_keys))
+
 def _some(keys, n=8):
     "`keys` as a list, cut to its first `n` when longer"
     keys = list(keys)
@@ -832,7 +836,7 @@ def _some(keys, n=8):
 def check_model_state(model, state, path='the file', strict=True):
     "`state`, keyed as `model`'s (through wrappers' prefixes), if it loads into `model`; else an error naming `path`"
     own = model.state_dict()
-    state = _swap_prefix(state, _wrapper_prefix(state), _wrapper_prefix(own))
+    state = match_prefix(state, state, own)
     missing,unexpected = [k for k in own if k not in state],[k for k in state if k not in own]
     shapes = [f'{k}: file {tuple(state[k].shape)} vs model {tuple(v.shape)}' for k,v in own.items()
               if k in state and hasattr(state[k], 'shape') and state[k].shape != v.shape]
