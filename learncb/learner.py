@@ -6,9 +6,9 @@ Docs: https://learncb.github.io/learncb/learner.html.md"""
 
 # %% auto #0
 __all__ = ['fit_attrs', 'phase_attrs', 'DataLoaders', 'to_dls', 'check_event_name', 'print_row', 'TrainEvalCallback', 'defaults',
-           'check_model', 'check_loss_func', 'check_opt_func', 'check_metrics', 'Learner', 'EventFilter', 'atomic_save',
-           'CorruptFileError', 'state_checksum', 'with_checksum', 'check_checksum', 'load_torch_file', 'match_prefix',
-           'check_model_state', 'load_model_state']
+           'check_model', 'check_loss_func', 'check_opt_func', 'check_metrics', 'Learner', 'describe_value',
+           'EventFilter', 'atomic_save', 'CorruptFileError', 'state_checksum', 'with_checksum', 'check_checksum',
+           'load_torch_file', 'match_prefix', 'check_model_state', 'load_model_state']
 
 # %% ../nbs/02_learner.ipynb #4ceb359e
 import importlib, io, itertools, os, tempfile, threading, warnings, weakref
@@ -298,16 +298,24 @@ def _resuming_cbs(self:Learner, resume):
 # %% ../nbs/02_learner.ipynb #8d4055cb
 @patch
 def _after_exception(self:Learner, e):
-    "Store `e`, fire `after_exception` (and `after_fit`), attaching any error of those handlers to `e`"
+    "Store `e`, explain it, fire `after_exception` (and `after_fit`), attaching any error of those handlers to `e`"
     self.exception = e
     if isinstance(e, CancelException):
         add_note(e, f"learncb: {type(e).__name__} reached fit without a stage of its kind around it (epoch "
                     f"{self.epoch}, iter {self.iter}); raise it only inside the stage it cancels")
+    elif isinstance(e, Exception): self._explain_batch_error(e)
     after_fit_failed = self._raised_in == 'after_fit'
     for name in ('after_exception',) if after_fit_failed else ('after_exception', 'after_fit'):
-        try: self._fire(name)
+        self._fire_unwinding(name, e)
+
+@patch
+def _fire_unwinding(self:Learner, event_name, e):
+    "Fire `event_name` while `e` unwinds: every handler runs, and the error of one becomes a note on `e`"
+    for handler in self._tables[self.training][event_name]:
+        try: handler()
         except BaseException as handler_error:
-            add_note(e, f"learncb: while handling this, {name} raised {type(handler_error).__name__}: {handler_error}")
+            add_note(e, f"learncb: while handling this, {event_name} raised {type(handler_error).__name__}: "
+                        f"{handler_error} (in {getattr(handler, '__self__', handler)!r})")
 
 @patch
 def _end_fit(self:Learner):
@@ -427,7 +435,28 @@ def _backward(self:Learner):
         if self.loss_grad.ndim: raise ValueError(
             f"the loss must be a scalar, but loss_func returned a tensor of shape {tuple(self.loss_grad.shape)}: "
             f"reduce it (e.g. .mean()) or use a loss with reduction='mean'") from e
+        if not self.loss_grad.requires_grad: add_note(e, f"learncb: {self._why_no_grad()}")
         raise
+
+@patch
+def _why_no_grad(self:Learner):
+    "Why the loss has no gradient, and what to do"
+    if not torch.is_grad_enabled():
+        return ("the loss has no gradient because gradients are turned off: fit was called inside torch.no_grad() "
+                "or after torch.set_grad_enabled(False); call it outside")
+    params = list(self.model.parameters())
+    if not any(p.requires_grad for p in params):
+        frozen = (f"all its {len(params)} parameter tensors have requires_grad=False (the model is frozen); unfreeze "
+                  f"what should train, e.g. for p in model.parameters(): p.requires_grad_(True)") if params else \
+                 "it has no parameters at all"
+        return f"the loss has no gradient because nothing in the model can be trained: {frozen}"
+    if not any(t.requires_grad for t in tensors_of(self.pred)):
+        return ("the loss has no gradient because the model's output has none: its forward detaches its result "
+                "(.detach(), .item(), .numpy(), torch.tensor(...)) or runs under torch.no_grad(); return the output "
+                "of its layers as it is")
+    return ("the loss has no gradient: loss_func returned a tensor cut off from pred (by .detach(), .item() then "
+            "torch.tensor(...), numpy, or torch.no_grad()); compute it from pred with torch operations and return it "
+            "as it is")
 
 @patch
 def _explain_device_error(self:Learner, e, where):
@@ -440,6 +469,113 @@ def _explain_device_error(self:Learner, e, where):
     add_note(e, f"learncb: {where} failed with the batch on {', '.join(batch_devs)}; learncb moves batches to the "
                 f"device of the model's first parameter, decided when fit starts, and {split} "
                 f"(Learner(device=...) moves the whole model).")
+
+# %% ../nbs/02_learner.ipynb #38d1c27c
+def describe_value(o):
+    "`o` in a few words for an error message: a tensor's shape, a sequence's length, a dict's keys, a number's value"
+    if isinstance(o, torch.Tensor): return f"a tensor of shape {tuple(o.shape)}"
+    if isinstance(o, (tuple, list)):
+        what = 'tensors' if o and all(isinstance(t, torch.Tensor) for t in o) else 'elements'
+        return f"a {type(o).__name__} of {len(o)} {what}"
+    if isinstance(o, dict): return f"a dict with keys {list(o)}"
+    if o is None or isinstance(o, bool): return repr(o)
+    if isinstance(o, (str, bytes)) or is_number(o): return f"a {type(o).__name__} ({o!r})"
+    return f"a {type(o).__name__}"
+
+# %% ../nbs/02_learner.ipynb #502e6975
+def _tb_frames(e):
+    "The frames the traceback of `e` goes through, outermost first"
+    tb,frames = e.__traceback__,[]
+    while tb is not None: frames.append(tb.tb_frame); tb = tb.tb_next
+    return frames
+
+def _innermost(frames, fn):
+    "Index in `frames` of the innermost one running `fn`, or `None`"
+    return next((i for i in reversed(range(len(frames))) if frames[i].f_code is fn.__code__), None)
+
+@patch
+def _batch_context(self:Learner, e):
+    "What the traceback of `e` says of the batch it came from: `None` if not from one, else batch, iter, stage, where"
+    frames = _tb_frames(e)
+    if (i := _innermost(frames, Learner.one_batch)) is None: return None
+    phase = _innermost(frames, Learner._do_phase)
+    phase = {} if phase is None else frames[phase].f_locals
+    ctx = AttrDict(batch=frames[i].f_locals.get('b'), iter=frames[i].f_locals.get('i'), stage=phase.get('stage'),
+                   dl=phase.get('dl'), where='batch')        # 'batch': before the model, e.g. moving the batch
+    j = _innermost(frames, Learner._do_one_batch)
+    if j is not None and j > i: ctx.where = self._called_by_batch(frames[j+1:])
+    return ctx
+
+@patch
+def _called_by_batch(self:Learner, inner):
+    "What `_do_one_batch` was calling when the error came, from the frames inside it"
+    if not inner: return 'loss value'                  # its own line: the loss function's result was not a tensor
+    if any(_innermost(inner, f) is not None for f in (Learner._fire, Learner._backward, Learner._do_grad_opt)):
+        return ('callback' if _innermost(inner, Learner._fire) is not None else
+                'backward' if _innermost(inner, Learner._backward) is not None else 'step')
+    return 'model' if inner[0].f_locals.get('self') is self.model else 'loss'
+
+# %% ../nbs/02_learner.ipynb #87646e25
+def _batch_kind_note(b, n_inp):
+    kind = 'a dict' if isinstance(b, dict) else 'any other batch'
+    fix = ("give the DataLoader a collate_fn that returns a tuple (inputs first, then targets), e.g. "
+           "collate_fn=lambda items: tuple(default_collate(items).values()) with torch.utils.data.default_collate"
+           if isinstance(b, dict) else "make the dataset return (x, y) pairs, or give the DataLoader a collate_fn "
+           "that returns a tuple")
+    return (f"learncb: the batch is {describe_value(b)}, not a tuple or list. learncb splits a batch into "
+            f"xb = batch[:n_inp], the model's inputs, and yb = batch[n_inp:], the targets passed to the loss "
+            f"(n_inp={n_inp}); {kind} is passed whole to the model as its one input, with no target, so no loss can "
+            f"be computed. To use it, {fix}")
+
+def _n_inp_note(b, n_inp):
+    k,m = len(b[:n_inp]),len(b[n_inp:])
+    fix = (f"if the model takes {len(b) - 1} inputs, pass Learner(..., n_inp={len(b) - 1})" if len(b) > 2 and n_inp == 1
+           else "pass Learner(..., n_inp=k) for a model that takes k inputs")
+    return (f"learncb: the batch has {len(b)} elements and n_inp={n_inp}, so the model got {_n(k, 'input')}, "
+            f"model(*batch[:{n_inp}]), and the loss got pred and {_n(m, 'target')}, "
+            f"loss_func(pred, *batch[{n_inp}:]); {fix}")
+
+def _n(k, noun): return f"{k} {noun}{'' if k == 1 else 's'}"
+
+def _loss_value_note(value):
+    alone = ' alone' if isinstance(value, (tuple, list, dict)) else ''
+    return (f"learncb: loss_func returned {describe_value(value)}, not a tensor. learncb calls loss.backward() to "
+            f"compute the gradients, so the loss must be the tensor computed from pred: return it{alone} as it is, "
+            f"without .item(), float() or numpy")
+
+def _batchnorm_note(ctx):
+    n_iter,dl = n_batches(ctx.dl),ctx.dl
+    n,bs = len(getattr(dl, 'dataset', ())),getattr(dl, 'batch_size', None)
+    where = f"batch {ctx.iter + 1} of {n_iter}" + (f": {n} items in batches of {bs} leave 1 for the last one"
+                                                 if bs and n % bs == 1 else '')
+    return (f"learncb: this training batch has 1 item ({where}), and BatchNorm cannot normalise a single item in "
+            f"training mode; pass drop_last=True to the training DataLoader, or pick a batch size that does not "
+            f"leave one item")
+
+# %% ../nbs/02_learner.ipynb #8bc7f8a2
+@patch
+def _explain_batch_error(self:Learner, e):
+    "Add notes to `e` in learncb's words when it came from a batch that does not fit the loop (data, model or loss)"
+    try: notes = self._batch_notes(e)
+    except Exception: return                     # an explanation must never hide the error it explains
+    for note in notes: add_note(e, note)
+
+@patch
+def _batch_notes(self:Learner, e):
+    ctx = self._batch_context(e)
+    if ctx is None: return []
+    b,where,notes = ctx.batch,ctx.where,[]
+    if not isinstance(b, (tuple, list)):
+        if not (isinstance(b, torch.Tensor) and where == 'model' and ctx.stage == 'validate'):
+            notes.append(_batch_kind_note(b, self.n_inp))
+    elif where in ('model', 'loss') and (isinstance(e, TypeError) or (len(b) > 2 and self.n_inp == 1)):
+        notes.append(_n_inp_note(b, self.n_inp))
+    if where == 'loss value' and isinstance(e, AttributeError) and getattr(e, 'name', None) == 'detach':
+        notes.append(_loss_value_note(e.obj))
+    if (where == 'model' and ctx.stage == 'train' and find_bs(b) == 1
+            and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.model.modules())):
+        notes.append(_batchnorm_note(ctx))
+    return notes
 
 # %% ../nbs/02_learner.ipynb #f313f99f
 def _not_a_callback(cb):

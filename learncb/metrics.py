@@ -10,6 +10,7 @@ __all__ = ['accuracy', 'error_rate', 'metric_name', 'is_stateful_metric', 'weigh
 # %% ../nbs/03_metrics.ipynb #80cddedf
 import torch
 from .core import *
+from .utils import *
 
 # %% ../nbs/03_metrics.ipynb #04469ef5
 def accuracy(pred, targ, axis=-1):
@@ -32,17 +33,30 @@ def is_stateful_metric(m):
     return all(callable(getattr(m, a, None)) for a in ('update', 'compute', 'reset'))
 
 # %% ../nbs/03_metrics.ipynb #de19ecfc
-def weighted_means(cols, bss):
+def weighted_means(cols, bss, names=None):
     "Batch-size weighted mean of each column of per-batch scalars, as Python floats, with one host sync"
     device = next((v.device for c in cols for v in c if isinstance(v, torch.Tensor)), None)
-    stacked = torch.stack([_stack_scalars(c, i, device) for i,c in enumerate(cols)]).float()
+    names = names or ['the loss', *(f'metric #{i}' for i in range(1, len(cols)))]
+    stacked = torch.stack([_stack_scalars(c, n, device) for c,n in zip(cols, names)]).float()
     w = torch.tensor(bss, dtype=stacked.dtype, device=stacked.device)
     return ((stacked * w).sum(1) / w.sum()).tolist()
 
-def _stack_scalars(col, i, device):
+def _stack_scalars(col, name, device):
     if all(isinstance(v, torch.Tensor) and v.ndim == 0 for v in col): return torch.stack(col).to(device)
-    bad = next((v for v in col if isinstance(v, torch.Tensor) and v.numel() != 1), None)
-    if bad is not None: raise ValueError(
-        f"{'the loss' if i == 0 else f'metric #{i}'} gave a tensor of shape {tuple(bad.shape)}, but losses and metrics "
-        f"must be scalars: reduce it (e.g. .mean()) or use a loss with reduction='mean'")
-    return torch.tensor([float(v) for v in col], device=device)
+    for i,v in enumerate(col): _check_scalar(v, name, i)
+    if not any(isinstance(v, torch.Tensor) for v in col): return torch.tensor([float(v) for v in col], device=device)
+    return torch.stack([v.reshape(()).float().to(device) if isinstance(v, torch.Tensor)
+                        else torch.tensor(float(v), device=device) for v in col])
+
+# %% ../nbs/03_metrics.ipynb #1db4be47
+def _check_scalar(v, name, i):
+    "Raise if `v`, the value of column `name` on batch `i`, is not one number"
+    if isinstance(v, torch.Tensor):
+        if v.numel() == 1: return
+        raise ValueError(f"{name} gave a tensor of shape {tuple(v.shape)} on validation batch {i}, but losses and "
+                         f"metrics must be scalars: reduce it (e.g. .mean()) or use a loss with reduction='mean'")
+    if is_number(v) or isinstance(v, bool): return
+    hint = ('does the function end with a return?' if v is None else
+            'return the number, not its text' if isinstance(v, (str, bytes)) else 'return a float or a scalar tensor')
+    raise TypeError(f"{name} returned {v!r} on validation batch {i}, but a metric must return a number or a scalar "
+                    f"tensor ({hint})")

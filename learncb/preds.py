@@ -81,18 +81,28 @@ class GatherPredsCallback(Callback):
 
     def _new_gatherers(self, n):
         self.inputs,self.preds,self.targets,self.losses = (Gatherer(n, self.concat_dim) for _ in range(4))
+        self._cancelled = False
 
     def before_validate(self):
         self._new_gatherers(n_samples(self.learn.dl))
         for p in (self.save_preds, self.save_targs):
             if p is not None: Path(p).mkdir(parents=True, exist_ok=True)
 
+    def after_cancel_batch(self): self._cancelled = True
+
     def after_batch(self):
         learn = self.learn
-        if self.with_input: self.inputs.add(learn.xb if len(learn.xb) > 1 else learn.xb[0])
-        if self.with_preds: self.preds.add(learn.pred)
-        if self.with_targs and learn.yb: self.targets.add(learn.yb if len(learn.yb) > 1 else learn.yb[0])
-        if self.with_loss and learn.yb: self.losses.add(self._item_losses())
+        if self._cancelled:              # a callback cancelled this batch: its pred (or loss) may be the last batch's
+            self._cancelled = False
+            return
+        try:
+            if self.with_input: self.inputs.add(learn.xb if len(learn.xb) > 1 else learn.xb[0])
+            if self.with_preds: self.preds.add(learn.pred)
+            if self.with_targs and learn.yb: self.targets.add(learn.yb if len(learn.yb) > 1 else learn.yb[0])
+            if self.with_loss and learn.yb: self.losses.add(self._item_losses())
+        except Exception as e:
+            self._explain(e)
+            raise
         if self.save_preds is not None: self._save(learn.pred, self.save_preds)
         if self.save_targs is not None: self._save(learn.yb, self.save_targs)
 
@@ -109,6 +119,28 @@ class GatherPredsCallback(Callback):
         if self.with_input: res.insert(0, self.inputs.result())
         if self.with_loss: res.append(self.losses.result())
         return res
+
+# %% ../nbs/05_preds.ipynb #5fab5b88
+@patch
+def _explain(self:GatherPredsCallback, e):
+    "Add a note to the error `e` of gathering a batch when the model's output or the loss cannot be gathered"
+    try: notes = self._notes()
+    except Exception: return                     # an explanation must never hide the error it explains
+    for note in notes: add_note(e, note)
+
+@patch
+def _notes(self:GatherPredsCallback):
+    learn,notes = self.learn,[]
+    if self.with_preds and not isinstance(learn.pred, (torch.Tensor, tuple, list)):
+        notes.append(f"learncb: get_preds gathers the model's output of each batch, a tensor or a tuple of tensors, "
+                     f"but the model returned {describe_value(learn.pred)}: make it return a tensor (or a tuple), or "
+                     f"pass with_preds=False and collect its outputs in a callback")
+    loss,bs = learn.loss,(find_bs(learn.yb) if learn.yb else None)
+    if self.with_loss and isinstance(loss, torch.Tensor) and bs and loss.numel() % bs:
+        notes.append(f"learncb: with_loss=True gathers one loss per item, so get_preds asks loss_func for unreduced "
+                     f"losses (reduction='none'), but it returned {describe_value(loss)} for a batch of {bs} items: "
+                     f"make loss_func honour a reduction argument or attribute, or leave with_loss out")
+    return notes
 
 # %% ../nbs/05_preds.ipynb #ab349933
 def activation_of(loss_func):
@@ -154,23 +186,57 @@ def get_preds(self:Learner, ds_idx=1, dl=None, with_input=False, with_decoded=Fa
     gather = GatherPredsCallback(with_input=with_input, with_loss=with_loss, save_preds=save_preds,
                                  save_targs=save_targs, with_preds=with_preds, with_targs=with_targs,
                                  concat_dim=concat_dim, pickle_protocol=pickle_protocol)
-    with _recorders_off(self), self.added_cbs([gather, *listify(cbs)]), self.no_logging():
+    with _recorders_off(self), self.added_cbs([gather, *listify(cbs)]), self.no_logging(), self._validation_aside():
         if with_loss:
-            with self.loss_not_reduced(): self.run_validation(dl)
+            with self.loss_not_reduced(), _noting_reduction(): self.run_validation(dl)
         else: self.run_validation(dl)
     res = gather.all_tensors()
     i = 1 if with_input else 0
     if with_preds and res[i] is not None:
-        res[i] = (act or activation_of(self.loss_func))(res[i])
-        if with_decoded: res.insert(i + 2, decodes_of(self.loss_func)(res[i]))
+        res[i] = _apply_to_preds(act or activation_of(self.loss_func), res[i], 'act', 'the activation')
+        if with_decoded:
+            res.insert(i + 2, _apply_to_preds(decodes_of(self.loss_func), res[i], 'with_decoded', 'the decoding'))
     return tuple(res)
+
+# %% ../nbs/05_preds.ipynb #3b9b010e
+@patch
+@contextmanager
+def _validation_aside(self:Learner):
+    "Around `get_preds` or `validate`: an error is explained, and fires `_validation_failed` for callbacks to clean up"
+    try: yield
+    except BaseException as e:
+        if isinstance(e, Exception): self._explain_batch_error(e)
+        self._fire_unwinding('_validation_failed', e)
+        raise
+
+@contextmanager
+def _noting_reduction():
+    "Around `get_preds(with_loss=True)`: a loss function without a `reduction` argument gets a note saying so"
+    try: yield
+    except TypeError as e:
+        if 'reduction' in str(e):
+            add_note(e, "learncb: get_preds(with_loss=True) calls loss_func(pred, *yb, reduction='none') to get one "
+                        "loss per item: give the loss function a reduction argument, or leave with_loss out")
+        raise
+
+def _apply_to_preds(f, preds, arg, what):
+    "`f(preds)`, with a note when the model's outputs were gathered as a tuple that `f` cannot take"
+    try: return f(preds)
+    except Exception as e:
+        if isinstance(preds, tuple):
+            fix = ("act= a function of the tuple, e.g. act=lambda preds: preds[0].softmax(-1), or "
+                   "act=lambda preds: preds to get the outputs as they are" if arg == 'act' else
+                   "with_decoded=False, and decode them yourself")
+            add_note(e, f"learncb: the model returns {len(preds)} outputs, so get_preds gathered a tuple of "
+                        f"{len(preds)} tensors, and {what} of the loss function takes one tensor: pass {fix}")
+        raise
 
 # %% ../nbs/05_preds.ipynb #04aac0df
 @patch
 def validate(self:Learner, ds_idx=1, dl=None, cbs=None):
     "Loss and metrics on `dl` (or `dls[ds_idx]`): `[valid_loss, *metrics]`"
     if dl is None: dl = self.dl_for(ds_idx)
-    with self.added_cbs(cbs), self.no_logging(): self.run_validation(dl)
+    with self.added_cbs(cbs), self.no_logging(), self._validation_aside(): self.run_validation(dl)
     rec = getattr(self, 'recorder', None)
     return rec.last_valid if isinstance(rec, Recorder) else None
 

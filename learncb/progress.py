@@ -73,11 +73,20 @@ class ProgressCallback(Callback):
         self.pbar = None
     after_train = after_validate = _finish_bar
 
-    def after_fit(self):
-        if self.mbar is not None:
-            self.mbar.on_iter_end()
-            self.mbar = None
-        if self._old_logger is not None: self.learn.logger,self._old_logger = self._old_logger,None
+    def _close(self):
+        "Close the bars left open (all of them after a failed fit) and give the learner its logger back"
+        pbar,mbar,self.pbar,self.mbar = self.pbar,self.mbar,None,None
+        try:
+            if pbar is not None and pbar.last_v is not None: pbar.on_iter_end()
+            if mbar is not None: mbar.on_iter_end()
+        finally:
+            if self._old_logger is not None: self.learn.logger,self._old_logger = self._old_logger,None
+    after_exception = after_fit = _close
+
+    def _validation_failed(self):
+        "A `validate` or `get_preds` failed: close its bar"
+        pbar,self.pbar = self.pbar,None
+        if pbar is not None and pbar.last_v is not None: pbar.on_iter_end()
 
 # %% ../nbs/06_progress.ipynb #29511386
 @patch

@@ -8,9 +8,10 @@ Docs: https://learncb.github.io/learncb/recorder.html.md"""
 __all__ = ['Recorder']
 
 # %% ../nbs/04_recorder.ipynb #3a37d33f
-import copy, time
+import copy, math, time, warnings
 import torch
 from torch import nn
+from fastcore.basics import patch
 from fastprogress.fastprogress import format_time
 from .core import *
 from .utils import *
@@ -22,12 +23,12 @@ class Recorder(Callback):
     "Records losses, learning rates and metrics: `losses`, `lrs`, `iters`, `values`, `metric_names`, `plot_loss`"
     order = 50
     _state_attrs = ('iters', 'values', '_pending_bs', '_smooth', '_count', '_train_sum', '_train_n', '_epoch_valid',
-                    '_extra', 'last_valid', '_header_logged')
+                    '_extra', 'last_valid')     # not `_header_logged`: a resumed fit prints a new table, header first
     flush_every = 1000   # at most this many batch losses are kept on the device before they become floats
 
     def __init__(self, add_time=True, beta=0.98):
         self.add_time,self.beta,self.last_valid,self._valid_metrics,self._header_logged = add_time,beta,None,[],False
-        self._valid_stack = []
+        self._valid_stack,self._warned_nan = [],False
         self._reset_history()
 
     def _reset_history(self):
@@ -95,12 +96,13 @@ class Recorder(Callback):
     def load_state_dict(self, state):
         state = dict(state)
         self.lrs,self._losses = state.pop('lrs').tolist(),state.pop('losses').tolist()
+        state.pop('_header_logged', None)      # written by older versions: the header belongs to the fit that prints
         super().load_state_dict(state)
 
     def _flush(self):
         "Turn pending device losses into floats (one host sync), extending the smoothed history and the epoch sum"
         if not self._pending: return
-        raw = torch.stack(self._pending).float().tolist()
+        raw = _batch_losses(self._pending)
         beta,smooth,count,total,n = self.beta,self._smooth,self._count,self._train_sum,self._train_n
         for v,bs in zip(raw, self._pending_bs):
             count += 1
@@ -113,7 +115,7 @@ class Recorder(Callback):
 
     def before_fit(self):
         self._reset_history()
-        self._header_logged = False
+        self._header_logged,self._warned_nan,self._valid_stack = False,False,[]
 
     def before_epoch(self): self._epoch_start = time.time()
 
@@ -146,31 +148,34 @@ class Recorder(Callback):
                 if is_stateful_metric(m): m.update(learn.pred, *learn.yb)
                 else: col.append(m(learn.pred, *learn.yb))
             except Exception as e:
-                add_note(e, f"learncb: metric {name!r} failed on batch {learn.iter} "
-                            f"(pred shape {tuple(learn.pred.shape)}); "
-                            f"a metric is called as metric(pred, *yb) and must return a scalar")
+                _explain_metric_error(e, name, learn)
                 raise
 
     def after_validate(self):
-        self.last_valid = self._valid_values() if self._valid_bs else None
-        if self.learn.validating_aside: self._pop_valid()        # a validate() inside a fit: the epoch's values stay
-        else:
+        aside = self.learn.validating_aside
+        began = not aside or (self._valid_stack and self._valid_stack[-1][0] == aside)  # our before_validate ran
+        self.last_valid = self._valid_values() if began and self._valid_bs else None
+        if not aside:
             self._epoch_valid = self.last_valid
             self._clear_valid()
+        elif began: self._pop_valid()        # a validate() inside a fit: the epoch's values stay
 
     def _push_valid(self):
         "Keep the accumulators of a validation in progress (and stateful metrics' state) while another one runs"
         stateful = [(m, copy.deepcopy(m.__dict__)) for _,m in self._valid_metrics if is_stateful_metric(m)]
-        self._valid_stack.append((self._valid_cols, self._valid_bs, self._valid_metrics, stateful))
+        level = self.learn.validating_aside       # how deep this validation is: see `after_validate`
+        self._valid_stack.append((level, self._valid_cols, self._valid_bs, self._valid_metrics, stateful))
 
     def _pop_valid(self):
-        self._valid_cols,self._valid_bs,self._valid_metrics,stateful = self._valid_stack.pop()
+        _,self._valid_cols,self._valid_bs,self._valid_metrics,stateful = self._valid_stack.pop()
         for m,state in stateful: m.__dict__.update(state)
 
     def _valid_values(self):
         "`[valid_loss, *metrics]`: batch averages in one host sync, then each stateful metric's `compute()`"
         stateful = [is_stateful_metric(m) for _,m in self._valid_metrics]
-        means = iter(weighted_means([c for c,s in zip(self._valid_cols, [False, *stateful]) if not s], self._valid_bs))
+        names = ['the loss', *(f'metric {n!r}' for (n,_),s in zip(self._valid_metrics, stateful) if not s)]
+        cols = [c for c,s in zip(self._valid_cols, [False, *stateful]) if not s]
+        means = iter(weighted_means(cols, self._valid_bs, names=names))
         return [next(means), *(float(m.compute()) if s else next(means)
                                for (_,m),s in zip(self._valid_metrics, stateful))]
 
@@ -179,6 +184,7 @@ class Recorder(Callback):
     def after_epoch(self):
         self._flush()
         train = self._train_sum / self._train_n if self._train_n else None
+        if train is not None and not math.isfinite(train): self._warn_not_finite(train)
         extra = [self._extra.get(c) for c in self.extra_columns]
         self.values.append([train, *(self._epoch_valid or [None] * len(self._valid_cols)), *extra])
         self.iters.append(len(self._losses))
@@ -211,3 +217,51 @@ class Recorder(Callback):
 def _fmt(v): return '' if v is None else f'{v:.6f}'
 
 defaults.add_callback(Recorder)
+
+# %% ../nbs/04_recorder.ipynb #44022341
+def _batch_losses(pending):
+    "The training losses waiting on the device, as floats, in one host sync: each must hold a single value"
+    try:
+        stacked = torch.stack(pending)
+        if stacked[0].numel() == 1: return stacked.float().reshape(-1).tolist()
+    except RuntimeError:
+        if all(l.numel() == 1 for l in pending): raise
+    bad = next(l for l in pending if l.numel() != 1)
+    raise ValueError(f"the loss must be a scalar, but loss_func returned a tensor of shape {tuple(bad.shape)}: "
+                     f"reduce it (e.g. .mean()) or use a loss with reduction='mean'")
+
+def _explain_metric_error(e, name, learn):
+    "Add notes to the error `e` of metric `name`: where it failed, and what to do about a `pred` that is not a tensor"
+    pred = learn.pred
+    add_note(e, f"learncb: metric {name!r} failed on batch {learn.iter} with pred {describe_value(pred)}; "
+                f"a metric is called as metric(pred, *yb) and must return a scalar")
+    if isinstance(pred, (tuple, list, dict)):
+        pick = f"pred[{next(iter(pred))!r}]" if isinstance(pred, dict) and pred else 'pred[0]'
+        add_note(e, f"learncb: the model returns {describe_value(pred)}, not a tensor, and metric {name!r} takes the "
+                    f"tensor of predictions: make the model return it, or give the metric the part it needs, e.g. "
+                    f"def my_{name}(pred, *yb): return {name}({pick}, *yb)")
+
+# %% ../nbs/04_recorder.ipynb #54e6be4c
+@patch
+def after_exception(self:Recorder):
+    "Drop what the failed batch left half-recorded, so that `after_fit` and the history can still be read"
+    keep = [(l,bs) for l,bs in zip(self._pending, self._pending_bs) if isinstance(l, torch.Tensor) and l.numel() == 1]
+    self._pending,self._pending_bs = [l for l,_ in keep],[bs for _,bs in keep]
+    del self.lrs[len(self._losses) + len(self._pending):]
+
+@patch
+def _validation_failed(self:Recorder):
+    "A `validate` or `get_preds` failed: put back the accumulators of the validations it had interrupted"
+    while self._valid_stack and self._valid_stack[-1][0] > self.learn.validating_aside: self._pop_valid()
+
+@patch
+def _warn_not_finite(self:Recorder, train):
+    "Warn, once per fit, that the mean training loss of this epoch is NaN or infinite"
+    if self._warned_nan: return
+    self._warned_nan = True
+    epoch_lrs = self.lrs[self.iters[-1] if self.iters else 0:]
+    lr = f" (it went up to {max(epoch_lrs):g} in this epoch)" if epoch_lrs else ''
+    warnings.warn(f"the training loss of epoch {self.learn.epoch} is {train}: the training diverged, or the data or "
+                  f"the loss gives NaN. Try a lower learning rate{lr}, check the data, and add "
+                  f"TerminateOnNaNCallback() to stop a fit at the first batch whose loss is not finite (this warning "
+                  f"is given once per fit)", RuntimeWarning, stacklevel=2)

@@ -9,4 +9,5 @@ The cases live in three files, one per family, gathered here so that `pytest tes
 - `misuse_nothing_lost.py`: principle 3 (loads validate before changing anything, checksums, fallback, the user's
   dataloader, Ctrl-C) and resume checks (principle 4)."""
 from misuse_fail_fast import *
+from misuse_first_batch import *
 from misuse_nothing_lost import *
