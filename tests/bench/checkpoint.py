@@ -27,7 +27,8 @@ def checkpoint_ms(n_batches, repeats):
     return statistics.median(times) * 1e3, min(times) * 1e3, size
 
 def fit_with(train, valid, cbs, path):
-    learn = bench_learner(train, valid, path)
+    "One fit in a fresh folder under `path`: each run writes its own checkpoints, as a user's runs should"
+    learn = bench_learner(train, valid, tempfile.mkdtemp(dir=path))
     with learn.no_logging(): learn.fit(2 if len(train) > 100 else 1, cbs=cbs)
 
 def main(short=False):
