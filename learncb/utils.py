@@ -92,10 +92,22 @@ def check_number(value, name, *, gt=None, ge=None, finite=False, per_group=False
     return value
 
 # %% ../nbs/01_utils.ipynb #f14c7e7b
+_lr_hint = 'a learning rate such as 1e-3; learn.lr_find() suggests one'
+
 def check_lr(lr, name='lr', who=None):
-    "`lr` if it is a finite number > 0, or a list of them with one per parameter group"
-    return check_number(lr, name, gt=0, finite=True, per_group=True, who=who,
-                        hint='a learning rate such as 1e-3; learn.lr_find() suggests one')
+    "`lr` if it is a finite number > 0, a list of them (one per param group), or a `slice(lo, hi)`/`slice(hi)`"
+    if isinstance(lr, slice): return _check_lr_slice(lr, name, who)
+    return check_number(lr, name, gt=0, finite=True, per_group=True, who=who, hint=_lr_hint)
+
+def _check_lr_slice(lr, name, who):
+    "A slice of lrs: `stop` a positive number, `start` one too (or `None`) and not above `stop`, no `step`"
+    what = 'slice(hi) or slice(lo, hi) with 0 < lo <= hi'
+    ok = lambda v: is_number(v) and v > 0 and math.isfinite(v)
+    if lr.step is not None or not ok(lr.stop) or not (lr.start is None or ok(lr.start)):
+        raise arg_error(lr, name, what, who, 'the lrs spread over the param groups, from the first to the last')
+    if lr.start is not None and lr.start > lr.stop:
+        raise arg_error(lr, name, what, who, f'the first group gets lo, the last hi: write slice({lr.stop}, {lr.start})')
+    return lr
 
 def check_wd(wd, name='wd', who=None):
     "`wd` if it is `None` (the optimizer's default), a finite number >= 0, or a list of them, one per parameter group"
