@@ -87,8 +87,12 @@ class TrainEvalCallback(Callback):
         learn.pct_train += self._pct_step
     def before_validate(self): self.learn.model.eval()
 
+def _given(cb_cls, cbs):
+    "Whether `cbs` holds `cb_cls` or one of its instances: that one is used instead of the default"
+    return any(cb is cb_cls or isinstance(cb, cb_cls) for cb in listify(cbs))
+
 class defaults:
-    "Library-wide defaults: `callbacks` are added to every `Learner` made with `default_cbs=True`"
+    "Library-wide defaults: `callbacks` are added to every `Learner` made with `default_cbs=True`, unless in its `cbs`"
     callbacks = [TrainEvalCallback]
 
     @classmethod
@@ -193,7 +197,8 @@ class Learner:
         self.dl = self.batch = self.xb = self.yb = self.pred = self.loss = self.loss_grad = None
         self.training,self.start_epoch,self.start_iter = False,0,0
         self.cbs_changed()
-        if default_cbs: self.add_cbs(cb() for cb in defaults.callbacks)
+        cbs = listify(cbs)
+        if default_cbs: self.add_cbs(cb() for cb in defaults.callbacks if not _given(cb, cbs))
         self.add_cbs(cbs)
         self('after_create')
 

@@ -20,26 +20,29 @@ from .metrics import *
 
 # %% ../nbs/04_recorder.ipynb #bbe1a783
 class Recorder(Callback):
-    "Records losses, learning rates and metrics: `losses`, `lrs`, `iters`, `values`, `metric_names`, `plot_loss`"
+    "Records losses, learning rates and metrics (of the training set too if `train_metrics`): `losses`, `values`..."
     order = 50
     _state_attrs = ('iters', 'values', '_pending_bs', '_smooth', '_count', '_train_sum', '_train_n', '_epoch_valid',
-                    '_extra', 'last_valid')     # not `_header_logged`: a resumed fit prints a new table, header first
+                    '_extra', 'last_valid', '_train_cols', '_train_bs')
+                    # not `_header_logged`: a resumed fit prints a new table, header first
     flush_every = 1000   # at most this many batch losses are kept on the device before they become floats
 
-    def __init__(self, add_time=True, beta=0.98):
-        self.add_time,self.beta,self.last_valid,self._valid_metrics,self._header_logged = add_time,beta,None,[],False
-        self._valid_stack,self._warned_nan = [],False
+    def __init__(self, add_time=True, train_metrics=False, beta=0.98):
+        self.add_time,self.train_metrics,self.beta = add_time,train_metrics,beta
+        self.last_valid,self._valid_metrics,self._train_metrics,self._header_logged = None,[],[],False
+        self._valid_stack,self._warned_nan,self.hps = [],False,{}
         self._reset_history()
 
     def _reset_history(self):
         self.lrs,self.iters,self.values,self._losses = [],[],[],[]
         self._pending,self._pending_bs = [],[]          # training losses still on the device, and their batch sizes
-        self._smooth,self._count = 0.,0
+        self._smooth,self._count,self._on_device,self._loss_device = 0.,0,None,None
         self._clear_epoch()
 
     def _clear_epoch(self):
         "Per-epoch state, cleared when used: correct even if another callback cancelled a stage before ours began"
         self._train_sum,self._train_n,self._epoch_valid,self._epoch_start,self._extra = 0.,0,None,None,{}
+        self._train_cols,self._train_bs,self._epoch_train_metrics = [[] for _ in self._metrics],[],None
         self._clear_valid()
 
     def _clear_valid(self): self._valid_cols,self._valid_bs = [[] for _ in range(1 + len(self._metrics))],[]
@@ -49,13 +52,19 @@ class Recorder(Callback):
 
     @property
     def valid_names(self):
-        "Names of the values of a validation, `last_valid`: `valid_loss` and the metrics"
-        return ['valid_loss', *map(metric_name, self.learn.metrics)]
+        "Names of the values of `last_valid`: `valid_loss` and the metrics (`valid_<name>` with `train_metrics`)"
+        names = map(metric_name, self.learn.metrics)
+        return ['valid_loss', *(f'valid_{n}' if self.train_metrics else n for n in names)]
+
+    @property
+    def train_names(self):
+        "Names of the training columns of `values`: `train_loss`, and `train_<metric>` for each one if `train_metrics`"
+        return ['train_loss', *(f'train_{metric_name(m)}' for m in self.learn.metrics if self.train_metrics)]
 
     @property
     def value_names(self):
-        "Names of the columns of `values`: `train_loss`, `valid_names` and the extra columns"
-        return ['train_loss', *self.valid_names, *self.extra_columns]
+        "Names of the columns of `values`: `train_names`, `valid_names` and the extra columns"
+        return [*self.train_names, *self.valid_names, *self.extra_columns]
 
     @property
     def metric_names(self):
@@ -83,9 +92,24 @@ class Recorder(Callback):
 
     @property
     def smooth_loss(self):
-        "The latest smoothed training loss (reading it costs a host sync)"
+        "The latest smoothed training loss as a float (reading it costs a host sync; `learn.smooth_loss` does not)"
         self._flush()
         return self._losses[-1] if self._losses else None
+
+    @property
+    def final_record(self):
+        "The last row of `values`: the final epoch's training loss, validation loss and metrics (`None` before a fit)"
+        return self.values[-1] if self.values else None
+
+    def smooth_loss_tensor(self):
+        "The latest smoothed training loss as a tensor on the loss's device, without a host sync (`learn.smooth_loss`)"
+        if not self._pending:
+            return torch.tensor(self._losses[-1], device=self._loss_device) if self._losses else None
+        n,raw = self._on_device if self._on_device is not None else (0, None)
+        if raw is None: raw = torch.tensor(self._smooth, dtype=torch.float32, device=self._pending[0].device)
+        for loss in self._pending[n:]: raw = torch.lerp(loss.detach().float().reshape(()), raw, self.beta)
+        self._on_device = len(self._pending),raw
+        return raw / (1 - self.beta ** (self._count + len(self._pending)))
 
     def state_dict(self):
         "History for checkpoints; the per-batch lists travel as tensors, much faster to save than lists of floats"
@@ -102,7 +126,7 @@ class Recorder(Callback):
     def _flush(self):
         "Turn pending device losses into floats (one host sync), extending the smoothed history and the epoch sum"
         if not self._pending: return
-        raw = _batch_losses(self._pending)
+        raw,self._loss_device = _batch_losses(self._pending),self._pending[0].device
         beta,smooth,count,total,n = self.beta,self._smooth,self._count,self._train_sum,self._train_n
         for v,bs in zip(raw, self._pending_bs):
             count += 1
@@ -111,23 +135,34 @@ class Recorder(Callback):
             total += v * bs
             n += bs
         self._smooth,self._count,self._train_sum,self._train_n = smooth,count,total,n
-        self._pending,self._pending_bs = [],[]
+        self._pending,self._pending_bs,self._on_device = [],[],None
 
     def before_fit(self):
         self._reset_history()
+        self.hps = {}              # a ParamScheduler puts what it scheduled here at the end of the fit
         self._header_logged,self._warned_nan,self._valid_stack = False,False,[]
 
     def before_epoch(self): self._epoch_start = time.time()
 
+    def before_train(self):
+        self._train_metrics = self._metrics if self.train_metrics else []
+        if self.learn.start_iter: return            # resumed part-way: the epoch's values so far were restored
+        self._train_cols,self._train_bs = [[] for _ in self._train_metrics],[]
+        self._start_metrics(self._train_metrics)
+
     def before_validate(self):
         if self.learn.validating_aside: self._push_valid()
         self._valid_metrics = self._metrics     # computed once per phase, not per batch
+        self._start_metrics(self._valid_metrics)
+        self._clear_valid()
+
+    def _start_metrics(self, metrics):
+        "Reset the metric objects of a phase (torchmetrics' and fastai's protocols), on the model's device"
         device = model_device(self.learn.model, self.learn.device)
-        for _,m in self._valid_metrics:
-            if is_stateful_metric(m):
+        for _,m in metrics:
+            if is_stateful_metric(m) or is_fastai_metric(m):
                 if isinstance(m, nn.Module): m.to(device)
                 m.reset()
-        self._clear_valid()
 
     def after_loss(self):
         learn = self.learn
@@ -135,17 +170,21 @@ class Recorder(Callback):
             self._pending.append(learn.loss)
             self._pending_bs.append(find_bs(learn.yb))
             self.lrs.append(learn.opt.param_groups[0]['lr'])
+            if self._train_metrics:
+                self._train_bs.append(self._pending_bs[-1])
+                with torch.no_grad(): self._compute_metrics(self._train_metrics, self._train_cols)
             if len(self._pending) >= self.flush_every: self._flush()
         else:
             self._valid_bs.append(find_bs(learn.yb))
             self._valid_cols[0].append(learn.loss)
-            if self._valid_metrics: self._compute_metrics()
+            if self._valid_metrics: self._compute_metrics(self._valid_metrics, self._valid_cols[1:])
 
-    def _compute_metrics(self):
+    def _compute_metrics(self, metrics, cols):
         learn = self.learn
-        for (name,m),col in zip(self._valid_metrics, self._valid_cols[1:]):
+        for (name,m),col in zip(metrics, cols):
             try:
                 if is_stateful_metric(m): m.update(learn.pred, *learn.yb)
+                elif is_fastai_metric(m): m.accumulate(learn)
                 else: col.append(m(learn.pred, *learn.yb))
             except Exception as e:
                 _explain_metric_error(e, name, learn)
@@ -171,22 +210,21 @@ class Recorder(Callback):
         for m,state in stateful: m.__dict__.update(state)
 
     def _valid_values(self):
-        "`[valid_loss, *metrics]`: batch averages in one host sync, then each stateful metric's `compute()`"
-        stateful = [is_stateful_metric(m) for _,m in self._valid_metrics]
-        names = ['the loss', *(f'metric {n!r}' for (n,_),s in zip(self._valid_metrics, stateful) if not s)]
-        cols = [c for c,s in zip(self._valid_cols, [False, *stateful]) if not s]
-        means = iter(weighted_means(cols, self._valid_bs, names=names))
-        return [next(means), *(float(m.compute()) if s else next(means)
-                               for (_,m),s in zip(self._valid_metrics, stateful))]
+        "`[valid_loss, *metrics]`: batch averages in one host sync, then each metric object's value"
+        return _phase_values([('the loss', None), *self._valid_metrics], self._valid_cols, self._valid_bs)
 
-    def after_train(self): self._flush()
+    def after_train(self):
+        self._flush()
+        if self._train_metrics and self._train_bs:
+            self._epoch_train_metrics = _phase_values(self._train_metrics, self._train_cols, self._train_bs)
 
     def after_epoch(self):
         self._flush()
         train = self._train_sum / self._train_n if self._train_n else None
         if train is not None and not math.isfinite(train): self._warn_not_finite(train)
         extra = [self._extra.get(c) for c in self.extra_columns]
-        self.values.append([train, *(self._epoch_valid or [None] * len(self._valid_cols)), *extra])
+        train_metrics = (self._epoch_train_metrics or [None] * len(self._metrics)) if self.train_metrics else []
+        self.values.append([train, *train_metrics, *(self._epoch_valid or [None] * len(self._valid_cols)), *extra])
         self.iters.append(len(self._losses))
         row = [str(self.learn.epoch), *(_fmt(v) for v in self.values[-1])]
         if self.add_time: row.append('' if self._epoch_start is None else format_time(time.time() - self._epoch_start))
@@ -206,15 +244,42 @@ class Recorder(Callback):
         "Plot the smoothed training loss, and the validation loss at the end of each epoch"
         import matplotlib.pyplot as plt
         if ax is None: _,ax = plt.subplots()
-        losses = self.losses
+        losses,k = self.losses,self.value_names.index('valid_loss')
         ax.plot(range(skip_start, len(losses)), losses[skip_start:], label='train')
-        valid = [(i, v[1]) for i,v in zip(self.iters, self.values) if v[1] is not None and i > skip_start]
+        valid = [(i, v[k]) for i,v in zip(self.iters, self.values) if v[k] is not None and i > skip_start]
         if with_valid and valid: ax.plot(*zip(*valid), marker='o', label='valid')
         ax.set_xlabel('batch'); ax.set_ylabel('loss'); ax.legend()
         return ax
 
+    def plot_sched(self, keys=None, figsize=None):
+        "Plot the lr of every training batch of the last fit, and the other scheduled hyper-parameters (momentum...)"
+        import matplotlib.pyplot as plt
+        hps = {'lr': self.hps.get('lr', self.lrs), **{k: v for k,v in self.hps.items() if k != 'lr'}}
+        keys = list(hps) if keys is None else listify(keys)
+        if (bad := [k for k in keys if k not in hps]): raise ValueError(
+            f"plot_sched: {bad} were not scheduled in the last fit; the recorded ones are {list(hps)}")
+        _,axs = plt.subplots(1, len(keys), figsize=figsize or (4 * len(keys), 3), squeeze=False)
+        for ax,k in zip(axs[0], keys):
+            ax.plot(hps[k]); ax.set_title(k); ax.set_xlabel('training batch')
+        return axs[0]
+
 # %% ../nbs/04_recorder.ipynb #bc55d3be
 def _fmt(v): return '' if v is None else f'{v:.6f}'
+
+def _phase_values(metrics, cols, bss):
+    "Each `(name, metric)`'s value: batch-weighted means of the per-batch columns in one host sync, else the object's"
+    is_object = lambda m: m is not None and (is_stateful_metric(m) or is_fastai_metric(m))
+    kinds = ['object' if is_object(m) else 'column' for _,m in metrics]
+    names = [n if m is None else f'metric {n!r}' for (n,m),k in zip(metrics, kinds) if k == 'column']
+    plain = [c for c,k in zip(cols, kinds) if k == 'column']
+    means = iter(weighted_means(plain, bss, names=names) if plain else [])
+    return [next(means) if k == 'column' else metric_value(m) for (_,m),k in zip(metrics, kinds)]
+
+@patch(as_prop=True)
+def smooth_loss(self:Learner):
+    "The smoothed training loss, a tensor on the device (no host sync), kept by the `Recorder`; `None` without one"
+    rec = getattr(self, 'recorder', None)
+    return rec.smooth_loss_tensor() if isinstance(rec, Recorder) else None
 
 defaults.add_callback(Recorder)
 
@@ -246,7 +311,7 @@ def _explain_metric_error(e, name, learn):
 def after_exception(self:Recorder):
     "Drop what the failed batch left half-recorded, so that `after_fit` and the history can still be read"
     keep = [(l,bs) for l,bs in zip(self._pending, self._pending_bs) if isinstance(l, torch.Tensor) and l.numel() == 1]
-    self._pending,self._pending_bs = [l for l,_ in keep],[bs for _,bs in keep]
+    self._pending,self._pending_bs,self._on_device = [l for l,_ in keep],[bs for _,bs in keep],None
     del self.lrs[len(self._losses) + len(self._pending):]
 
 @patch

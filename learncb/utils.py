@@ -106,7 +106,7 @@ def _check_lr_slice(lr, name, who):
     if lr.step is not None or not ok(lr.stop) or not (lr.start is None or ok(lr.start)):
         raise arg_error(lr, name, what, who, 'the lrs spread over the param groups, from the first to the last')
     if lr.start is not None and lr.start > lr.stop:
-        raise arg_error(lr, name, what, who, f'the first group gets lo, the last hi: write slice({lr.stop}, {lr.start})')
+        raise arg_error(lr, name, what, who, f'the first group gets lo, the last hi: slice({lr.stop}, {lr.start})')
     return lr
 
 def check_wd(wd, name='wd', who=None):
