@@ -84,8 +84,8 @@ def _finite(vs): return [v for v in vs if v is not None and math.isfinite(v)]
 
 def loss_graphs(recorder, n_batches=None):
     "`(graphs, x_bounds, y_bounds)` for `update_graph`: smoothed training loss per batch, validation loss per epoch"
-    losses = recorder.losses
-    valid = [(i, v[1]) for i,v in zip(recorder.iters, recorder.values) if v[1] is not None]
+    losses,k = recorder.losses,recorder.value_names.index('valid_loss')
+    valid = [(i, v[k]) for i,v in zip(recorder.iters, recorder.values) if v[k] is not None]
     graphs = [(list(range(len(losses))), list(losses)), ([i for i,_ in valid], [v for _,v in valid])]
     ys = _finite(losses + [v for _,v in valid])
     lo,hi = (min(0., min(ys)), max(ys)) if ys else (0., 1.)

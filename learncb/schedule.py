@@ -170,6 +170,10 @@ class ParamScheduler(Callback):
             set_hp(groups, key, idx, value)
             history.append(value)
 
+    def after_fit(self):
+        rec = getattr(self.learn, 'recorder', None)
+        if isinstance(rec, Recorder): rec.hps = self.hps      # for `learn.recorder.plot_sched()`
+
     def state_dict(self):
         "For checkpoints: the values set so far (`hps`); the position itself is `learn.pct_train`, saved with the loop"
         return {'hps': {k: list(v) for k,v in self.hps.items()}}
@@ -200,6 +204,12 @@ def has_momentum(opt):
     return all(hp_location('mom', pg) is not None for pg in opt.param_groups)
 
 @patch
+def _spread_for_fit(self:Learner, lr, reset_opt):
+    "`(lr, reset_opt)`: a slice as one lr per param group (the optimizer is made now, to count them), else as it is"
+    if not isinstance(lr, slice): return lr,reset_opt
+    return spread_lr(lr, len(self._opt_for_fit(reset_opt).param_groups)),False
+
+@patch
 def _fit_scheduled(self:Learner, n_epoch, scheds, wd, cbs, reset_opt, resume):
     sched = ParamScheduler(scheds)
     try: self.fit(n_epoch, wd=wd, cbs=[sched, *listify(cbs)], reset_opt=reset_opt, resume=resume)
@@ -220,6 +230,7 @@ def fit_one_cycle(self:Learner, n_epoch, lr_max=None, div=25., div_final=1e5, pc
                              f"not {moms!r}")
         self._check_fit(n_epoch, None, wd, 'fit_one_cycle')
         check_has_len(self.dls.train, 'fit_one_cycle')
+        lr_max,reset_opt = self._spread_for_fit(lr_max, reset_opt)
         scheds = {'lr': _per_group(lambda lr: combined_cos(pct_start, lr / div, lr, lr / div_final), lr_max)}
         if moms is not None:
             opt = self._opt_for_fit(reset_opt)
@@ -240,8 +251,41 @@ def fit_flat_cos(self:Learner, n_epoch, lr=None, div_final=1e5, pct_start=0.75, 
         check_fraction(pct_start, 'pct_start', who='fit_flat_cos', what=_of_training)
         self._check_fit(n_epoch, None, wd, 'fit_flat_cos')
         check_has_len(self.dls.train, 'fit_flat_cos')
+        lr,reset_opt = self._spread_for_fit(lr, reset_opt)
         make = lambda v: combine_scheds([pct_start, 1 - pct_start], [SchedNo(v, v), SchedCos(v, v / div_final)])
         self._fit_scheduled(n_epoch, {'lr': _per_group(make, lr)}, wd, cbs, reset_opt, resume)
+
+# %% ../nbs/11_schedule.ipynb #ff5fc374
+@patch
+def fine_tune(self:Learner, epochs, base_lr=2e-3, freeze_epochs=1, lr_mult=100, pct_start=0.3, div=5.0, **kwargs):
+    "Fit the head alone for `freeze_epochs` (body frozen), then all of it for `epochs` with lrs spread over the groups"
+    with self._exclusive('learn.fine_tune()', lends=True):
+        check_lr(base_lr, 'base_lr', who='fine_tune')
+        check_int(freeze_epochs, 'freeze_epochs', ge=0, who='fine_tune', hint='epochs with the body frozen')
+        check_number(lr_mult, 'lr_mult', ge=1, who='fine_tune', hint='how much lower the first group lr is')
+        if 'resume' in kwargs: raise TypeError(
+            "fine_tune is two fits and cannot resume as one: to continue its second fit, call learn.unfreeze() then "
+            "learn.fit_one_cycle(..., resume=True)")
+        self._check_fit(epochs, None, kwargs.get('wd'), 'fine_tune')
+        self.freeze()
+        self.fit_one_cycle(freeze_epochs, slice(base_lr), pct_start=0.99, **kwargs)
+        self.unfreeze()
+        self.fit_one_cycle(epochs, slice(base_lr / 2 / lr_mult, base_lr / 2), pct_start=pct_start, div=div, **kwargs)
+
+@patch
+def fit_sgdr(self:Learner, n_cycles, cycle_len, lr_max=None, cycle_mult=2, cbs=None, reset_opt=False, wd=None):
+    "Fit `n_cycles` cosine cycles of the lr from `lr_max` to 0, the first `cycle_len` epochs, each next `cycle_mult` x"
+    with self._exclusive('learn.fit_sgdr()', lends=True):
+        n_cycles = check_int(n_cycles, 'n_cycles', ge=1, who='fit_sgdr', hint='the number of cosine cycles')
+        cycle_len = check_int(cycle_len, 'cycle_len', ge=1, who='fit_sgdr', hint='epochs in the first cycle')
+        cycle_mult = check_int(cycle_mult, 'cycle_mult', ge=1, who='fit_sgdr', hint='1 for cycles of equal length')
+        lr_max = check_lr(self.lr if lr_max is None else lr_max, 'lr_max', who='fit_sgdr')
+        lens = [cycle_len * cycle_mult ** i for i in range(n_cycles)]
+        self._check_fit(sum(lens), None, wd, 'fit_sgdr')
+        check_has_len(self.dls.train, 'fit_sgdr')
+        lr_max,reset_opt = self._spread_for_fit(lr_max, reset_opt)
+        make = lambda v: combine_scheds([n / sum(lens) for n in lens], [SchedCos(v, 0) for _ in lens])
+        self._fit_scheduled(sum(lens), {'lr': _per_group(make, lr_max)}, wd, cbs, reset_opt, None)
 
 # %% ../nbs/11_schedule.ipynb #daa72417
 def _is_scheduler(o): return callable(getattr(o, 'step', None)) and hasattr(o, 'optimizer')
