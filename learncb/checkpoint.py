@@ -111,7 +111,9 @@ def state_dict(self:Learner):
             'loader': dl.state_dict() if _has_state(dl) else None,
             'data_shape': _data_shape(dl),
             'cbs': {k: s for k,cb in zip(_cb_keys(self.cbs), self.cbs) if (s := cb.state_dict())},
-            'state': dict(self.state)}
+            'state': dict(self.state),
+            'frozen': {'idx': self.frozen_idx, 'train_bn': self.train_bn,
+                       'params': [n for n,p in self.model.named_parameters() if not p.requires_grad]}}
 
 # %% ../nbs/16_checkpoint.ipynb #ba4f48b7
 _parts = ('model', 'opt', 'grads', 'loop', 'rng', 'data', 'cbs', 'state')
@@ -154,6 +156,7 @@ def load_state_dict(self:Learner, state, strict=True, where='the checkpoint'):
     for k,v in state['loop'].items(): setattr(self, k, v)
     set_rng_state(state['rng'])
     self.state.clear(); self.state.update(state['state'])
+    self._load_frozen(state.get('frozen'), state['model'])
     return self
 
 @patch
@@ -184,6 +187,15 @@ def _load_cb_states(self:Learner, states, where):
     if missing: warnings.warn(f"{where} has state for callbacks this learner does not have: {missing}; add them to "
                               f"restore it, or ignore this if they are gone on purpose")
     return undo
+
+# %% ../nbs/16_checkpoint.ipynb #45fa0b04
+@patch
+def _load_frozen(self:Learner, frozen, saved_weights):
+    "Freeze exactly the parameters a checkpoint says were frozen (nothing to do for a checkpoint without the entry)"
+    if frozen is None: return
+    names = set(match_prefix(dict.fromkeys(frozen['params']), saved_weights, self.model.state_dict()))
+    for n,p in self.model.named_parameters(): p.requires_grad_(n not in names)
+    self.frozen_idx,self.train_bn = frozen['idx'],frozen['train_bn']
 
 # %% ../nbs/16_checkpoint.ipynb #4390f480
 @patch
