@@ -74,7 +74,7 @@ def print_row(row):
 # %% ../nbs/02_learner.ipynb #eb67cecb
 class TrainEvalCallback(Callback):
     "Keeps the training counters (`train_iter`, `pct_train`) and puts the model in train or eval mode"
-    order,run_valid = -10,False     # its batch handler counts training batches only
+    order,run_valid,_pct_step = -10,False,0.    # its batch handler counts training batches only
     def before_fit(self):
         self.learn.train_iter,self.learn.pct_train = 0,0.
     def before_train(self):
@@ -276,8 +276,9 @@ def cbs_changed(self:Learner):
 
 @patch
 def ordered_cbs(self:Learner, event_name):
-    "The callbacks that handle `event_name`, in the order they run"
-    return [cb for cb in sorted(self.cbs, key=lambda cb: cb.order) if name_is_own(cb, event_name)]
+    "The callbacks that handle `event_name` (those that override `__call__` handle all public events), in order"
+    takes = lambda cb: name_is_own(cb, event_name) or (overrides_call(cb) and not event_name.startswith('_'))
+    return [cb for cb in sorted(self.cbs, key=lambda cb: cb.order) if takes(cb)]
 
 @patch
 def __call__(self:Learner, event_name):
@@ -442,10 +443,9 @@ def _batch_mover(self:Learner, device):
 
 @patch
 def _move_outside_fit(self:Learner, b):
-    "The batch mover of a learner that has not fitted yet: `one_batch(i, b)` called by hand prepares as a fit would"
-    self._prepare_fit()
+    "The batch mover of a learner that has not fitted yet: `one_batch(i, b)` called by hand gets what a fit would give"
     if self.training and self.opt is None: self.create_opt()
-    return self._move(b) if self._move else b
+    return to_device(b, model_device(self.model, self.device))
 
 Learner._move = Learner._move_outside_fit     # until `_prepare_fit` sets the learner's own
 
@@ -791,14 +791,22 @@ def lr_range(self:Learner, lr):
     return spread_lr(lr, len(self.opt.param_groups) if self.opt is not None else len(self.param_groups()))
 
 # %% ../nbs/02_learner.ipynb #f03a9155
+def _param_group(g, splitter):
+    "Group `g` returned by `splitter` as a list of parameters, or a `TypeError` saying what a splitter returns"
+    what = (f"the module {type(g).__name__}, not its parameters" if isinstance(g, nn.Module) else
+            f"a group that is not a list of parameters ({g!r:.80})")
+    items = list(g) if not isinstance(g, (nn.Module, torch.Tensor)) and hasattr(g, '__iter__') else None
+    if items is None or not all(isinstance(p, torch.Tensor) for p in items): raise TypeError(
+        f"splitter {splitter!r} returned {what}: it must return a list of parameter lists, one per group, e.g. "
+        f"[list(model.body.parameters()), list(model.head.parameters())]")
+    return items
+
 @patch
 def param_groups(self:Learner):
     "The model's parameters split by `splitter` into lists, one per param group (one group without a splitter)"
     if self.splitter is None: return [list(self.model.parameters())]
-    groups = [list(g) for g in self.splitter(self.model)]
-    if not groups or any(not isinstance(p, torch.Tensor) for g in groups for p in g):
-        raise TypeError(f"splitter {self.splitter!r} must return a list of parameter lists (one per group), e.g. "
-                        f"[list(model.body.parameters()), list(model.head.parameters())]; got {groups!r:.200}")
+    groups = [_param_group(g, self.splitter) for g in self.splitter(self.model)]
+    if not groups: raise ValueError(f"splitter {self.splitter!r} returned no parameter group")
     flat = [p for g in groups for p in g]
     if len({id(p) for p in flat}) < len(flat):
         raise ValueError(f"splitter {self.splitter!r} puts a parameter in more than one group: each parameter must "
