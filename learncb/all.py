@@ -15,3 +15,4 @@ from .loggers import *
 from .evaluation import *
 from .checkpoint import *
 from .interpret import *
+from .summary import *
