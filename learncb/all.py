@@ -14,3 +14,4 @@ from .training import *
 from .loggers import *
 from .evaluation import *
 from .checkpoint import *
+from .inference import *
