@@ -16,3 +16,4 @@ from .evaluation import *
 from .checkpoint import *
 from .interpret import *
 from .summary import *
+from .inference import *
