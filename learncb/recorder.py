@@ -175,6 +175,7 @@ class Recorder(Callback):
                 with torch.no_grad(): self._compute_metrics(self._train_metrics, self._train_cols)
             if len(self._pending) >= self.flush_every: self._flush()
         else:
+            if not learn.yb: raise ValueError(_no_targets)
             self._valid_bs.append(find_bs(learn.yb))
             self._valid_cols[0].append(learn.loss)
             if self._valid_metrics: self._compute_metrics(self._valid_metrics, self._valid_cols[1:])
@@ -265,6 +266,10 @@ class Recorder(Callback):
 
 # %% ../nbs/04_recorder.ipynb #bc55d3be
 def _fmt(v): return '' if v is None else f'{v:.6f}'
+
+_no_targets = ("the validation batches have no targets (the dataloader yields inputs only, as learn.test_dl's do), "
+               "so there is no loss or metric to compute: use learn.get_preds(dl=...) for predictions, or validate on "
+               "a dataloader of (inputs, targets)")
 
 def _phase_values(metrics, cols, bss):
     "Each `(name, metric)`'s value: batch-weighted means of the per-batch columns in one host sync, else the object's"
