@@ -256,3 +256,20 @@ def test_load_learner_errors(tmp_path):
     with pytest.raises(TypeError, match='not the class'): load_learner(fname, model=nn.Linear)
     learn.vocab = [object()]
     with pytest.raises(TypeError, match=r'vocab\[0\]'): learn.export('v.pt')
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+def test_cuda_predict_export_and_load(tmp_path):
+    "On a GPU: predict runs on the model's device, export captures from a CPU copy, load_learner(device='cuda') predicts"
+    torch.manual_seed(0)
+    learn = Learner(synth_dls(), nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 2)), nn.CrossEntropyLoss(),
+                    device='cuda', path=tmp_path)
+    learn.fit(1)
+    x = learn.dls.valid.dataset.tensors[0]
+    dec,probs = learn.predict(x[0])
+    assert probs.device.type == 'cpu' and next(learn.model.parameters()).is_cuda     # gathered to the CPU
+    fname = learn.export()
+    assert next(learn.model.parameters()).is_cuda                                        # the learner's model stays
+    inf = load_learner(fname, device='cuda')
+    got = inf.get_preds(dl=inf.test_dl(x))[0]
+    torch.testing.assert_close(got, learn.get_preds(dl=learn.test_dl(x))[0])
+    assert torch.equal(inf.predict(x[0])[0], dec)
