@@ -142,3 +142,17 @@ def test_unfreeze_survives_save_checkpoint_load_checkpoint(tmp_path):
     other.load_checkpoint(tmp_path/'ck.pt')
     assert other.frozen_idx == 1
     assert [p.requires_grad for p in other.model.parameters()] == [p.requires_grad for p in learn.model.parameters()]
+
+def test_plot_sched_shows_lr_and_momentum_per_iteration(tmp_path):
+    import matplotlib; matplotlib.use('Agg')
+    learn = learner(splitter=None)
+    learn.fit_one_cycle(2, 1e-2)
+    axs = learn.recorder.plot_sched()
+    assert [ax.get_title() for ax in axs] == ['lr', 'mom']
+    lr_line,mom_line = axs[0].lines[0].get_ydata(),axs[1].lines[0].get_ydata()
+    assert len(lr_line) == len(mom_line) == 8 and list(lr_line) == learn.recorder.lrs
+    assert all(math.isclose(m, cos_anneal(0.95, 0.85, i / 8 / 0.25) if i / 8 < 0.25 else
+                            cos_anneal(0.85, 0.95, (i / 8 - 0.25) / 0.75), rel_tol=1e-9) for i,m in enumerate(mom_line))
+    axs[0].figure.savefig(tmp_path/'sched.png')
+    assert (tmp_path/'sched.png').stat().st_size > 0
+    with pytest.raises(ValueError, match="'sqr_mom'.* not scheduled"): learn.recorder.plot_sched('sqr_mom')
