@@ -17,3 +17,4 @@ from .checkpoint import *
 from .interpret import *
 from .summary import *
 from .inference import *
+from .distributed import *

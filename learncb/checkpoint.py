@@ -95,6 +95,15 @@ def _data_shape(dl):
     except (AttributeError, TypeError): n_items = None
     return {'n_batches': n_batches(dl), 'batch_size': getattr(dl, 'batch_size', None), 'n_items': n_items}
 
+def _per_rank(cbs):
+    "In a distributed run, every rank's random state and callbacks' state (rank 0 writes them all); `None` alone"
+    return None if num_distrib() == 1 else gather_objects({'rng': rng_state(), 'cbs': cbs})
+
+def _own_rank(state):
+    "The random state and callbacks' state of this rank in checkpoint `state`"
+    ranks = state.get('ranks')
+    return ranks[rank_distrib()] if ranks else {'rng': state['rng'], 'cbs': state['cbs']}
+
 @patch
 def state_dict(self:Learner):
     "Everything a run depends on: model, optimizer, gradients, loop position, random generators, data order, callbacks"
@@ -106,11 +115,12 @@ def state_dict(self:Learner):
             'grads': {n: p.grad for n,p in self.model.named_parameters() if p.grad is not None},
             'loop': {'epoch': self.epoch, 'iter': self.iter, 'train_iter': self.train_iter, 'pct_train': self.pct_train,
                      'n_epoch': self.n_epoch, 'stop_reason': None if stop is None else str(stop)},
-            'rng': rng_state(),
+            'rng': rng_state(), 'world_size': num_distrib(),
             'data': None if sampler is None else sampler.state_dict(),
             'loader': dl.state_dict() if _has_state(dl) else None,
-            'data_shape': _data_shape(dl),
-            'cbs': {k: s for k,cb in zip(_cb_keys(self.cbs), self.cbs) if (s := cb.state_dict())},
+            'data_shape': _data_shape(getattr(dl, 'unsharded', dl)),
+            'cbs': (cbs := {k: s for k,cb in zip(_cb_keys(self.cbs), self.cbs) if (s := cb.state_dict())}),
+            'ranks': _per_rank(cbs),
             'state': dict(self.state),
             'frozen': {'idx': self.frozen_idx, 'train_bn': self.train_bn,
                        'params': [n for n,p in self.model.named_parameters() if not p.requires_grad]}}
@@ -147,14 +157,15 @@ def load_state_dict(self:Learner, state, strict=True, where='the checkpoint'):
     try:
         if state['opt'] is not None: undos.append(self._load_opt_state(state['opt'], where))
         undos.append(self._load_sampler_state(state['data']))
-        undos.append(self._load_cb_states(state['cbs'], where))
+        undos.append(self._load_cb_states(_own_rank(state)['cbs'], where))
         self.model.load_state_dict(weights, strict=strict)
     except BaseException:
         for undo in reversed(undos): undo()
         raise
     for n,p in self.model.named_parameters(): p.grad = grads[n].to(p.device) if n in grads else None
     for k,v in state['loop'].items(): setattr(self, k, v)
-    set_rng_state(state['rng'])
+    own = _own_rank(state)
+    set_rng_state(own['rng'])
     self.state.clear(); self.state.update(state['state'])
     self._load_frozen(state.get('frozen'), state['model'])
     return self
@@ -340,12 +351,19 @@ def _describe(shape):
     return f"{n} batches per epoch, batch size {bs}, {items} items"
 
 def _check_same_run(learn, state, path):
-    "Refuse checkpoint `state` if it is of another run: another number of epochs, training data of another shape"
+    "Refuse checkpoint `state` if it is of another run: another number of epochs or processes, other training data"
+    world = state.get('world_size', 1)
+    if world != num_distrib(): raise ValueError(
+        f"{path} was taken in a run of {world} process{'es' if world > 1 else ''}, but this run has {num_distrib()}: "
+        f"each process's random state and share of the data are in it, so resume with as many, e.g. torchrun "
+        f"--nproc_per_node={world} (to go on with another number, load the weights, learn.load_checkpoint(path), and "
+        f"start a new fit)")
     n_epoch = state['loop']['n_epoch']
     if n_epoch != learn.n_epoch:
         raise ValueError(f"{path} was taken in a fit of {n_epoch} epochs, but this fit has {learn.n_epoch}: resume "
                          f"the same run with learn.fit({n_epoch}, resume=...)")
-    saved,now = state.get('data_shape') or {},_data_shape(learn.dls.train)
+    dl = learn.dls.train
+    saved,now = state.get('data_shape') or {},_data_shape(getattr(dl, 'unsharded', dl))
     if any(saved.get(k) is not None and v is not None and saved[k] != v for k,v in now.items()):
         raise ValueError(f"{path} was taken with training data of {_describe(saved)}, but the training data now has "
                          f"{_describe(now)}: resume with the data the run was trained on (the same dataset, batch_size "
@@ -406,12 +424,13 @@ class CheckpointCallback(Callback):
     def before_fit(self):
         self._restore_sigint()                          # left by an earlier fit that could not give it back
         self.folder.mkdir(parents=True, exist_ok=True)
-        for stale in self.folder.glob('.checkpoint_*.tmp'): stale.unlink()      # left by a kill during a save
+        for stale in self.folder.glob('.checkpoint_*.tmp'): stale.unlink(missing_ok=True)   # left by a kill in a save
         learn = self.learn
         resuming = next((cb for cb in learn.cbs if isinstance(cb, ResumeCallback)), None)
         if resuming is None:
             self._warn_earlier_run()
-            reason = _make_train_resumable(learn, seed=int(torch.randint(0, 2**62, ())))
+            seed = gather_objects(int(torch.randint(0, 2**62, ())))[0]      # rank 0's: every rank the same order
+            reason = _make_train_resumable(learn, seed=seed)
             if reason: warnings.warn(f"the training dataloader cannot resume in the middle of an epoch exactly "
                                      f"({reason}); checkpoints taken in an epoch will replay it from its start. Use a "
                                      f"torch DataLoader (shuffle=True or False) to resume exactly.")
@@ -462,6 +481,7 @@ def save(self:CheckpointCallback):
         state.update(loader=end[2], loader_drain=pos['at'] == 'epoch_end')
     path = self.folder/f"checkpoint_{learn.train_iter:08d}_{pos['at']}.pt"
     self.last = atomic_save(with_checksum(state), path)
+    if not is_rank0(): return self.last
     older = [p for p in checkpoints_in(self.folder) if _ckpt_key(p) < _ckpt_key(path)]
     for old in older[:max(0, len(older) - self.keep_last + 1)]: old.unlink(missing_ok=True)
     return self.last
@@ -496,7 +516,7 @@ def _stop_now(self:CheckpointCallback):
 def after_exception(self:CheckpointCallback):
     learn,e = self.learn,self.learn.exception
     try:
-        if (not self.on_exception or self._pos['at'] is None
+        if (not self.on_exception or self._pos['at'] is None or num_distrib() > 1
             or (isinstance(e, KeyboardInterrupt) and self._interrupted)): return
         if learn.training and (learn.epoch, learn.iter) != (self._pos['epoch'], self._pos['iter']):
             self._pos['dirty'] = True      # a batch had begun (even if our before_batch, at order 95, had not run yet)

@@ -54,10 +54,14 @@ class _Handlers(dict):
     def __init__(self, learn, training): super().__init__(); self.learn,self.training = learn,training
     def __missing__(self, name):
         handlers = tuple(_handler(cb, name) for cb in self.learn.ordered_cbs(name)
-                         if overrides_call(cb) or cb.takes_part(name, self.training))
+                         if (overrides_call(cb) or cb.takes_part(name, self.training)) and _on_this_rank(cb))
         if not handlers: check_event_name(name)
         self[name] = handlers
         return handlers
+
+def _on_this_rank(cb):
+    "Whether `cb` runs in this process: not if it draws or logs (`rank0_only`) and this is not rank 0 of a run"
+    return not getattr(type(cb), 'rank0_only', False) or is_rank0()
 
 def overrides_call(cb):
     "Whether `cb`'s class overrides `Callback.__call__`: then the learner calls `cb(event_name)` for every event"
@@ -976,7 +980,9 @@ def loss_not_reduced(self:Learner):
 # %% ../nbs/02_learner.ipynb #7e795095
 def atomic_save(obj, path):
     "`torch.save` `obj` to `path` so that a crash leaves either the old file or the new one, never half of one"
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(path)
+    if not is_rank0(): return path          # in a distributed run, rank 0 alone writes files
+    path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     try: torch.save(obj, buf)               # serialise in memory, then one write: much faster than many small ones
     except Exception as e: raise add_note(e, f"learncb: while saving {path}: only tensors, numbers, strings and "

@@ -44,6 +44,7 @@ class PrintProgressCallback(Callback):
     "Progress as printed lines for logs: one when the fit starts, one per epoch with every value, one at the end"
     remove_on_lr_find = True
     order = 70
+    rank0_only = True      # in a distributed run, rank 0 alone logs
     def __init__(self): self._end,self._fit_start,self._epoch_start = None,None,None
 
     def _print(self, line): print(line, flush=True)
@@ -96,6 +97,7 @@ class ShowGraphCallback(Callback):
     "Draws the training and validation losses under the progress bars after each epoch (in Jupyter; quiet elsewhere)"
     remove_on_lr_find = True
     order = 65   # after the ProgressCallback (60) and the Recorder (50)
+    rank0_only = True      # in a distributed run, rank 0 alone logs
     def before_fit(self):
         n = n_batches(self.learn.dls.train)
         self._fit_batches = n * self.learn.n_epoch if n else None
@@ -111,6 +113,7 @@ class LogMetricsCallback(Callback):
     "Base class of metrics loggers: override `log_metrics(metrics)`, called each epoch and every `log_every` batches"
     remove_on_lr_find = True
     order = 70
+    rank0_only = True      # in a distributed run, rank 0 alone logs
     def __init__(self, log_every=None):
         self.log_every = check_int(log_every, 'log_every', ge=1, allow_none=True, who=type(self).__name__,
                                    hint='None logs at the end of each epoch only')
@@ -134,6 +137,7 @@ class CSVLogger(Callback):
     "Writes the Recorder's epoch table to the CSV file `learn.path/fname`, flushing each row; `append=True` adds to it"
     remove_on_lr_find = True
     order = 70
+    rank0_only = True      # in a distributed run, rank 0 alone logs
     def __init__(self, fname='history.csv', append=False):
         self.fname,self.append = fname,append
         self._file,self._writer,self._path,self._epoch_start = None,None,None,None

@@ -48,7 +48,8 @@ def weighted_means(cols, bss, names=None):
     names = names or ['the loss', *(f'metric #{i}' for i in range(1, len(cols)))]
     stacked = torch.stack([_stack_scalars(c, n, device) for c,n in zip(cols, names)]).float()
     w = torch.tensor(bss, dtype=stacked.dtype, device=stacked.device)
-    return ((stacked * w).sum(1) / w.sum()).tolist()
+    totals = sum_across_ranks(torch.cat([(stacked * w).sum(1), w.sum().reshape(1)]))   # over all ranks of a run
+    return (totals[:-1] / totals[-1]).tolist()
 
 def _stack_scalars(col, name, device):
     if all(isinstance(v, torch.Tensor) and v.ndim == 0 for v in col): return torch.stack(col).to(device)

@@ -194,6 +194,7 @@ def get_preds(self:Learner, ds_idx=1, dl=None, with_input=False, with_decoded=Fa
     "Predictions and targets on `dl` (or `dls[ds_idx]`): `(inputs?, preds, targs, decoded?, losses?)`"
     if dl is None: dl = self.dl_for(ds_idx)
     if reorder: dl = in_order(dl)
+    dl,ranks = _over_ranks(dl)
     gather = GatherPredsCallback(with_input=with_input, with_loss=with_loss, save_preds=save_preds,
                                  save_targs=save_targs, with_preds=with_preds, with_targs=with_targs,
                                  concat_dim=concat_dim, pickle_protocol=pickle_protocol)
@@ -202,6 +203,7 @@ def get_preds(self:Learner, ds_idx=1, dl=None, with_input=False, with_decoded=Fa
             with self.loss_not_reduced(), _noting_reduction(): self.run_validation(dl)
         else: self.run_validation(dl)
     res = gather.all_tensors()
+    if ranks is not None: res = ranks.gather_in_order(res, len(dl.unsharded.dataset))
     i = 1 if with_input else 0
     if with_preds and res[i] is not None:
         res[i] = _apply_to_preds(act or activation_of(self.loss_func), res[i], 'act', 'the activation')
@@ -219,6 +221,12 @@ def _validation_aside(self:Learner):
         if isinstance(e, Exception): self._explain_batch_error(e)
         self._fire_unwinding('_validation_failed', e)
         raise
+
+def _over_ranks(dl):
+    "`(dl, None)` in one process; in a distributed run, this rank's share of `dl` in order, and the module that gathers"
+    if num_distrib() == 1: return dl,None
+    from . import distributed          # every rank predicts its share; the results are gathered in dataset order
+    return distributed.shard_in_order(getattr(dl, 'unsharded', dl)),distributed
 
 @contextmanager
 def _noting_reduction():
@@ -247,6 +255,7 @@ def _apply_to_preds(f, preds, arg, what):
 def validate(self:Learner, ds_idx=1, dl=None, cbs=None):
     "Loss and metrics on `dl` (or `dls[ds_idx]`): `[valid_loss, *metrics]`"
     if dl is None: dl = self.dl_for(ds_idx)
+    dl,_ = _over_ranks(dl)
     with self.added_cbs(cbs), self.no_logging(), self._validation_aside(): self.run_validation(dl)
     rec = getattr(self, 'recorder', None)
     return rec.last_valid if isinstance(rec, Recorder) else None

@@ -27,7 +27,7 @@ def can_draw_bars():
 # %% ../nbs/06_progress.ipynb #d2f342ed
 class ProgressCallback(Callback):
     "Progress bars for epochs and batches (the smoothed loss as comment) and the metrics table, with fastprogress"
-    order,remove_on_fetch = 60,True
+    order,remove_on_fetch,rank0_only = 60,True,True     # in a distributed run, rank 0 alone draws
     refresh_every = 0.25   # seconds between bar updates: reading the loss for the comment costs a host sync
     mbar = pbar = _old_logger = None
 

@@ -221,7 +221,7 @@ class Recorder(Callback):
 
     def after_epoch(self):
         self._flush()
-        train = self._train_sum / self._train_n if self._train_n else None
+        train = self._mean_train_loss()
         if train is not None and not math.isfinite(train): self._warn_not_finite(train)
         extra = [self._extra.get(c) for c in self.extra_columns]
         train_metrics = (self._epoch_train_metrics or [None] * len(self._metrics)) if self.train_metrics else []
@@ -231,6 +231,12 @@ class Recorder(Callback):
         if self.add_time: row.append('' if self._epoch_start is None else format_time(time.time() - self._epoch_start))
         self._log(row)
         self._clear_epoch()
+
+    def _mean_train_loss(self):
+        "The epoch's mean training loss, over every rank of a distributed run (one collective per epoch)"
+        total,n = self._train_sum,self._train_n
+        if num_distrib() > 1: total,n = sum_across_ranks(torch.tensor([total, float(n)], dtype=torch.float64)).tolist()
+        return total / n if n else None
 
     def _log(self, row):
         "Send `row` to `learn.logger`, after the header the first time in a fit (to the logger active by then)"

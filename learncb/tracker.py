@@ -113,16 +113,19 @@ class TerminateOnNaNCallback(Callback):
 
     def _check(self):
         "One host sync: are all the losses since the last check finite?"
-        window = self._window
-        if not window: return
-        losses = torch.stack([l.float().mean() for l in window]) if window[0].ndim else torch.stack(window)
+        window,world = self._window,num_distrib()
+        if not window and world == 1: return
+        losses = torch.stack([l.float().mean().reshape(()) for l in window]) if window else torch.zeros(0)
         finite = torch.isfinite(losses)
         first_iter = self._first_iter
         window.clear()
-        if bool(finite.all()): return
-        learn,bad = self.learn,int((~finite).nonzero()[0])
+        all_finite = finite.all() if world == 1 else sum_across_ranks(finite.all().float().reshape(1))[0] == world
+        if bool(all_finite): return          # in a distributed run, every rank stops if one has found one
+        learn = self.learn
+        here = not bool(finite.all())
+        where = f"batch {first_iter + int((~finite).nonzero()[0])}" if here else "a batch of another rank"
         self.found = (f"{'training' if learn.training else 'validation'} loss is NaN or infinite at epoch "
-                      f"{learn.epoch}, batch {first_iter + bad}: training stopped")
+                      f"{learn.epoch}, {where}: training stopped")
         warnings.warn(self.found, RuntimeWarning)
         raise CancelFitException(self.found)
     after_train = after_validate = _check

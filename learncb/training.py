@@ -34,7 +34,16 @@ class GradientAccumulation(Callback):
     def __init__(self, n_acc=32):
         self.n_acc,self.count = check_int(n_acc, 'n_acc (a number of samples)', ge=1, who='GradientAccumulation'),0
 
-    def before_fit(self): self.count = 0
+    def before_fit(self):
+        self.count = 0
+        self._ddp = hasattr(self.learn.model, 'require_backward_grad_sync')      # wrapped in DistributedDataParallel
+
+    def before_batch(self):
+        "Under DDP, average the gradients over the ranks only in the backward of a batch that steps (`no_sync`)"
+        if self._ddp:
+            learn = self.learn
+            learn.model.require_backward_grad_sync = (self.count + find_bs(learn.yb) >= self.n_acc
+                                                      or _is_last_batch(learn))
 
     def before_backward(self):
         learn = self.learn
@@ -51,6 +60,7 @@ class GradientAccumulation(Callback):
     def after_fit(self):
         "Drop the gradients of samples that never got their step"
         if self.count and self.learn.opt is not None: self.learn.opt.zero_grad()
+        if getattr(self, '_ddp', False): self.learn.model.require_backward_grad_sync = True
         self.count = 0
 
 # %% ../nbs/13_training.ipynb #c7eace64

@@ -7,7 +7,8 @@ Docs: https://learncb.github.io/learncb/utils.html.md"""
 # %% auto #0
 __all__ = ['default_device', 'model_device', 'to_device', 'tensors_of', 'find_bs', 'n_batches', 'listify', 'add_note',
            'is_number', 'ArgTypeError', 'arg_error', 'check_number', 'check_lr', 'check_wd', 'check_int',
-           'check_fraction', 'check_choice', 'rng_state', 'set_rng_state']
+           'check_fraction', 'check_choice', 'rng_state', 'set_rng_state', 'num_distrib', 'rank_distrib', 'is_rank0',
+           'sum_across_ranks', 'gather_objects']
 
 # %% ../nbs/01_utils.ipynb #4d5f189c
 import math, operator, random
@@ -167,3 +168,45 @@ def set_rng_state(state):
         import numpy as np
         kind,keys,pos,has_gauss,gauss = state['numpy']
         np.random.set_state((kind, keys.numpy().astype('uint32'), pos, has_gauss, gauss))
+
+# %% ../nbs/01_utils.ipynb #18332865
+def _group_running():
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()
+
+def num_distrib():
+    "The number of processes of the running distributed process group (1 without one)"
+    if not _group_running(): return 1
+    import torch.distributed as dist
+    return dist.get_world_size()
+
+def rank_distrib():
+    "The rank of this process in the running process group (0 without one)"
+    if not _group_running(): return 0
+    import torch.distributed as dist
+    return dist.get_rank()
+
+def is_rank0():
+    "Whether this process is the one that prints, draws and writes files: rank 0, or the only process"
+    return rank_distrib() == 0
+
+def _collective_device():
+    "Where tensors must be for the process group's collectives: the current CUDA device for NCCL, else the CPU"
+    import torch.distributed as dist
+    return torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
+
+def sum_across_ranks(t):
+    "`t` summed over all ranks (a new tensor on `t`'s device; `t` itself without a process group)"
+    if num_distrib() == 1: return t
+    import torch.distributed as dist
+    out = t.detach().to(_collective_device(), copy=True)
+    dist.all_reduce(out)
+    return out.to(t.device)
+
+def gather_objects(o):
+    "The list of every rank's `o`, in rank order (`[o]` without a process group)"
+    if num_distrib() == 1: return [o]
+    import torch.distributed as dist
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, o)
+    return out

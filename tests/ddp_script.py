@@ -1,0 +1,73 @@
+"""A small training run for tests/test_distributed.py, launched with torchrun (2 processes, gloo) or alone.
+
+python tests/ddp_script.py OUT [--bs B] [--epochs E] [--shuffle] [--ckpt] [--resume] [--kill-at K] [--fail-rank R]
+                               [--early] [--count-writes] [--n-valid N] [--dropout P]
+Rank 0 saves the result in OUT/result.pt: final weights, optimizer state, recorder losses and values, get_preds."""
+import argparse, builtins, os, signal, sys, tempfile
+from collections import Counter
+from pathlib import Path
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from functools import partial
+from learncb.all import *
+
+p = argparse.ArgumentParser()
+p.add_argument('out'); p.add_argument('--bs', type=int, default=8); p.add_argument('--epochs', type=int, default=3)
+p.add_argument('--shuffle', action='store_true'); p.add_argument('--ckpt', action='store_true')
+p.add_argument('--resume', action='store_true'); p.add_argument('--kill-at', type=int, default=None)
+p.add_argument('--fail-rank', type=int, default=None); p.add_argument('--early', action='store_true')
+p.add_argument('--count-writes', action='store_true'); p.add_argument('--n-valid', type=int, default=33)
+p.add_argument('--timeout', type=int, default=60); p.add_argument('--dropout', type=float, default=0.)
+args = p.parse_args()
+out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
+torch.set_num_threads(1)
+
+writes = Counter()
+if args.count_writes:                   # count the files this process writes, to check that rank 0 alone does
+    _open, _replace = builtins.open, os.replace
+    def counting_open(f, mode='r', *a, **kw):
+        if any(c in mode for c in 'wax+'): writes[str(f)] += 1
+        return _open(f, mode, *a, **kw)
+    def counting_replace(src, dst, *a, **kw):
+        writes[str(dst)] += 1
+        return _replace(src, dst, *a, **kw)
+    builtins.open, os.replace = counting_open, counting_replace
+
+g = torch.Generator().manual_seed(0)
+x = torch.randn(64 + args.n_valid, 4, generator=g)
+y = (x[:, 0] + x[:, 1] * x[:, 2] > 0).long() + (x[:, 3] > 1).long()
+train = DataLoader(TensorDataset(x[:64], y[:64]), batch_size=args.bs, shuffle=args.shuffle)
+valid = DataLoader(TensorDataset(x[64:], y[64:]), batch_size=4)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(args.dropout), nn.Linear(16, 3))
+learn = Learner(DataLoaders(train, valid), model, nn.CrossEntropyLoss(), metrics=accuracy, path=out,
+                opt_func=partial(torch.optim.SGD, momentum=0.9), lr=0.05 if not args.early else 1e-9, device='cpu')
+learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
+
+class Chaos(Callback):
+    "Kills this process (SIGKILL) at training batch `kill_at`, or raises on rank `fail_rank`"
+    def after_pred(self):
+        if not self.training: return
+        if args.kill_at is not None and self.train_iter == args.kill_at and rank_distrib() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.fail_rank is not None and rank_distrib() == args.fail_rank and self.train_iter == 2:
+            raise RuntimeError(f'boom on rank {rank_distrib()}')
+
+cbs = [Chaos()]
+if args.ckpt: cbs.append(CheckpointCallback(every_n_steps=1))
+if args.early: cbs.append(EarlyStoppingCallback(monitor='accuracy', patience=1))
+if args.count_writes: cbs += [SaveModelCallback(monitor='accuracy', fname='best'), CSVLogger()]
+
+with learn.distrib_ctx(timeout=args.timeout):
+    learn.fit(args.epochs, cbs=cbs, resume=True if args.resume else None)
+    preds, targs = learn.get_preds()
+    rank, world = rank_distrib(), num_distrib()
+    print(f'RANK {rank} OF {world} EPOCHS {learn.epoch + 1} WRITES {sum(writes.values())} {sorted(writes)}', flush=True)
+if rank == 0:
+    alone = learn.get_preds()[0]           # the group is over: one process, the whole validation set, same weights
+    opt = learn.opt.state_dict()
+    torch.save({'alone': alone, 'model': learn.model.state_dict(), 'opt': opt, 'losses': learn.recorder.losses,
+                'values': learn.recorder.values, 'preds': preds, 'targs': targs, 'world': world,
+                'is_plain': not isinstance(learn.model, torch.nn.parallel.DistributedDataParallel)},
+               out/'result.pt')

@@ -1,0 +1,92 @@
+"""Distributed training on the CPU with gloo (issue 10): 2 processes launched by torchrun, each run bounded by a timeout.
+Runs tests/ddp_script.py; rank 0 saves its results, which are compared with a 1-process run."""
+import random, re, socket, subprocess, sys, time
+from pathlib import Path
+import pytest, torch
+
+SCRIPT = Path(__file__).parent/'ddp_script.py'
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason='torch.distributed is not available')
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+def run(out, *args, nproc=2, check=True, timeout=180):
+    "Run the script in `nproc` processes (torchrun) or in one (`nproc=1`, plain python); never longer than `timeout`"
+    launcher = ([sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}', f'--master-port={free_port()}']
+                if nproc > 1 else [sys.executable])
+    res = subprocess.run([*launcher, str(SCRIPT), str(out), *args], capture_output=True, text=True, timeout=timeout)
+    if check and res.returncode != 0:
+        raise AssertionError(f'{args}: exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}')
+    return res
+
+def result(out): return torch.load(Path(out)/'result.pt', weights_only=False)
+
+def ranks_said(res):
+    "What each rank printed at the end: {rank: (world, epochs, files written)}"
+    return {int(r): tuple(map(int, rest)) for r,*rest in re.findall(r'RANK (\d) OF (\d) EPOCHS (\d+) WRITES (\d+)', res.stdout)}
+
+@pytest.fixture(scope='module')
+def one_and_two(tmp_path_factory):
+    "The same training, in 1 process with batches of 16 and in 2 processes with batches of 8 each"
+    one, two = tmp_path_factory.mktemp('one'), tmp_path_factory.mktemp('two')
+    run(one, '--bs', '16', nproc=1)
+    res = run(two, '--bs', '8')
+    return result(one), result(two), res
+
+def test_two_processes_train_like_one(one_and_two):
+    one, two, res = one_and_two
+    assert two['world'] == 2 and one['world'] == 1 and two['is_plain']     # the model is unwrapped after the fit
+    for k in one['model']: torch.testing.assert_close(two['model'][k], one['model'][k], atol=1e-6, rtol=1e-5)
+    for a, b in zip(one['values'], two['values']):                         # the table: global values, as 1 process
+        assert all(abs(x - y) < 1e-6 for x, y in zip(a, b)), (a, b)
+    assert ranks_said(res) == {0: (2, 3, 0), 1: (2, 3, 0)}
+
+def test_get_preds_gathers_in_order_without_duplicates(one_and_two):
+    one, two, _ = one_and_two
+    assert two['preds'].shape == (33, 3)                                     # 33 items: 17 on rank 0, 16 on rank 1
+    assert torch.equal(two['targs'], one['targs'])                           # in dataset order
+    assert torch.equal(two['preds'], two['alone'])                           # what one process gets with those weights (every item in a batch of the same size in both: 4, or 1 for item 32)
+
+def test_only_rank0_writes_and_the_table_prints_once(tmp_path):
+    res = run(tmp_path, '--bs', '8', '--ckpt', '--count-writes')
+    said = ranks_said(res)
+    assert said[1][2] == 0 and said[0][2] > 0, said
+    assert res.stdout.count('train_loss') == 1                               # the header, from rank 0 alone
+    assert (tmp_path/'models'/'best.pth').exists() and (tmp_path/'history.csv').exists()
+
+def test_early_stopping_stops_both_ranks_at_the_same_epoch(tmp_path):
+    res = run(tmp_path, '--bs', '8', '--early', '--epochs', '6')
+    said = ranks_said(res)
+    assert said[0][1] == said[1][1] < 6, said
+
+def test_an_error_on_rank_1_ends_both_processes(tmp_path):
+    t = time.time()
+    res = run(tmp_path, '--bs', '8', '--fail-rank', '1', '--timeout', '20', check=False, timeout=120)
+    assert res.returncode != 0
+    assert 'boom on rank 1' in res.stdout + res.stderr
+    assert time.time() - t < 90                                              # bounded: the group's timeout is 20 s
+    assert not (tmp_path/'result.pt').exists()
+
+def test_sigkill_at_5_batches_then_resume_is_exact(tmp_path):
+    common = ('--bs', '8', '--ckpt', '--shuffle', '--dropout', '0.2')
+    run(tmp_path/'ref', *common)
+    ref = result(tmp_path/'ref')
+    points = random.Random(10).sample(range(1, 12), 5)                       # 3 epochs of 4 batches per rank
+    for k in points:
+        out = tmp_path/f'kill{k}'
+        killed = run(out, *common, '--kill-at', str(k), check=False)
+        assert killed.returncode != 0, k
+        run(out, *common, '--resume')
+        got = result(out)
+        for name in ref['model']: assert torch.equal(got['model'][name], ref['model'][name]), (k, name)
+        for i, st in ref['opt']['state'].items():
+            for key, v in st.items(): assert torch.equal(got['opt']['state'][i][key], v), (k, i, key)
+        assert got['losses'] == ref['losses'] and got['values'] == ref['values'], k
+
+def test_a_different_number_of_processes_is_refused(tmp_path):
+    common = ('--bs', '8', '--ckpt', '--epochs', '2')
+    run(tmp_path, *common, '--kill-at', '5', check=False)
+    res = run(tmp_path, *common, '--resume', nproc=1, check=False)
+    assert res.returncode != 0 and 'a run of 2 processes, but this run has 1' in res.stderr
