@@ -168,6 +168,7 @@ def _free_port():
 def _launched(rank, fn, args, nprocs, port):
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs))
+    torch.set_num_threads(1)      # a forked child that enters the parent's OpenMP thread pool can hang
     fn(*args)
 
 def launch(fn, *args, nprocs=2, start_method='fork', port=None):

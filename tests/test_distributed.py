@@ -3,6 +3,7 @@ Runs tests/ddp_script.py; rank 0 saves its results, which are compared with a 1-
 import random, re, socket, subprocess, sys, time
 from pathlib import Path
 import pytest, torch
+from learncb.utils import num_distrib, rank_distrib
 
 SCRIPT = Path(__file__).parent/'ddp_script.py'
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason='torch.distributed is not available')
@@ -90,3 +91,22 @@ def test_a_different_number_of_processes_is_refused(tmp_path):
     run(tmp_path, *common, '--kill-at', '5', check=False)
     res = run(tmp_path, *common, '--resume', nproc=1, check=False)
     assert res.returncode != 0 and 'a run of 2 processes, but this run has 1' in res.stderr
+
+def _train_in_each_process(out):
+    "What a notebook would pass to `launch`: build a learner, fit under distrib_ctx; rank 0 saves the table"
+    from learncb.test_utils import synth_learner
+    torch.set_num_threads(1)
+    learn = synth_learner()
+    with learn.distrib_ctx(timeout=30):
+        learn.fit(2)
+        if rank_distrib() == 0: torch.save({'world': num_distrib(), 'values': learn.recorder.values}, Path(out)/'r.pt')
+
+def test_launch_from_a_notebook_forks_a_run(tmp_path):
+    from learncb.distributed import launch
+    import multiprocessing as mp
+    p = mp.get_context('spawn').Process(target=launch, args=(_train_in_each_process, tmp_path), kwargs={'nprocs': 2})
+    p.start(); p.join(120)                 # in a fresh process, as a kernel is: fork from there
+    if p.is_alive(): p.kill(); pytest.fail('launch did not finish in 120 s')
+    assert p.exitcode == 0
+    r = torch.load(tmp_path/'r.pt', weights_only=False)
+    assert r['world'] == 2 and len(r['values']) == 2
