@@ -2,10 +2,13 @@
 
 Prints one line per configuration: microseconds per step, overhead per step, and the ratio to the raw loop.
 `python tests/bench/loop_overhead.py` for the full run, `--short` for the quick one CI runs."""
-import argparse, contextlib, cProfile, io, pstats, tempfile, time
+import argparse, contextlib, cProfile, io, json, os, pstats, socket, tempfile, time
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from learncb.all import *
 
 def make_data(n_batches, bs=32, seed=0):
@@ -83,6 +86,87 @@ def calls_per_step(train, valid, n_epoch, n_steps):
     ours = python_calls(lambda: learncb_loop(train, valid, n_epoch)) / n_steps
     return raw, ours - raw
 
+def ddp_raw_loop(train_ds, valid_ds, n_epoch, bs=32):
+    "The reference for DDP: a careful hand-written loop, each rank training and validating on its own share"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train = DataLoader(train_ds, batch_size=bs, sampler=DistributedSampler(train_ds, world, rank, shuffle=False))
+    valid = DataLoader(valid_ds, batch_size=bs, sampler=list(range(rank, len(valid_ds), world)))
+    model, loss_func = DistributedDataParallel(make_model()), nn.CrossEntropyLoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for epoch in range(n_epoch):
+        train.sampler.set_epoch(epoch)
+        model.train(); losses = []
+        for xb, yb in train:
+            loss = loss_func(model(xb), yb)
+            loss.backward(); opt.step(); opt.zero_grad()
+            losses.append(loss.detach())
+        model.eval(); vlosses = []
+        with torch.no_grad():
+            for xb, yb in valid: vlosses.append(loss_func(model(xb), yb) * len(yb))
+        # the epoch's means over every rank: one all_reduce, one read
+        sums = torch.stack([torch.stack(losses).sum(), torch.tensor(float(len(losses))),
+                            torch.stack(vlosses).sum(), torch.tensor(float(len(valid.sampler)))]).double()
+        dist.all_reduce(sums); sums.tolist()
+
+def ddp_learncb_loop(train_ds, valid_ds, n_epoch, bs=32):
+    "learncb, default callbacks less the progress bar, in `distrib_ctx` (DDP, sharded data, reduced means)"
+    dls = DataLoaders(DataLoader(train_ds, batch_size=bs), DataLoader(valid_ds, batch_size=bs))
+    learn = Learner(dls, make_model(), nn.CrossEntropyLoss(), device='cpu')
+    learn.remove_cb(ProgressCallback)
+    with learn.no_logging(), learn.distrib_ctx(): learn.fit(n_epoch)
+
+def ddp_worker(rank, world, port, n_batches, n_epoch, rounds, out):
+    "One rank of the 2-process benchmark: best time of each loop over `rounds` rounds; rank 0 writes them to `out`"
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    # One group for the whole run, started here: `distrib_ctx` joins it rather than starting its own, so that neither
+    # loop's time counts the rendezvous, and both use the same gloo connections
+    dist.init_process_group('gloo')
+    try:
+        train, valid = make_data(n_batches * world)
+        train_ds, valid_ds = train.dataset, valid.dataset
+        fns = {'raw': lambda: ddp_raw_loop(train_ds, valid_ds, n_epoch),
+               'learncb': lambda: ddp_learncb_loop(train_ds, valid_ds, n_epoch)}
+        for f in fns.values(): f()   # warm-up
+        best = dict.fromkeys(fns, float('inf'))
+        for _ in range(rounds):
+            for name, f in fns.items():
+                dist.barrier(); t = time.perf_counter()
+                f(); dist.barrier()          # until the slower rank is done
+                best[name] = min(best[name], time.perf_counter() - t)
+        per_rank = lambda n_items: -(-n_items // 32)      # batches of 32, the last one partial
+        n_steps = n_epoch * (per_rank(-(-len(train_ds) // world)) + per_rank(len(range(rank, len(valid_ds), world))))
+        if rank == 0:
+            with open(out + '.tmp', 'w') as fh: json.dump({k: v / n_steps * 1e6 for k, v in best.items()}, fh)
+            os.replace(out + '.tmp', out)
+    finally: dist.destroy_process_group()
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+def ddp_us(n_batches, n_epoch, rounds, timeout, world=2):
+    "Microseconds per step of the raw DDP loop and learncb's, in `world` CPU processes (gloo); or why there are none"
+    if not dist.is_available() or not dist.is_gloo_available(): return 'torch.distributed with gloo is not available'
+    out = os.path.join(tempfile.mkdtemp(), 'ddp.json')
+    ctx = mp.start_processes(ddp_worker, args=(world, _free_port(), n_batches, n_epoch, rounds, out), nprocs=world,
+                             start_method='fork', join=False)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline: return f'no result in {timeout} s'
+    except Exception as e:   # a rank failed (the others are stopped): the last line of its traceback
+        lines = str(e).strip().splitlines()
+        return f'a process failed: {lines[-1] if lines else repr(e)}'
+    finally:
+        for p in ctx.processes:
+            if p.is_alive(): p.terminate(); p.join(5)
+            if p.is_alive(): p.kill(); p.join()
+    if not os.path.exists(out): return 'rank 0 wrote no timings'
+    with open(out) as fh: return json.load(fh)
+
 def main(short=False):
     torch.set_num_threads(1)
     n_batches, n_epoch, rounds = (200, 1, 3) if short else (600, 2, 5)
@@ -107,6 +191,12 @@ def main(short=False):
     n_calls = 20_000 if short else 200_000
     d1, d50 = dispatch_us(1, n_calls), dispatch_us(50, n_calls)
     print(f"dispatch, unhandled event             : {d1:.3f} us with 1 callback, {d50:.3f} us with 50 ({d50 / d1:.2f}x)")
+    n_ddp, n_epoch_ddp, rounds_ddp = (150, 1, 3) if short else (600, 2, 5)
+    res = ddp_us(n_ddp, n_epoch_ddp, rounds_ddp, timeout=60 if short else 300)
+    if isinstance(res, str): print(f"2 processes (gloo, DDP)               : skipped: {res}")
+    else: print(f"2 processes (gloo, DDP)               : learncb {res['learncb']:7.1f} us/step, hand-written DDP loop "
+                f"{res['raw']:7.1f} us/step, ratio {res['learncb'] / res['raw']:.3f} "
+                f"({n_ddp} batches of 32 per rank, {n_epoch_ddp} epoch(s), best of {rounds_ddp}, 1 thread per process)")
 
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__)
