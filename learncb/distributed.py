@@ -131,7 +131,7 @@ def launched_world():
 @contextmanager
 def distrib_ctx(self:Learner, backend=None, timeout=1800, device_ids='auto', find_unused_parameters=False):
     "Context manager: fits inside run over every process torchrun started (DDP); a no-op in a single process"
-    started = _start_group(backend, timeout) if launched_world() > 1 and not dist.is_initialized() else False
+    started = self._start_group(backend, timeout) if launched_world() > 1 and not dist.is_initialized() else False
     if num_distrib() == 1:
         yield self
         return
@@ -143,17 +143,19 @@ def distrib_ctx(self:Learner, backend=None, timeout=1800, device_ids='auto', fin
     finally:
         if started: dist.destroy_process_group()
 
-def _start_group(backend, timeout):
-    "Start the process group torchrun's environment describes; `True` when started here"
-    backend = backend or ('nccl' if torch.cuda.is_available() else 'gloo')
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+@patch
+def _start_group(self:Learner, backend, timeout):
+    "Start the process group torchrun's environment describes: NCCL for a learner on GPUs, one per rank, else gloo"
+    local_world = int(os.environ.get('LOCAL_WORLD_SIZE', launched_world()))
+    on_gpus = self.device.type == 'cuda' and torch.cuda.device_count() >= local_world
+    dist.init_process_group(backend or ('nccl' if on_gpus else 'gloo'), timeout=datetime.timedelta(seconds=timeout))
     return True
 
 @patch
 def _to_rank_device(self:Learner):
-    "Put the model on this rank's GPU (`LOCAL_RANK`) under NCCL; the device ids DDP takes (`None` on the CPU)"
-    if dist.get_backend() != 'nccl': return None
-    local = int(os.environ.get('LOCAL_RANK', rank_distrib() % max(torch.cuda.device_count(), 1)))
+    "Put a learner on CUDA on this rank's GPU (`LOCAL_RANK`); the device ids DDP takes (`None` on the CPU)"
+    if self.device.type != 'cuda': return None
+    local = int(os.environ.get('LOCAL_RANK', rank_distrib())) % torch.cuda.device_count()
     torch.cuda.set_device(local)
     self.device = torch.device('cuda', local)
     self.model.to(self.device)

@@ -1,7 +1,7 @@
 """A small training run for tests/test_distributed.py, launched with torchrun (2 processes, gloo) or alone.
 
 python tests/ddp_script.py OUT [--bs B] [--epochs E] [--shuffle] [--ckpt] [--resume] [--kill-at K] [--fail-rank R]
-                               [--early] [--count-writes] [--n-valid N] [--dropout P]
+                               [--early] [--count-writes] [--n-valid N] [--dropout P] [--device D]
 Rank 0 saves the result in OUT/result.pt: final weights, optimizer state, recorder losses and values, get_preds."""
 import argparse, builtins, os, signal, sys, tempfile
 from collections import Counter
@@ -19,6 +19,7 @@ p.add_argument('--resume', action='store_true'); p.add_argument('--kill-at', typ
 p.add_argument('--fail-rank', type=int, default=None); p.add_argument('--early', action='store_true')
 p.add_argument('--count-writes', action='store_true'); p.add_argument('--n-valid', type=int, default=33)
 p.add_argument('--timeout', type=int, default=60); p.add_argument('--dropout', type=float, default=0.)
+p.add_argument('--device', default='cpu')
 args = p.parse_args()
 out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
 torch.set_num_threads(1)
@@ -42,7 +43,7 @@ valid = DataLoader(TensorDataset(x[64:], y[64:]), batch_size=4)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(args.dropout), nn.Linear(16, 3))
 learn = Learner(DataLoaders(train, valid), model, nn.CrossEntropyLoss(), metrics=accuracy, path=out,
-                opt_func=partial(torch.optim.SGD, momentum=0.9), lr=0.05 if not args.early else 1e-9, device='cpu')
+                opt_func=partial(torch.optim.SGD, momentum=0.9), lr=0.05 if not args.early else 1e-9, device=args.device)
 learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
 
 class Chaos(Callback):

@@ -1,0 +1,74 @@
+"""The CUDA paths (issue 10, item 8): no host sync per batch, pinned gathering, fp16 with GradScaler, bf16, CUDA RNG
+in checkpoints, and two DDP ranks on one GPU. Every test skips without a GPU."""
+import pytest, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from learncb.all import *
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+
+def cuda_learner(path='.', dropout=0., pin=True, **kw):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 8, generator=g); y = (x[:, 0] * x[:, 1] > 0).long()
+    train = DataLoader(TensorDataset(x[:384], y[:384]), batch_size=32, shuffle=True, pin_memory=pin,
+                       generator=torch.Generator().manual_seed(0))
+    valid = DataLoader(TensorDataset(x[384:], y[384:]), batch_size=64, pin_memory=pin)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Dropout(dropout), nn.Linear(64, 2))
+    learn = Learner(DataLoaders(train, valid), model, nn.CrossEntropyLoss(), device='cuda', path=path, **kw)
+    learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
+    learn.logger = noop
+    return learn
+
+def test_no_host_sync_in_any_batch():
+    "torch.cuda.set_sync_debug_mode('error') from before_batch to after_batch: any sync in a batch raises"
+    learn = cuda_learner(opt_func=torch.optim.SGD, lr=0.1, metrics=accuracy)    # torch's Adam syncs in its own step
+    on = Callback(before_batch=lambda self: torch.cuda.set_sync_debug_mode('error'), order=-1000)
+    off = Callback(after_batch=lambda self: torch.cuda.set_sync_debug_mode('default'), order=1000)
+    try: learn.fit(2, cbs=[on, off])
+    finally: torch.cuda.set_sync_debug_mode('default')
+    assert learn.train_iter == 24 and learn.recorder.values[-1][2] > 0.5
+
+def test_get_preds_gathers_into_pinned_memory():
+    learn = cuda_learner()
+    learn.fit(1)
+    preds, targs = learn.get_preds()
+    assert preds.device.type == 'cpu' and preds.is_pinned() and preds.shape == (128, 2)
+    with torch.no_grad(): want = learn.model(learn.dls.valid.dataset.tensors[0].cuda()).softmax(-1).cpu()
+    torch.testing.assert_close(preds, want)
+
+@pytest.mark.parametrize('dtype', ['fp16', 'bf16'])
+def test_mixed_precision(dtype):
+    learn = cuda_learner(cbs=MixedPrecision(dtype), lr=1e-2)
+    learn.fit(3)
+    mp = learn.mixed_precision
+    assert (mp.scaler is not None) == (dtype == 'fp16')            # a GradScaler for float16 only
+    assert all(p.dtype == torch.float32 for p in learn.model.parameters())
+    vals = learn.recorder.values
+    assert vals[-1][1] < vals[0][1]
+
+def test_checkpoint_keeps_the_cuda_rng_and_resumes_exactly(tmp_path):
+    def run(path, cbs=(), resume=None):
+        learn = cuda_learner(path, dropout=0.3, opt_func=torch.optim.SGD, lr=0.1)
+        learn.fit(3, cbs=[CheckpointCallback(every_n_steps=5), *cbs], resume=resume)
+        return learn
+    ref = run(tmp_path/'ref')
+    class Boom(Callback):
+        order = 99
+        def after_epoch(self):
+            if self.epoch == 1: raise RuntimeError('boom')
+    with pytest.raises(RuntimeError): run(tmp_path/'run', cbs=[Boom()])
+    state = torch.load(checkpoints_in(tmp_path/'run'/'checkpoints')[-1], weights_only=True)
+    assert 'cuda' in state['rng']
+    resumed = run(tmp_path/'run', resume=True)
+    for a, b in zip(ref.model.state_dict().values(), resumed.model.state_dict().values()): assert torch.equal(a, b)
+    assert ref.recorder.losses == resumed.recorder.losses
+
+def test_two_ranks_on_one_gpu(tmp_path):
+    "DDP with CUDA tensors: 2 ranks share the GPU (gloo, since NCCL needs a GPU per rank) and train as one process"
+    from test_distributed import run, result
+    run(tmp_path/'one', '--bs', '16', '--device', 'cuda', nproc=1)
+    run(tmp_path/'two', '--bs', '8', '--device', 'cuda')
+    one, two = result(tmp_path/'one'), result(tmp_path/'two')
+    for k in one['model']: torch.testing.assert_close(two['model'][k].cpu(), one['model'][k].cpu(), atol=1e-5, rtol=1e-4)
+    for a, b in zip(one['values'], two['values']): assert all(abs(x - y) < 1e-5 for x, y in zip(a, b)), (a, b)
