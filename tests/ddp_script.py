@@ -19,7 +19,9 @@ p.add_argument('--resume', action='store_true'); p.add_argument('--kill-at', typ
 p.add_argument('--fail-rank', type=int, default=None); p.add_argument('--early', action='store_true')
 p.add_argument('--count-writes', action='store_true'); p.add_argument('--n-valid', type=int, default=33)
 p.add_argument('--timeout', type=int, default=60); p.add_argument('--dropout', type=float, default=0.)
-p.add_argument('--device', default='cpu')
+p.add_argument('--device', default='cpu'); p.add_argument('--acc', type=int, default=None)
+p.add_argument('--clip-bf16', action='store_true'); p.add_argument('--stop-rank', type=int, default=None)
+p.add_argument('--nan-rank', type=int, default=None); p.add_argument('--torchmetrics', action='store_true')
 args = p.parse_args()
 out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
 torch.set_num_threads(1)
@@ -42,7 +44,11 @@ train = DataLoader(TensorDataset(x[:64], y[:64]), batch_size=args.bs, shuffle=ar
 valid = DataLoader(TensorDataset(x[64:], y[64:]), batch_size=4)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(args.dropout), nn.Linear(16, 3))
-learn = Learner(DataLoaders(train, valid), model, nn.CrossEntropyLoss(), metrics=accuracy, path=out,
+metrics = accuracy
+if args.torchmetrics:
+    from torchmetrics.classification import MulticlassAccuracy
+    metrics = [accuracy, MulticlassAccuracy(num_classes=3, average='macro')]
+learn = Learner(DataLoaders(train, valid), model, nn.CrossEntropyLoss(), metrics=metrics, path=out,
                 opt_func=partial(torch.optim.SGD, momentum=0.9), lr=0.05 if not args.early else 1e-9, device=args.device)
 learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
 
@@ -55,7 +61,20 @@ class Chaos(Callback):
         if args.fail_rank is not None and rank_distrib() == args.fail_rank and self.train_iter == 2:
             raise RuntimeError(f'boom on rank {rank_distrib()}')
 
-cbs = [Chaos()]
+syncs = []
+class Probe(Callback):
+    "Writes down whether DDP averages the gradients in each backward; stops or poisons the loss on one rank"
+    def before_backward(self): syncs.append(getattr(self.learn.model, 'require_backward_grad_sync', None))
+    def after_loss(self):
+        if args.nan_rank == rank_distrib() and self.training and self.train_iter == 5:
+            self.learn.loss = self.learn.loss * float('nan')
+    def after_epoch(self):
+        if args.stop_rank == rank_distrib() and self.epoch == 0: self.learn.stop_fit('asked on one rank')
+
+cbs = [Chaos(), Probe()]
+if args.acc: cbs.append(GradientAccumulation(args.acc))
+if args.clip_bf16: cbs += [GradientClip(0.5), MixedPrecision('bf16')]
+if args.nan_rank is not None: cbs.append(TerminateOnNaNCallback(check_every=2))
 if args.ckpt: cbs.append(CheckpointCallback(every_n_steps=1))
 if args.early: cbs.append(EarlyStoppingCallback(monitor='accuracy', patience=1))
 if args.count_writes: cbs += [SaveModelCallback(monitor='accuracy', fname='best'), CSVLogger()]
@@ -69,6 +88,6 @@ if rank == 0:
     alone = learn.get_preds()[0]           # the group is over: one process, the whole validation set, same weights
     opt = learn.opt.state_dict()
     torch.save({'alone': alone, 'model': learn.model.state_dict(), 'opt': opt, 'losses': learn.recorder.losses,
-                'values': learn.recorder.values, 'preds': preds, 'targs': targs, 'world': world,
+                'values': learn.recorder.values, 'preds': preds, 'targs': targs, 'world': world, 'syncs': syncs,
                 'is_plain': not isinstance(learn.model, torch.nn.parallel.DistributedDataParallel)},
                out/'result.pt')

@@ -110,3 +110,31 @@ def test_launch_from_a_notebook_forks_a_run(tmp_path):
     assert p.exitcode == 0
     r = torch.load(tmp_path/'r.pt', weights_only=False)
     assert r['world'] == 2 and len(r['values']) == 2
+
+def test_gradient_accumulation_skips_the_averaging_of_batches_that_do_not_step(tmp_path):
+    run(tmp_path/'one', '--bs', '8', '--acc', '16', nproc=1)
+    run(tmp_path/'two', '--bs', '4', '--acc', '8')                 # per rank: 4 items a batch, a step every 8
+    one, two = result(tmp_path/'one'), result(tmp_path/'two')
+    assert two['syncs'][:6] == [False, True] * 3                      # no_sync in the backward of the first of each pair
+    for k in one['model']: torch.testing.assert_close(two['model'][k], one['model'][k], atol=1e-6, rtol=1e-5)
+
+def test_gradient_clip_and_bf16_under_ddp(tmp_path):
+    res = run(tmp_path, '--bs', '8', '--clip-bf16')
+    vals = result(tmp_path)['values']
+    assert len(vals) == 3 and all(v == v for row in vals for v in row)                # finite: no NaN
+    assert ranks_said(res)[1][1] == 3
+
+def test_stop_fit_on_one_rank_stops_every_rank(tmp_path):
+    said = ranks_said(run(tmp_path, '--bs', '8', '--stop-rank', '1'))
+    assert said[0][1] == said[1][1] == 1, said
+
+def test_a_nan_on_one_rank_stops_every_rank(tmp_path):
+    said = ranks_said(run(tmp_path, '--bs', '8', '--nan-rank', '1'))
+    assert said[0][1] == said[1][1] == 2, said                         # found at batch 6 of 12: in epoch 1
+
+def test_torchmetrics_sync_themselves(tmp_path):
+    pytest.importorskip('torchmetrics')
+    run(tmp_path/'one', '--bs', '16', '--torchmetrics', nproc=1)
+    run(tmp_path/'two', '--bs', '8', '--torchmetrics')
+    one, two = result(tmp_path/'one'), result(tmp_path/'two')
+    assert abs(one['values'][-1][3] - two['values'][-1][3]) < 1e-6 and one['values'][-1][3] > 0
