@@ -74,6 +74,9 @@ def shard_in_order(dl, rank=None, world=None):
     "`dl` for this rank, to validate or predict: the items `rank, rank + world, ...` in order"
     _check_shardable(dl, 'validation')
     rank,world = rank_distrib() if rank is None else rank,num_distrib() if world is None else world
+    if len(dl.dataset) < world: raise ValueError(
+        f"the dataloader has {len(dl.dataset)} items for {world} processes: each needs at least one to validate or "
+        f"predict on; use more items, or validate in one process")
     out = _with_sampler(dl, ShardSampler(len(dl.dataset), rank, world))
     out.unsharded = dl
     return out
