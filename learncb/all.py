@@ -18,3 +18,4 @@ from .interpret import *
 from .summary import *
 from .inference import *
 from .distributed import *
+from .compiling import *

@@ -110,9 +110,9 @@ def state_dict(self:Learner):
     dl,stop = self.dls.train,self.stop_reason
     sampler = _sampler_of(dl)
     return {'format': 'learncb-checkpoint', 'version': 2,
-            'model': self.model.state_dict(),
+            'model': plain_model(self.model).state_dict(),
             'opt': None if self.opt is None else self.opt.state_dict(),
-            'grads': {n: p.grad for n,p in self.model.named_parameters() if p.grad is not None},
+            'grads': {n: p.grad for n,p in plain_model(self.model).named_parameters() if p.grad is not None},
             'loop': {'epoch': self.epoch, 'iter': self.iter, 'train_iter': self.train_iter, 'pct_train': self.pct_train,
                      'n_epoch': self.n_epoch, 'stop_reason': None if stop is None else str(stop)},
             'rng': rng_state(), 'world_size': num_distrib(),
@@ -123,7 +123,7 @@ def state_dict(self:Learner):
             'ranks': _per_rank(cbs),
             'state': dict(self.state),
             'frozen': {'idx': self.frozen_idx, 'train_bn': self.train_bn,
-                       'params': [n for n,p in self.model.named_parameters() if not p.requires_grad]}}
+                       'params': [n for n,p in plain_model(self.model).named_parameters() if not p.requires_grad]}}
 
 # %% ../nbs/16_checkpoint.ipynb #ba4f48b7
 _parts = ('model', 'opt', 'grads', 'loop', 'rng', 'data', 'cbs', 'state')
@@ -139,9 +139,9 @@ def _check_format(state, where):
 def _check_state(self:Learner, state, where, strict=True, with_opt=True):
     "The weights and gradients of checkpoint `state`, if it fits this learner (and its optimizer); nothing changes"
     _check_format(state, where)
-    weights = check_model_state(self.model, state['model'], where, strict=strict)
-    grads = match_prefix(state['grads'], state['model'], self.model.state_dict())
-    params = dict(self.model.named_parameters())
+    weights = check_model_state(plain_model(self.model), state['model'], where, strict=strict)
+    grads = match_prefix(state['grads'], state['model'], plain_model(self.model).state_dict())
+    params = dict(plain_model(self.model).named_parameters())
     bad = [n for n,g in grads.items() if (n not in params and strict) or (n in params and g.shape != params[n].shape)]
     if bad: raise ValueError(f"{where} has gradients that do not fit the model's parameters: {bad}; load it into "
                              f"the model it was saved from")
@@ -158,11 +158,11 @@ def load_state_dict(self:Learner, state, strict=True, where='the checkpoint'):
         if state['opt'] is not None: undos.append(self._load_opt_state(state['opt'], where))
         undos.append(self._load_sampler_state(state['data']))
         undos.append(self._load_cb_states(_own_rank(state)['cbs'], where))
-        self.model.load_state_dict(weights, strict=strict)
+        plain_model(self.model).load_state_dict(weights, strict=strict)
     except BaseException:
         for undo in reversed(undos): undo()
         raise
-    for n,p in self.model.named_parameters(): p.grad = grads[n].to(p.device) if n in grads else None
+    for n,p in plain_model(self.model).named_parameters(): p.grad = grads[n].to(p.device) if n in grads else None
     for k,v in state['loop'].items(): setattr(self, k, v)
     own = _own_rank(state)
     set_rng_state(own['rng'])
@@ -204,8 +204,8 @@ def _load_cb_states(self:Learner, states, where):
 def _load_frozen(self:Learner, frozen, saved_weights):
     "Freeze exactly the parameters a checkpoint says were frozen (nothing to do for a checkpoint without the entry)"
     if frozen is None: return
-    names = set(match_prefix(dict.fromkeys(frozen['params']), saved_weights, self.model.state_dict()))
-    for n,p in self.model.named_parameters(): p.requires_grad_(n not in names)
+    names = set(match_prefix(dict.fromkeys(frozen['params']), saved_weights, plain_model(self.model).state_dict()))
+    for n,p in plain_model(self.model).named_parameters(): p.requires_grad_(n not in names)
     self.frozen_idx,self.train_bn = frozen['idx'],frozen['train_bn']
 
 # %% ../nbs/16_checkpoint.ipynb #4390f480

@@ -15,6 +15,7 @@ __all__ = ['fit_attrs', 'phase_attrs', 'DataLoaders', 'to_dls', 'check_event_nam
 import importlib, io, itertools, os, tempfile, threading, warnings, weakref
 from types import MethodType
 from collections import namedtuple
+from collections.abc import Mapping
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -240,16 +241,17 @@ class Learner:
         "Move batch `b` to the model's device, split it into `xb`/`yb` and run it with its events"
         self.iter = i
         self.batch = b = self._move(b) if self._move else b
-        if isinstance(b, (tuple, list)): self.xb,self.yb = tuple(b[:self.n_inp]),tuple(b[self.n_inp:])
-        else: self.xb,self.yb = (b,),()
+        if isinstance(b, (tuple, list)): self.xb,self.yb,self._kw = tuple(b[:self.n_inp]),tuple(b[self.n_inp:]),False
+        elif isinstance(b, Mapping): self.xb,self.yb,self._kw = (b,),self._labels(b),True    # model(**b), as in HF
+        else: self.xb,self.yb,self._kw = (b,),(),False
         self._with_events(self._do_one_batch, 'batch', CancelBatchException)
 
     def _do_one_batch(self):
-        try: self.pred = self.model(*self.xb)
+        try: self.pred = self._call_with_keywords() if self._kw else self.model(*self.xb)
         except RuntimeError as e: self._explain_device_error(e, 'the model'); raise
         self._fire('after_pred')
         if self.yb:
-            try: self.loss_grad = self.loss_func(self.pred, *self.yb)
+            try: self.loss_grad = (self.loss_func or self._output_loss)(self.pred, *self.yb)
             except RuntimeError as e: self._explain_device_error(e, 'the loss function'); raise
             self.loss = self.loss_grad.detach()
         self._fire('after_loss')
@@ -372,9 +374,7 @@ def _check_fit(self:Learner, n_epoch, lr, wd, who):
     n_epoch = check_int(n_epoch, 'n_epoch', ge=0, who=who, hint='a number of epochs, e.g. 3')
     check_lr(self.lr if lr is None else lr, 'learn.lr' if lr is None else 'lr', who)
     check_wd(self.wd if wd is None else wd, 'learn.wd' if wd is None else 'wd', who)
-    if self.loss_func is None: raise ValueError("this Learner has no loss_func; pass one, e.g. Learner(dls, model, "
-                                                "loss_func=nn.CrossEntropyLoss())")
-    check_model(self.model); check_loss_func(self.loss_func); check_opt_func(self.opt_func)
+    check_model(self.model); check_loss_func(self.loss_func, allow_none=True); check_opt_func(self.opt_func)
     metrics = check_metrics(self.metrics)
     if not isinstance(self.metrics, list): self.metrics = metrics      # set by hand to one metric: keep a list
     self._check_data()
@@ -415,6 +415,33 @@ def _exclusive(self:Learner, what, lends=False, inside=False):
         self._running = _Running(me.ident, me.name, what, lends)
     try: yield
     finally: self._running = before
+
+# %% ../nbs/02_learner.ipynb #b0d01264
+Learner.label_key,Learner.pred_key,Learner.loss_key = 'labels','logits','loss'
+
+@patch
+def _labels(self:Learner, b):
+    "The targets of dict batch `b`: `(b[label_key],)`, or none (then no loss: predictions only)"
+    return (b[self.label_key],) if self.label_key in b else ()
+
+@patch
+def _call_with_keywords(self:Learner):
+    "`model(**batch)`; from a dict-like output, `pred` is its `pred_key` entry and its `loss_key` entry is kept"
+    out = self.model(**self.xb[0])
+    if not isinstance(out, Mapping): return out
+    self._out_loss = out.get(self.loss_key)
+    return out[self.pred_key] if self.pred_key in out else out
+
+@patch
+def _output_loss(self:Learner, pred, *yb):
+    "The loss function of a learner without one: the loss the model computed itself, if it did"
+    loss = getattr(self, '_out_loss', None) if self._kw else None
+    if loss is None: raise ValueError(
+        f"this Learner has no loss_func, and the model did not compute a loss (a dict output with a {self.loss_key!r} "
+        f"entry, as transformers models return when the batch has {self.label_key!r}): pass one, e.g. "
+        f"Learner(dls, model, loss_func=nn.CrossEntropyLoss())")
+    self._out_loss = None
+    return loss
 
 # %% ../nbs/02_learner.ipynb #343cc928
 _phase_names = {'train': 'training', 'validate': 'validation'}
@@ -556,19 +583,22 @@ def _called_by_batch(self:Learner, inner):
     if any(_innermost(inner, f) is not None for f in (Learner._fire, Learner._backward, Learner._do_grad_opt)):
         return ('callback' if _innermost(inner, Learner._fire) is not None else
                 'backward' if _innermost(inner, Learner._backward) is not None else 'step')
+    if _innermost(inner, Learner._call_with_keywords) is not None: return 'model'
     return 'model' if inner[0].f_locals.get('self') is self.model else 'loss'
 
 # %% ../nbs/02_learner.ipynb #87646e25
 def _batch_kind_note(b, n_inp):
-    kind = 'a dict' if isinstance(b, dict) else 'any other batch'
-    fix = ("give the DataLoader a collate_fn that returns a tuple (inputs first, then targets), e.g. "
-           "collate_fn=lambda items: tuple(default_collate(items).values()) with torch.utils.data.default_collate"
-           if isinstance(b, dict) else "make the dataset return (x, y) pairs, or give the DataLoader a collate_fn "
-           "that returns a tuple")
+    if isinstance(b, Mapping): return (
+        f"learncb: the batch is {describe_value(b)}. A dict batch goes to the model as keyword arguments, "
+        f"model(**batch), with batch['labels'] (learn.label_key) as the target, as Hugging Face models take them. "
+        f"For a model that takes its inputs by position, give the DataLoader a collate_fn that returns a tuple "
+        f"(inputs first, then targets), e.g. collate_fn=lambda items: tuple(default_collate(items).values()) with "
+        f"torch.utils.data.default_collate")
     return (f"learncb: the batch is {describe_value(b)}, not a tuple or list. learncb splits a batch into "
             f"xb = batch[:n_inp], the model's inputs, and yb = batch[n_inp:], the targets passed to the loss "
-            f"(n_inp={n_inp}); {kind} is passed whole to the model as its one input, with no target, so no loss can "
-            f"be computed. To use it, {fix}")
+            f"(n_inp={n_inp}); any other batch is passed whole to the model as its one input, with no target, so no "
+            f"loss can be computed. To use it, make the dataset return (x, y) pairs, or give the DataLoader a "
+            f"collate_fn that returns a tuple")
 
 def _n_inp_note(b, n_inp):
     k,m = len(b[:n_inp]),len(b[n_inp:])
@@ -608,7 +638,9 @@ def _batch_notes(self:Learner, e):
     ctx = self._batch_context(e)
     if ctx is None: return []
     b,where,notes = ctx.batch,ctx.where,[]
-    if not isinstance(b, (tuple, list)):
+    if isinstance(b, Mapping):          # model(**batch): a note when the model does not take those keywords
+        if where == 'model' and isinstance(e, TypeError): notes.append(_batch_kind_note(b, self.n_inp))
+    elif not isinstance(b, (tuple, list)):
         if not (isinstance(b, torch.Tensor) and where == 'model' and ctx.stage == 'validate'):
             notes.append(_batch_kind_note(b, self.n_inp))
     elif where in ('model', 'loss') and (isinstance(e, TypeError) or (len(b) > 2 and self.n_inp == 1)):
@@ -1139,7 +1171,7 @@ def _file(self:Learner, name):
 @patch
 def save(self:Learner, name, with_opt=True):
     "Save the model weights (and optimizer state) to `path/model_dir/name.pth`, atomically; returns the path"
-    state = {'model': self.model.state_dict()}
+    state = {'model': plain_model(self.model).state_dict()}
     if with_opt and self.opt is not None: state['opt'] = self.opt.state_dict()
     return atomic_save(with_checksum(state), self._file(name))
 
@@ -1151,11 +1183,11 @@ def load(self:Learner, name, with_opt=True, strict=True, device=None):
     if not isinstance(state, dict) or 'model' not in state:
         raise ValueError(f"{path} is not a file written by Learner.save (no 'model' entry)")
     check_checksum(state, path)
-    weights = check_model_state(self.model, state['model'], path, strict=strict)
+    weights = check_model_state(plain_model(self.model), state['model'], path, strict=strict)
     undo = noop
     if with_opt and state.get('opt') is not None:
         undo = self._load_opt_state(state['opt'], path, hint='or pass with_opt=False to load the weights alone')
-    try: self.model.load_state_dict(weights, strict=strict)
+    try: plain_model(self.model).load_state_dict(weights, strict=strict)
     except BaseException: undo(); raise
     return self
 

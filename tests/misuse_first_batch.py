@@ -58,7 +58,7 @@ def test_single_tensor_batch_says_what_xb_and_yb_are():
 
 def test_dict_batch_names_its_keys_and_a_collate_fn():
     learn, count = learner_on(Items(lambda i: {'x': X[i], 'y': Y[i]}))
-    with pytest.raises(TypeError, match="not dict") as info: learn.fit(1)
+    with pytest.raises(TypeError, match="unexpected keyword argument") as info: learn.fit(1)   # model(**batch)
     n = notes(info.value)
     assert "the batch is a dict with keys ['x', 'y']" in n and 'tuple(default_collate(items).values())' in n
     assert fails_at_first_batch(count)

@@ -3,6 +3,7 @@ in checkpoints, and two DDP ranks on one GPU. Every test skips without a GPU."""
 import pytest, torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from fastcore.basics import noop
 from learncb.all import *
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')

@@ -55,6 +55,23 @@ def toolbox_loop(train, valid, n_epoch, path):
     with contextlib.redirect_stdout(io.StringIO()):
         learn.fit_one_cycle(n_epoch, 1e-2, cbs=[SaveModelCallback(), EarlyStoppingCallback(patience=3)])
 
+def compiled_us(train, valid, n_epoch, rounds):
+    "Per-step times of fits of one learner compiled with `learn.compile()` and of one eager; compilation not counted"
+    import warnings
+    learners = {k: Learner(DataLoaders(train, valid), make_model(), nn.CrossEntropyLoss(), device='cpu')
+                for k in ('eager', 'compiled')}
+    learners['compiled'].compile()
+    for learn in learners.values(): learn.remove_cb(ProgressCallback)
+    t = time.perf_counter()
+    with warnings.catch_warnings(record=True) as w, learners['compiled'].no_logging():
+        warnings.simplefilter('always')
+        learners['compiled'].fit(1)                      # compiles the training and the validation graphs
+    compile_s = time.perf_counter() - t
+    failed = learners['compiled'].compiler.compiled.failed
+    fits = {k: (lambda learn=learn: learn.fit(n_epoch)) for k, learn in learners.items()}
+    with learners['eager'].no_logging(), learners['compiled'].no_logging(): best = best_times(fits, rounds)
+    return best, compile_s, failed
+
 def best_times(fns, rounds):
     "Best wall time of each function over `rounds` rounds, run round-robin so that machine drift hits all alike"
     for f in fns.values(): f()   # warm-up: first-call imports and allocator growth
@@ -191,6 +208,10 @@ def main(short=False):
     n_calls = 20_000 if short else 200_000
     d1, d50 = dispatch_us(1, n_calls), dispatch_us(50, n_calls)
     print(f"dispatch, unhandled event             : {d1:.3f} us with 1 callback, {d50:.3f} us with 50 ({d50 / d1:.2f}x)")
+    best_c, compile_s, failed = compiled_us(train, valid, n_epoch, rounds)
+    c, e = best_c['compiled'] / n_steps * 1e6, best_c['eager'] / n_steps * 1e6
+    print(f"torch.compile (inductor), default cbs : compiled {c:7.1f} us/step, eager {e:7.1f} us/step, ratio {c / e:.3f} "
+          f"(compiling took {compile_s:.1f} s, not counted)" + (f"; FELL BACK TO EAGER: {failed}" if failed else ''))
     n_ddp, n_epoch_ddp, rounds_ddp = (150, 1, 3) if short else (600, 2, 5)
     res = ddp_us(n_ddp, n_epoch_ddp, rounds_ddp, timeout=60 if short else 300)
     if isinstance(res, str): print(f"2 processes (gloo, DDP)               : skipped: {res}")

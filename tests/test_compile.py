@@ -1,0 +1,53 @@
+"torch.compile (issue 11, item 3), with the default backend (inductor) on the CPU"
+import warnings
+import pytest, torch
+from torch import nn
+from learncb.all import *
+from conftest import synth_learner
+
+def learner(path='.', compiled=False, **kw):
+    torch.manual_seed(0)
+    learn = synth_learner(model=nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 2)), path=path, **kw)
+    if compiled: learn.compile()
+    return learn
+
+def test_compiled_fit_equals_eager_and_files_have_plain_keys(tmp_path):
+    eager, compiled = learner(), learner(tmp_path, compiled=True)
+    eager.fit(2)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        compiled.fit(2, cbs=CheckpointCallback(every_n_steps=3))
+    assert not [m for m in w if 'torch.compile failed' in str(m.message)]       # no fallback: it really compiled
+    assert compiled.compiler.compiled.failed is None and type(compiled.model) is nn.Sequential
+    for a, b in zip(eager.model.parameters(), compiled.model.parameters()): torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    for a, b in zip(eager.recorder.values, compiled.recorder.values): assert all(abs(x - y) < 1e-5 for x, y in zip(a, b))
+    ckpt = checkpoints_in(tmp_path/'checkpoints')[-1]
+    assert list(torch.load(ckpt, weights_only=True)['model']) == ['0.weight', '0.bias', '2.weight', '2.bias']
+    fresh = learner()                               # never compiled: takes the checkpoint and the weights file
+    fresh.load_checkpoint(ckpt)
+    fresh.load(compiled.save('w'))
+    for a, b in zip(fresh.model.parameters(), compiled.model.parameters()): assert torch.equal(a, b)
+    fname = compiled.export('exported.pt')
+    from learncb.inference import load_learner
+    x = compiled.dls.valid.dataset.tensors[0]
+    assert torch.equal(load_learner(fname).get_preds(dl=compiled.test_dl(x))[0], compiled.get_preds(dl=compiled.test_dl(x))[0])
+
+def test_a_compiler_failure_falls_back_with_the_reason():
+    def broken(gm, inputs): raise RuntimeError('no kernels today')
+    learn = learner()
+    learn.compile(backend=broken)
+    with pytest.warns(UserWarning, match='torch.compile failed .*no kernels today.* not compiled'): learn.fit(1)
+    assert learn.recorder.values[0][1] is not None and learn.compiler.compiled.failed
+
+def test_bad_compile_arguments_fall_back():
+    learn = learner()
+    learn.compile(mode='no-such-mode')
+    with pytest.warns(UserWarning, match='torch.compile failed'): learn.fit(1)
+
+def test_an_error_of_the_model_itself_is_not_hidden():
+    class Bad(nn.Linear):
+        def forward(self, x): return super().forward(x[:, :1])           # wrong shape for the weights
+    torch.manual_seed(0)
+    learn = synth_learner(model=Bad(2, 2))
+    learn.compile(backend='aot_eager')
+    with pytest.raises(RuntimeError, match='mat1 and mat2'): learn.fit(1)
