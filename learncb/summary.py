@@ -10,6 +10,7 @@ __all__ = ['LayerInfo', 'shape_str', 'summary_modules', 'layer_info', 'layer_tab
 # %% ../nbs/21_summary.ipynb #bb9e3f58
 import copy
 from collections import namedtuple
+from collections.abc import Mapping
 from contextlib import contextmanager
 from functools import partial
 import torch
@@ -69,8 +70,8 @@ def _modes_kept(model):
     finally:
         for m,mode in modes: m.train(mode)
 
-def layer_info(model, *xb):
-    "A `LayerInfo` per module `summary_modules` lists, with the output shape of its first call in `model(*xb)`"
+def layer_info(model, *xb, **kw):
+    "A `LayerInfo` per module `summary_modules` lists, with the output shape of its first call in `model(*xb, **kw)`"
     mods,shapes = summary_modules(model),{}
     def hook(name):
         def record(m, i, o):       # returns None: the output goes on unchanged
@@ -80,7 +81,7 @@ def layer_info(model, *xb):
     try:
         with _modes_kept(model), torch.no_grad():
             model.eval()
-            model(*xb)
+            model(*xb, **kw)
     finally:
         for h in handles: h.remove()
     return _rows(mods, shapes)
@@ -197,8 +198,9 @@ class LearnerSummary(str):
     def __repr__(self): return str(self)
 
 # %% ../nbs/21_summary.ipynb #cbc02216
-def _xb_of(b, n_inp):
-    "The inputs of batch `b`, as `Learner.one_batch` splits it"
+def _xb_of(b, n_inp, label_key='labels'):
+    "The inputs of batch `b`, as `Learner.one_batch` splits it (a dict: the model's keyword arguments, but the labels)"
+    if isinstance(b, Mapping): return ({k: v for k,v in b.items() if k != label_key},)
     return tuple(b[:n_inp]) if isinstance(b, (tuple, list)) else (b,)
 
 _forward_note = ("learncb: learn.summary() ran the model once, in eval mode, on the first batch of the training "
@@ -217,10 +219,10 @@ def _summary_text(learn, xb, rows, total, trainable):
 def summary(self:Learner):
     "Each layer's output shape on the first training batch and parameters; totals; the optimizer, loss and callbacks"
     with self._exclusive('learn.summary()', inside=True):
-        xb = _xb_of(_first_batch(to_dls(self.dls).train), self.n_inp)
+        xb = _xb_of(_first_batch(to_dls(self.dls).train), self.n_inp, self.label_key)
         with _rng_kept():
             xb = to_device(xb, model_device(self.model, self.device))
-            try: rows = layer_info(self.model, *xb)
+            try: rows = layer_info(self.model, **xb[0]) if isinstance(xb[0], Mapping) else layer_info(self.model, *xb)
             except Exception as e:
                 add_note(e, _forward_note)
                 raise

@@ -79,3 +79,9 @@ def test_checkpoints_resume_exactly(tmp_path):
     resumed = run(tmp_path/'run', resume=True)
     for (k, a), b in zip(ref.model.state_dict().items(), resumed.model.state_dict().values()): assert torch.equal(a, b), k
     assert ref.recorder.losses == resumed.recorder.losses
+
+def test_summary_of_a_dict_batch_model():
+    learn = hf_learner()
+    s = learn.summary()
+    assert s.total_params == sum(p.numel() for p in learn.model.parameters())
+    assert 'input_ids: 32 x 12' in s and 'classifier' in s
