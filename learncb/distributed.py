@@ -116,6 +116,7 @@ class DistributedCallback(Callback):
     def after_fit(self):
         learn = self.learn
         if isinstance(learn.model, DistributedDataParallel): learn.model = learn.model.module
+        learn.loss_grad = None       # its graph holds DDP's hooks, and through them the process group: let them go
         learn.dls,learn.logger = self._dls,self._logger
 
 class _RankAgreement(Callback):

@@ -236,7 +236,9 @@ def test_ctrl_c_in_a_jupyter_kernel(tmp_path):
         reply = kc.get_shell_msg(timeout=60)
         while reply['parent_header'].get('msg_id') != msg_id: reply = kc.get_shell_msg(timeout=60)
         assert reply['content']['status'] == 'error' and reply['content']['ename'] == 'KeyboardInterrupt'
-        assert km.is_alive() and run('1 + 1')['status'] == 'ok'
+        status = run('1 + 1')['status']
+        if status == 'aborted': status = run('1 + 1')['status']     # sent while the kernel still flushed its queue
+        assert km.is_alive() and status == 'ok'
         assert checkpoints_in(folder), 'no checkpoint after Ctrl-C'
         assert run('assert 0 < learn.train_iter < 96, learn.train_iter')['status'] == 'ok'      # it stopped mid-run
         assert run("learn.fit_one_cycle(4, 1e-2, cbs=Slow(), resume=True)")['status'] == 'ok'
