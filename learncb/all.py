@@ -18,3 +18,6 @@ from .interpret import *
 from .summary import *
 from .inference import *
 from .distributed import *
+from .integrations.tensorboard import *      # the trackers import their packages only when a run opens
+from .integrations.mlflow import *
+from .integrations.wandb import *
