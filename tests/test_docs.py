@@ -10,7 +10,7 @@ def _exported_modules():
     "`{module: notebook}` for every notebook that exports a module (its `#| default_exp` line)"
     found = {}
     for nb in sorted((ROOT/'nbs').glob('[0-9]*.ipynb')):
-        m = re.search(r'#\|\s*default_exp\s+(\w+)', nb.read_text())
+        m = re.search(r'#\|\s*default_exp\s+([\w.]+)', nb.read_text())
         if m: found[m[1]] = nb.stem
     return found
 
