@@ -1,6 +1,6 @@
 """Experiment trackers (TensorBoard, MLflow, W&B offline): what they log, read back with each tracker's own reader;
 resumed fits continue the same run without writing a step twice; no host sync per batch; missing packages."""
-import subprocess, sys
+import subprocess, sys, time
 from pathlib import Path
 import pytest, torch
 from torch import nn
@@ -202,10 +202,16 @@ def wandb_offline(tmp_path, monkeypatch):
     for v in ('WANDB_CONFIG_DIR', 'WANDB_CACHE_DIR', 'WANDB_DATA_DIR', 'WANDB_ARTIFACT_DIR'):
         monkeypatch.setenv(v, str(tmp_path/'wandb-home'/v))
 
+def read_finished(run_dir, wait=20):
+    "The offline run in `run_dir` once W&B's own process has written all of it (its exit record), or as it is"
+    deadline = time.time() + wait
+    while not (run := read_offline_run(run_dir))['finished'] and time.time() < deadline: time.sleep(0.1)
+    return run
+
 def wb_history(*run_dirs):
     history = {}
     for d in run_dirs:
-        for row in read_offline_run(d)['history']:
+        for row in read_finished(d)['history']:
             for k, v in row.items():
                 if not k.startswith('_'): history.setdefault(k, []).append((row['_step'], v))
     return history
@@ -214,7 +220,7 @@ def test_wandb_offline_logs_config_history_and_the_model(tmp_path, wandb_offline
     raw, cb = RawLosses(), WandbCallback(log_every=5, log_model=True, run_name='r')
     learn = fit(tmp_path, cb, cbs=[raw])
     assert cb.run_dir.parent == tmp_path/'wandb' and cb.run_dir.name.startswith('offline-run-')
-    run = read_offline_run(cb.run_dir)
+    run = read_finished(cb.run_dir)
     assert (run['config']['n_epoch'], run['config']['lr'], run['config']['model']) == (3, 1e-2, 'Sequential')
     check_logged(wb_history(cb.run_dir), learn, raw)
     assert run['artifacts'] == [f'model-{cb.run_id}']

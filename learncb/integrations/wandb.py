@@ -94,10 +94,10 @@ def _wandb_records(path, block=32768):
             parts = []
 
 def read_offline_run(run_dir):
-    "The `config`, `history` rows and `artifacts` names that an offline W&B run folder holds (W&B's format may change)"
+    "The `config`, `history` rows, `artifacts` names and whether `finished`, of an offline W&B run folder"
     files = sorted(Path(run_dir).glob('run-*.wandb'))
     if not files: raise FileNotFoundError(f"no run-<id>.wandb file in {run_dir}: pass the folder of an offline run")
-    out = {'config': {}, 'history': [], 'artifacts': []}
+    out = {'config': {}, 'history': [], 'artifacts': [], 'finished': False}
     for r in _wandb_records(files[0]):
         kind = r.WhichOneof('record_type')
         if kind in ('run', 'config'):
@@ -106,4 +106,5 @@ def read_offline_run(run_dir):
         elif kind == 'history':
             out['history'].append({u.key or '/'.join(u.nested_key): json.loads(u.value_json) for u in r.history.item})
         elif kind == 'artifact': out['artifacts'].append(r.artifact.name)
+        elif kind == 'exit': out['finished'] = True        # the run's last record: the file is complete
     return out
