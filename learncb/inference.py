@@ -61,20 +61,18 @@ def test_dl(self:Learner, items, bs=None, **kwargs):
     return DataLoader(_test_ds(items, self.n_inp), batch_size=bs, shuffle=False, drop_last=False, **kwargs)
 
 # %% ../nbs/19_inference.ipynb #af18a872
-@contextmanager
-def _rng_kept():
-    "Context manager: the random number generators are put back, on exit, as they were on entry"
-    state = rng_state()
-    try: yield
-    finally: set_rng_state(state)
+@patch
+def _indexed_datasets(self:Learner):
+    "The datasets of the learner's data that can be indexed, the validation set first"
+    dls = self.dls
+    for dl in (getattr(dls, 'valid', None), getattr(dls, 'train', None)):
+        ds = getattr(dl, 'dataset', None)
+        if ds is not None and not isinstance(ds, IterableDataset): yield ds
 
 @patch
 def _item_shapes(self:Learner):
     "The shapes of one item's inputs in the learner's data (validation set, else training set); `None` if unknown"
-    dls = self.dls
-    for dl in (getattr(dls, 'valid', None), getattr(dls, 'train', None)):
-        ds = getattr(dl, 'dataset', None)
-        if ds is None or isinstance(ds, IterableDataset): continue
+    for ds in self._indexed_datasets():
         try: xs = _inputs_of(ds[0], self.n_inp)
         except Exception: continue
         if all(isinstance(x, torch.Tensor) for x in xs): return [list(x.shape) for x in xs]
@@ -104,7 +102,7 @@ def _row(o, i):
 @patch
 def predict(self:Learner, item):
     "Prediction of one `item` (a tensor, or a tuple of `n_inp`, without batch dimension): `(decoded, activated)`"
-    with _rng_kept():
+    with rng_kept():
         xs = self._one_item(item)
         with self.no_bar(), torch.inference_mode():
             preds,_,dec = self.get_preds(dl=self.test_dl([xs], bs=1), with_decoded=True)
@@ -300,10 +298,7 @@ def _as_sample(sample, n_inp):
 @patch
 def _data_sample(self:Learner):
     "`(inputs, None)`: two items of the data (validation set, else training set) on the CPU; or `(None, why not)`"
-    dls = self.dls
-    for dl in (getattr(dls, 'valid', None), getattr(dls, 'train', None)):
-        ds = getattr(dl, 'dataset', None)
-        if ds is None or isinstance(ds, IterableDataset): continue
+    for ds in self._indexed_datasets():
         try:
             n = len(ds)
             if n: return _as_sample(default_collate([_inputs_of(ds[i], self.n_inp) for i in (0, min(1, n - 1))]),
@@ -410,7 +405,7 @@ def export(self:Learner, fname='export.pt', with_program=True, sample=None):
     vocab = _vocab_list(getattr(self, 'vocab', None))
     weights = self.model.state_dict()
     for k,v in weights.items(): weights[k] = v.detach().cpu()
-    with _rng_kept():
+    with rng_kept():
         if with_program: program,batch,shapes,why = self._program(sample)
         else: program,batch,shapes,why = None,None,self._item_shapes(),"it was exported with with_program=False"
     if program is None and with_program:

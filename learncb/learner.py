@@ -251,7 +251,8 @@ class Learner:
         except RuntimeError as e: self._explain_device_error(e, 'the model'); raise
         self._fire('after_pred')
         if self.yb:
-            try: self.loss_grad = (self.loss_func or self._output_loss)(self.pred, *self.yb)
+            lf = self.loss_func if self.loss_func is not None else self._output_loss     # None: the model's own
+            try: self.loss_grad = lf(self.pred, *self.yb)
             except RuntimeError as e: self._explain_device_error(e, 'the loss function'); raise
             self.loss = self.loss_grad.detach()
         self._fire('after_loss')
@@ -842,7 +843,8 @@ def param_groups(self:Learner):
     "The model's parameters split by `splitter` into lists, one per param group (one group without a splitter)"
     if self.splitter is None: return [list(self.model.parameters())]
     groups = [_param_group(g, self.splitter) for g in self.splitter(self.model)]
-    if not groups: raise ValueError(f"splitter {self.splitter!r} returned no parameter group")
+    if not groups: raise ValueError(f"splitter {self.splitter!r} returned no parameter group: return a list with "
+                                    f"one list of parameters per group, e.g. [list(model.parameters())]")
     flat = [p for g in groups for p in g]
     if len({id(p) for p in flat}) < len(flat):
         raise ValueError(f"splitter {self.splitter!r} puts a parameter in more than one group: each parameter must "

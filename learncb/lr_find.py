@@ -126,11 +126,6 @@ def _suggest_funcs(funcs):
     return funcs
 
 # %% ../nbs/12_lr_find.ipynb #a7674929
-def _dl_generators(dl):
-    "The `torch.Generator`s that decide the order of `dl` (its own and its sampler's)"
-    gens = [getattr(dl, 'generator', None), getattr(getattr(dl, 'sampler', None), 'generator', None)]
-    return list({id(g): g for g in gens if isinstance(g, torch.Generator)}.values())
-
 class LearnerSnapshot:
     "In-memory copy of what a trial fit changes: weights, grads, modes, optimizer, counters, RNGs; `restore` undoes it"
     def __init__(self, learn):
@@ -141,7 +136,7 @@ class LearnerSnapshot:
         self.opt = learn.opt
         self.opt_state = None if learn.opt is None else copy.deepcopy(learn.opt.state_dict())
         self.counters,self.training = {k: getattr(learn, k) for k in fit_attrs + phase_attrs},learn.training
-        self.rng,self.dl_rng = rng_state(),[(g, g.get_state()) for g in _dl_generators(learn.dls.train)]
+        self.rng,self.dl_rng = rng_state(),[(g, g.get_state()) for g in dl_generators(learn.dls.train)]
 
     def restore(self):
         "Put the learner back as it was when the snapshot was taken"

@@ -87,13 +87,6 @@ def layer_info(model, *xb, **kw):
     return _rows(mods, shapes)
 
 # %% ../nbs/21_summary.ipynb #4db85029
-def _generators(dl):
-    "The `torch.Generator`s that iterating `dl` draws from: its own, its sampler's, its batch sampler's"
-    bs = getattr(dl, 'batch_sampler', None)
-    objs = (dl, getattr(dl, 'sampler', None), bs, getattr(bs, 'sampler', None))
-    gens = [g for o in objs if isinstance(g := getattr(o, 'generator', None), torch.Generator)]
-    return list({id(g): g for g in gens}.values())
-
 def _samplers(dl):
     "The sampler objects of `dl` whose attributes may change when it is iterated"
     bs = getattr(dl, 'batch_sampler', None)
@@ -103,7 +96,7 @@ def _samplers(dl):
 @contextmanager
 def _dl_kept(dl):
     "Context manager: the generators `dl` draws from and the attributes of its samplers are restored on exit"
-    gens = [(g, g.get_state()) for g in _generators(dl)]
+    gens = [(g, g.get_state()) for g in dl_generators(dl)]
     samplers = [(s, dict(vars(s))) for s in _samplers(dl)]
     try: yield
     finally:
@@ -112,19 +105,12 @@ def _dl_kept(dl):
             vars(s).clear()
             vars(s).update(attrs)
 
-@contextmanager
-def _rng_kept():
-    "Context manager: the generators `rng_state` covers (torch CPU and CUDA, `random`, numpy) are restored on exit"
-    state = rng_state()
-    try: yield
-    finally: set_rng_state(state)
-
 # %% ../nbs/21_summary.ipynb #a4a63985
 def _first_batch(dl):
     "The first batch of the training dataloader `dl`, leaving `dl` and the random generators as they were"
     if dl is None: raise ValueError("learn.summary() runs the model on the first batch of the training dataloader, "
                                     "but there is none: pass one in DataLoaders(train, valid)")
-    with _rng_kept(), _dl_kept(dl):
+    with rng_kept(), _dl_kept(dl):
         it = iter(copy.copy(dl) if isinstance(dl, DataLoader) else dl)   # the copy's iterator and workers end here
         try: return next(it)
         except StopIteration: raise ValueError("the training dataloader yielded no batches, and learn.summary() "
@@ -220,7 +206,7 @@ def summary(self:Learner):
     "Each layer's output shape on the first training batch and parameters; totals; the optimizer, loss and callbacks"
     with self._exclusive('learn.summary()', inside=True):
         xb = _xb_of(_first_batch(to_dls(self.dls).train), self.n_inp, self.label_key)
-        with _rng_kept():
+        with rng_kept():
             xb = to_device(xb, model_device(self.model, self.device))
             try: rows = layer_info(self.model, **xb[0]) if isinstance(xb[0], Mapping) else layer_info(self.model, *xb)
             except Exception as e:

@@ -115,7 +115,8 @@ class TerminateOnNaNCallback(Callback):
         "One host sync: are all the losses since the last check finite?"
         window,world = self._window,num_distrib()
         if not window and world == 1: return
-        losses = torch.stack([l.float().mean().reshape(()) for l in window]) if window else torch.zeros(0)
+        if not window: losses = torch.zeros(0)        # a rank with nothing to check still takes part in the sum
+        else: losses = torch.stack([l.float().mean() for l in window]) if window[0].ndim else torch.stack(window)
         finite = torch.isfinite(losses)
         first_iter = self._first_iter
         window.clear()

@@ -7,11 +7,12 @@ Docs: https://learncb.github.io/learncb/utils.html.md"""
 # %% auto #0
 __all__ = ['default_device', 'model_device', 'plain_model', 'to_device', 'tensors_of', 'find_bs', 'n_batches', 'listify',
            'add_note', 'is_number', 'ArgTypeError', 'arg_error', 'check_number', 'check_lr', 'check_wd', 'check_int',
-           'check_fraction', 'check_choice', 'rng_state', 'set_rng_state', 'num_distrib', 'rank_distrib', 'is_rank0',
-           'sum_across_ranks', 'gather_objects']
+           'check_fraction', 'check_choice', 'rng_state', 'set_rng_state', 'rng_kept', 'dl_generators', 'num_distrib',
+           'rank_distrib', 'is_rank0', 'sum_across_ranks', 'gather_objects']
 
 # %% ../nbs/01_utils.ipynb #4d5f189c
 import math, operator, random
+from contextlib import contextmanager
 from numbers import Real
 import torch
 
@@ -176,6 +177,21 @@ def set_rng_state(state):
         import numpy as np
         kind,keys,pos,has_gauss,gauss = state['numpy']
         np.random.set_state((kind, keys.numpy().astype('uint32'), pos, has_gauss, gauss))
+
+# %% ../nbs/01_utils.ipynb #3b63c001
+@contextmanager
+def rng_kept():
+    "Context manager: the generators `rng_state` covers (torch CPU and CUDA, `random`, numpy) are restored on exit"
+    state = rng_state()
+    try: yield
+    finally: set_rng_state(state)
+
+def dl_generators(dl):
+    "The `torch.Generator`s that iterating `dl` draws from: its own, its sampler's, its batch sampler's"
+    bs = getattr(dl, 'batch_sampler', None)
+    objs = (dl, getattr(dl, 'sampler', None), bs, getattr(bs, 'sampler', None))
+    gens = [g for o in objs if isinstance(g := getattr(o, 'generator', None), torch.Generator)]
+    return list({id(g): g for g in gens}.values())
 
 # %% ../nbs/01_utils.ipynb #18332865
 def _group_running():

@@ -5,6 +5,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from fastcore.basics import noop
 from learncb.all import *
+from conftest import FailAfterEpoch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 
@@ -54,11 +55,7 @@ def test_checkpoint_keeps_the_cuda_rng_and_resumes_exactly(tmp_path):
         learn.fit(3, cbs=[CheckpointCallback(every_n_steps=5), *cbs], resume=resume)
         return learn
     ref = run(tmp_path/'ref')
-    class Boom(Callback):
-        order = 99
-        def after_epoch(self):
-            if self.epoch == 1: raise RuntimeError('boom')
-    with pytest.raises(RuntimeError): run(tmp_path/'run', cbs=[Boom()])
+    with pytest.raises(RuntimeError): run(tmp_path/'run', cbs=[FailAfterEpoch()])
     state = torch.load(checkpoints_in(tmp_path/'run'/'checkpoints')[-1], weights_only=True)
     assert 'cuda' in state['rng']
     resumed = run(tmp_path/'run', resume=True)

@@ -4,6 +4,7 @@ import pytest, torch
 from torch.utils.data import DataLoader, Dataset
 from fastcore.basics import noop
 from learncb.all import *
+from conftest import FailAfterEpoch
 
 transformers = pytest.importorskip('transformers')
 
@@ -71,11 +72,7 @@ def test_checkpoints_resume_exactly(tmp_path):
         learn.fit(3, cbs=[CheckpointCallback(every_n_steps=3), *cbs], resume=resume)
         return learn
     ref = run(tmp_path/'ref')
-    class Boom(Callback):
-        order = 99
-        def after_epoch(self):
-            if self.epoch == 1: raise RuntimeError('boom')
-    with pytest.raises(RuntimeError): run(tmp_path/'run', cbs=[Boom()])
+    with pytest.raises(RuntimeError): run(tmp_path/'run', cbs=[FailAfterEpoch()])
     resumed = run(tmp_path/'run', resume=True)
     for (k, a), b in zip(ref.model.state_dict().items(), resumed.model.state_dict().values()): assert torch.equal(a, b), k
     assert ref.recorder.losses == resumed.recorder.losses

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest, torch
 from torch import nn
 from learncb.all import *
+from conftest import FailAfterEpoch
 
 HERE = Path(__file__).parent
 SCRIPT = HERE/'resume_script.py'
@@ -163,11 +164,7 @@ def test_ctrl_c_waits_for_the_end_of_the_batch_and_resumes_exactly(tmp_path):
 
 def test_error_between_batches_saves_an_exact_checkpoint(tmp_path):
     ref = in_process_run(tmp_path/'ref')
-    class Boom(Callback):
-        order = 99
-        def after_epoch(self):
-            if self.epoch == 1: raise RuntimeError('boom')
-    with pytest.raises(RuntimeError) as info: in_process_run(tmp_path/'run', cbs=[Boom()])
+    with pytest.raises(RuntimeError) as info: in_process_run(tmp_path/'run', cbs=[FailAfterEpoch()])
     assert 'the run is saved in' in info.value.__notes__[-1] and 'not exact' not in info.value.__notes__[-1]
     with warnings.catch_warnings():
         warnings.simplefilter('error')

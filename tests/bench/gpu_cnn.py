@@ -1,14 +1,16 @@
 """learncb's loop against a hand-written loop on a small CNN on the GPU: microseconds per step and their ratio.
 `python tests/bench/gpu_cnn.py` (prints 'skipped' without CUDA); `--short` for a quick run."""
-import argparse, time, sys
+import argparse
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from loop_overhead import best_times
 
 def make_data(n_batches, bs=128):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n_batches * bs, 3, 32, 32, generator=g); y = torch.randint(0, 10, (n_batches * bs,), generator=g)
-    return DataLoader(TensorDataset(x, y), batch_size=bs, pin_memory=True), DataLoader(TensorDataset(x[:bs * 8], y[:bs * 8]), batch_size=bs, pin_memory=True)
+    train = DataLoader(TensorDataset(x, y), batch_size=bs, pin_memory=True)
+    return train, DataLoader(TensorDataset(x[:bs * 8], y[:bs * 8]), batch_size=bs, pin_memory=True)
 
 def make_model():
     torch.manual_seed(0)
@@ -44,15 +46,11 @@ def main(short=False):
     n_batches, n_epoch, rounds = (50, 1, 2) if short else (200, 2, 3)
     train, valid = make_data(n_batches)
     n_steps = n_epoch * (len(train) + len(valid))
-    fns = {'raw': lambda: raw_loop(train, valid, n_epoch), 'learncb': lambda: learncb_loop(train, valid, n_epoch)}
-    for f in fns.values(): f()                                  # warm up: cudnn, allocator
-    best = {k: float('inf') for k in fns}
-    for _ in range(rounds):
-        for k, f in fns.items():
-            t = time.perf_counter(); f(); best[k] = min(best[k], time.perf_counter() - t)
+    best = best_times({'raw': lambda: raw_loop(train, valid, n_epoch),
+                       'learncb': lambda: learncb_loop(train, valid, n_epoch)}, rounds)   # warms up cudnn first
     us = {k: v / n_steps * 1e6 for k, v in best.items()}
-    print(f"small CNN on {torch.cuda.get_device_name()}, batches of 128 3x32x32, {n_batches} batches, {n_epoch} epoch(s), "
-          f"best of {rounds}: raw loop {us['raw']:.1f} us/step, learncb {us['learncb']:.1f} us/step, "
+    print(f"small CNN on {torch.cuda.get_device_name()}, batches of 128 3x32x32, {n_batches} batches, "
+          f"{n_epoch} epoch(s), best of {rounds}: raw loop {us['raw']:.1f} us/step, learncb {us['learncb']:.1f} us/step, "
           f"ratio {us['learncb'] / us['raw']:.3f}")
 
 if __name__ == '__main__':
