@@ -71,7 +71,10 @@ def check_logged(history, learn, raw):
 
 def same_history(a, b):
     assert a.keys() == b.keys()
-    for k in a: assert sorted(a[k]) == pytest.approx(sorted(b[k]), rel=1e-6), k
+    for k in a:
+        (steps_a, values_a), (steps_b, values_b) = zip(*sorted(a[k])), zip(*sorted(b[k]))
+        assert steps_a == steps_b, k                                    # the same steps, exactly
+        assert list(values_a) == pytest.approx(list(values_b), rel=1e-6), k
 
 # ---------------------------------------------------------------- TensorBoard
 
