@@ -2,6 +2,8 @@
 # Hand-written (not exported from a notebook): it only gathers the public names of the modules.
 from .core import *
 from .utils import *
+from .files import *
+from .checks import *
 from .learner import *
 from .metrics import *
 from .recorder import *

@@ -18,6 +18,7 @@ from fastcore.basics import noop, patch
 from .core import *
 from .utils import *
 from .learner import *
+from .files import *
 
 # %% ../nbs/16_checkpoint.ipynb #f739fcd4
 class ResumableSampler(Sampler):
@@ -388,6 +389,8 @@ def resume_cbs(learn, resume):
     saving = [] if any(isinstance(cb, CheckpointCallback) for cb in learn.cbs) else \
              [CheckpointCallback(path=path.parent, **state.get('checkpointing', {}))]
     return [ResumeCallback(state, path), *saving]
+
+defaults.resume_cbs = resume_cbs          # what learn.fit(resume=...) calls
 
 def _make_train_resumable(learn, seed):
     "Give the learner's training dataloader a resumable order if it can have one (else say why not)"

@@ -18,6 +18,8 @@ from fastcore.basics import patch
 from .core import *
 from .utils import *
 from .learner import *
+from .files import *
+from .checks import *
 from .preds import *
 from .progress import *
 

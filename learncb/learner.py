@@ -6,13 +6,10 @@ Docs: https://learncb.github.io/learncb/learner.html.md"""
 
 # %% auto #0
 __all__ = ['fit_attrs', 'phase_attrs', 'DataLoaders', 'to_dls', 'check_event_name', 'overrides_call', 'print_row',
-           'TrainEvalCallback', 'defaults', 'check_model', 'check_loss_func', 'check_opt_func', 'check_metrics',
-           'default_lr', 'check_splitter', 'Learner', 'describe_value', 'EventFilter', 'spread_lr', 'norm_params',
-           'atomic_save', 'CorruptFileError', 'state_checksum', 'with_checksum', 'check_checksum', 'load_torch_file',
-           'match_prefix', 'check_model_state', 'load_model_state']
+           'TrainEvalCallback', 'defaults', 'Learner', 'describe_value', 'EventFilter', 'spread_lr', 'norm_params']
 
 # %% ../nbs/02_learner.ipynb #4ceb359e
-import importlib, io, itertools, os, tempfile, threading, warnings, weakref
+import itertools, os, threading, warnings, weakref
 from types import MethodType
 from collections import namedtuple
 from collections.abc import Mapping
@@ -24,6 +21,9 @@ from torch import nn
 from fastcore.basics import AttrDict, noop, patch
 from .core import *
 from .utils import *
+from .files import *
+from .checks import *
+from .checks import _is_optimizer
 
 # %% ../nbs/02_learner.ipynb #ed390885
 class DataLoaders:
@@ -99,81 +99,12 @@ def _given(cb_cls, cbs):
 class defaults:
     "Library-wide defaults: `callbacks` are added to every `Learner` made with `default_cbs=True`, unless in its `cbs`"
     callbacks = [TrainEvalCallback]
+    resume_cbs = None      # `resume_cbs(learn, resume)`: the callbacks of `fit(resume=...)`, set by `learncb.checkpoint`
 
     @classmethod
     def add_callback(cls, cb_cls):
         "Add `cb_cls` to the default callbacks, replacing a class of the same name (so reloading a module is safe)"
         cls.callbacks = [c for c in cls.callbacks if c.__name__ != cb_cls.__name__] + [cb_cls]
-
-# %% ../nbs/02_learner.ipynb #b7883c4e
-def _call_of(cls):
-    "How a user writes a call of `cls`: `nn.CrossEntropyLoss()`, `MyModel(...)`"
-    return f"{'nn.' if cls.__module__.startswith('torch.nn') else ''}{cls.__name__}()"
-
-def check_model(model):
-    "`model` if it is a model (an `nn.Module`), not a class"
-    if isinstance(model, type): raise TypeError(
-        f"model must be a model (an nn.Module instance), not the class {model.__name__}: make one, "
-        f"model={model.__name__}(...)")
-    if not (callable(model) and hasattr(model, 'parameters')): raise TypeError(
-        f"model must be an nn.Module, not {type(model).__name__}: wrap your function in an nn.Module subclass")
-    return model
-
-def check_loss_func(loss_func, allow_none=False):
-    "`loss_func` if it is a function `loss_func(pred, *yb)` or a loss module instance, not a class"
-    if loss_func is None and allow_none: return loss_func
-    if isinstance(loss_func, type): raise TypeError(
-        f"loss_func must be a loss function or an instance of a loss class, not the class {loss_func.__name__}: "
-        f"call it, loss_func={_call_of(loss_func)}")
-    if not callable(loss_func): raise TypeError(
-        f"loss_func must be a function loss_func(pred, *yb) returning a scalar tensor, like nn.CrossEntropyLoss() "
-        f"or F.cross_entropy, not {loss_func!r}")
-    return loss_func
-
-# %% ../nbs/02_learner.ipynb #a6bddcd0
-def _is_optimizer(o):
-    "Whether `o` is an optimizer already made (it has `param_groups` and `step`), not a function that makes one"
-    return not isinstance(o, type) and hasattr(o, 'param_groups') and callable(getattr(o, 'step', None))
-
-def check_opt_func(opt_func):
-    "`opt_func` if it is a function that makes an optimizer from parameters (`torch.optim.SGD`), not an optimizer"
-    if _is_optimizer(opt_func):
-        name = type(opt_func).__name__
-        raise TypeError(f"opt_func must be a function that makes an optimizer from the model's parameters, not the "
-                        f"optimizer {name} already made: pass opt_func=torch.optim.{name} (options in a partial: "
-                        f"partial(torch.optim.{name}, momentum=0.9)), or set learn.opt = <your optimizer>")
-    if not callable(opt_func): raise TypeError(
-        f"opt_func must be a function that makes an optimizer, like torch.optim.AdamW, not {opt_func!r}")
-    return opt_func
-
-def _check_metric(m):
-    if isinstance(m, str):
-        known = callable(getattr(importlib.import_module('learncb.metrics'), m, None))
-        fix = f"from learncb.metrics import {m}; metrics={m}" if known else "from learncb.metrics import accuracy"
-        raise TypeError(f"metrics must be functions f(pred, *yb) or metric objects, not the string {m!r}: pass the "
-                        f"function itself ({fix})")
-    if isinstance(m, type): raise TypeError(f"metrics must be functions or metric objects, not the class "
-                                            f"{m.__name__}: pass an instance, {m.__name__}(...)")
-    protocols = (('update', 'compute', 'reset'), ('reset', 'accumulate'))     # torchmetrics', fastai's
-    if not (callable(m) or any(all(callable(getattr(m, a, None)) for a in p) for p in protocols)):
-        raise TypeError(f"metrics must be functions f(pred, *yb) -> scalar, objects with update/compute/reset (like "
-                        f"torchmetrics) or with reset/accumulate/value (like fastai's), not {m!r}")
-
-def check_metrics(metrics):
-    "`metrics` as a list (`None`: none), each a function `f(pred, *yb)` or an object with `update`/`compute`/`reset`"
-    metrics = list(metrics) if isinstance(metrics, (list, tuple)) else [] if metrics is None else [metrics]
-    for m in metrics: _check_metric(m)
-    return metrics
-
-def default_lr(opt_func):
-    "The lr a `Learner` uses when given none: the `lr` of `opt_func` if it is a partial that sets one, else 1e-3"
-    return getattr(opt_func, 'keywords', {}).get('lr', 1e-3)
-
-def check_splitter(splitter):
-    "`splitter` if it is `None` or a function `splitter(model)` returning a list of parameter lists"
-    if splitter is None or callable(splitter): return splitter
-    raise TypeError(f"splitter must be a function splitter(model) -> list of parameter lists, e.g. "
-                    f"lambda m: [list(m.body.parameters()), list(m.head.parameters())], not {splitter!r}")
 
 # %% ../nbs/02_learner.ipynb #c7159f19
 # The loop's attributes: where a fit is, and what the current phase and batch hold
@@ -330,8 +261,10 @@ def _fit_session(self:Learner, n_epoch, lr, wd, cbs, reset_opt, resume):
 def _resuming_cbs(self:Learner, resume):
     "The callbacks that resume from checkpoint `resume` (a path, or `True` for the newest): none if `resume` is not set"
     if resume is None or resume is False: return []
-    from . import checkpoint      # the checkpoint module knows how; the loop only knows where to start
-    return checkpoint.resume_cbs(self, resume)
+    if defaults.resume_cbs is None: raise RuntimeError(     # the checkpoint module knows how; the loop, where to start
+        f"fit(resume={resume!r}) needs learncb.checkpoint, which is not imported: import learncb.checkpoint (or use "
+        f"from learncb.all import *)")
+    return defaults.resume_cbs(self, resume)
 
 # %% ../nbs/02_learner.ipynb #8d4055cb
 @patch
@@ -1010,157 +943,6 @@ def loss_not_reduced(self:Learner):
         self.loss_func = partial(lf, reduction='none')
         try: yield self
         finally: self.loss_func = lf
-
-# %% ../nbs/02_learner.ipynb #7e795095
-def atomic_save(obj, path):
-    "`torch.save` `obj` to `path` so that a crash leaves either the old file or the new one, never half of one"
-    path = Path(path)
-    if not is_rank0(): return path          # in a distributed run, rank 0 alone writes files
-    path.parent.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    try: torch.save(obj, buf)               # serialise in memory, then one write: much faster than many small ones
-    except Exception as e: raise add_note(e, f"learncb: while saving {path}: only tensors, numbers, strings and "
-                                             f"containers of them can be saved")
-    tmp = None
-    try:
-        fd,tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix='.tmp')
-        with os.fdopen(fd, 'wb') as f:
-            f.write(buf.getbuffer()); f.flush(); os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if tmp is not None and os.path.exists(tmp): os.remove(tmp)
-        if isinstance(e, OSError): raise _write_error(e, path) from None
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-def _write_error(e, path):
-    "`e`, an error of writing the temporary file of `path`, told about `path` itself"
-    err = OSError(e.errno, e.strerror, str(path)) if e.errno else OSError(f"cannot write {path}: {e}")
-    return add_note(err, f"learncb: {path} was not written (any file there is unchanged): check that its folder "
-                         f"exists and can be written, that no folder has that name, and that the disk has space")
-
-def _fsync_dir(d):
-    try: fd = os.open(d, os.O_RDONLY)
-    except OSError: return
-    try: os.fsync(fd)
-    except OSError: pass
-    finally: os.close(fd)
-
-# %% ../nbs/02_learner.ipynb #bddab1c1
-import hashlib
-
-class CorruptFileError(ValueError):
-    "A file that cannot be read back as it was written: truncated, corrupt, or not matching its checksum"
-
-def state_checksum(state):
-    "A SHA-256 of everything in `state`: tensors' bytes, dtypes and shapes, numbers, strings, and their nesting"
-    h = hashlib.sha256()
-    _feed(h, state)
-    return 'sha256:' + h.hexdigest()
-
-def _feed(h, o):
-    if isinstance(o, torch.Tensor):
-        t = o.detach()
-        if t.layout != torch.strided: t = t.to_dense()
-        t = t.cpu().resolve_conj().resolve_neg().contiguous()
-        h.update(f'T{t.dtype}{tuple(t.shape)};'.encode())
-        if t.numel(): h.update(t.reshape(-1).view(torch.uint8).numpy())
-    elif isinstance(o, dict):
-        h.update(f'D{len(o)};'.encode())
-        for k,v in o.items(): _feed(h, k); _feed(h, v)
-    elif isinstance(o, (list, tuple)):
-        h.update(f'L{len(o)};'.encode())
-        for v in o: _feed(h, v)
-    else: h.update(f'{type(o).__name__}:{o!r};'.encode())
-
-def with_checksum(state):
-    "`state` (a dict) with a `'checksum'` entry: the `state_checksum` of the rest"
-    state = {k: v for k,v in state.items() if k != 'checksum'}
-    return {**state, 'checksum': state_checksum(state)}
-
-def check_checksum(state, path, required=False):
-    "`state` if it matches its `'checksum'` (if it has one, or must have one: `required`); else a `CorruptFileError`"
-    saved = state.get('checksum')
-    if saved is None and not required: return state
-    if saved is None or state_checksum({k: v for k,v in state.items() if k != 'checksum'}) != saved:
-        raise CorruptFileError(f"{path} is damaged: its content does not match the checksum written with it (its bytes "
-                               f"changed after it was saved: a disk, copy or transfer error). Use another copy of it, "
-                               f"or an older file")
-    return state
-
-# %% ../nbs/02_learner.ipynb #5c31b34c
-def load_torch_file(path, map_location=None):
-    "`torch.load(path, weights_only=True)`, with errors that name the file and say what was wrong"
-    path = Path(path)
-    if not path.exists():
-        near = sorted(p.name for p in path.parent.glob('*.pth')) if path.parent.exists() else []
-        raise FileNotFoundError(f"no such file: {path}" + (f" (files there: {', '.join(near)})" if near else ''))
-    try: return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:
-        if 'GLOBAL' in str(e) or 'Unsupported global' in str(e):
-            raise ValueError(f"refused to load {path}: it contains objects that would run code when unpickled "
-                             f"(weights_only=True allows tensors, dicts, lists and numbers only); only load files "
-                             f"you trust, and write them with Learner.save") from None
-        raise CorruptFileError(f"cannot read {path}: it is truncated, corrupt or not a torch file "
-                               f"({type(e).__name__}: {e})") from e
-
-# %% ../nbs/02_learner.ipynb #5550f412
-_wrappers = ('module', '_orig_mod')      # what DistributedDataParallel and torch.compile put before the model's keys
-
-def _wrapper_prefix(keys):
-    "The wrappers' prefix that every key of `keys` starts with: `'module.'`, `'_orig_mod.'`, ... or `''`"
-    keys,prefix = list(keys),''
-    while keys and (head := keys[0].split('.', 1)[0]) in _wrappers and all(k.startswith(head + '.') for k in keys):
-        prefix,keys = prefix + head + '.',[k[len(head) + 1:] for k in keys]
-    return prefix
-
-def _swap_prefix(state, theirs, ours):
-    "`state` with `theirs` in front of each key (and of its module metadata) replaced by `ours`"
-    if theirs == ours: return state
-    out = type(state)((ours + k[len(theirs):], v) for k,v in state.items())
-    meta = getattr(state, '_metadata', None)
-    if meta is not None:
-        dotted = {(k + '.' if k else ''): v for k,v in meta.items()}
-        out._metadata = {(ours + k[len(theirs):]).rstrip('.'): v for k,v in dotted.items() if k.startswith(theirs)}
-    return out
-
-def match_prefix(state, saved_keys, model_keys):
-    "`state` with the wrappers' prefix of `saved_keys` (`module.`, `_orig_mod.`, ...) replaced by that of `model_keys`"
-    return _swap_prefix(state, _wrapper_prefix(saved_keys), _wrapper_prefix(model_keys))
-
-def _some(keys, n=8):
-    "`keys` as a list, cut to its first `n` when longer"
-    keys = list(keys)
-    return f"{keys[:n]} and {len(keys) - n} more" if len(keys) > n else f"{keys}"
-
-# %% ../nbs/02_learner.ipynb #1591de51
-def check_model_state(model, state, path='the file', strict=True):
-    "`state`, keyed as `model`'s (through wrappers' prefixes), if it loads into `model`; else an error naming `path`"
-    own = model.state_dict()
-    state = match_prefix(state, state, own)
-    missing,unexpected = [k for k in own if k not in state],[k for k in state if k not in own]
-    shapes = [f'{k}: file {tuple(state[k].shape)} vs model {tuple(v.shape)}' for k,v in own.items()
-              if k in state and hasattr(state[k], 'shape') and state[k].shape != v.shape]
-    if shapes or (strict and (missing or unexpected)):
-        parts = [f'missing keys {_some(missing)}' if missing else '',
-                 f'unexpected keys {_some(unexpected)}' if unexpected else '',
-                 f'shape mismatches [{"; ".join(shapes)}]' if shapes else '']
-        raise ValueError(f"{path} was saved from a different model: {', '.join(p for p in parts if p)}. "
-                         f"Load it into the model it was saved from" + ('' if shapes else ', or pass strict=False'))
-    if own and len(missing) == len(own):
-        raise ValueError(f"{path} has no key in common with the model, even with strict=False: the file has "
-                         f"{_some(state)}, the model {_some(own)}. It holds another model's weights: load it into "
-                         f"that model, or rename its keys to the model's")
-    if missing or unexpected:
-        warnings.warn(f"{path}: strict=False loaded {len(own) - len(missing)} of the model's {len(own)} entries; "
-                      f"left as they were (not in the file): {_some(missing)}; ignored (not in the model): "
-                      f"{_some(unexpected)}", UserWarning, stacklevel=3)
-    return state
-
-def load_model_state(model, state, path='the checkpoint', strict=True):
-    "`model.load_state_dict(state)` after `check_model_state`: errors list the missing, unexpected and mismatched keys"
-    model.load_state_dict(check_model_state(model, state, path, strict=strict), strict=strict)
 
 # %% ../nbs/02_learner.ipynb #9fb1bc54
 @patch
