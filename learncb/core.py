@@ -146,6 +146,9 @@ foreign_events = {name: (ev, libs) for name,ev,libs in
 def closest_event(name, cutoff=0.75):
     "The event `name` most likely means: the one of `foreign_events`, else the closest name, else `None`"
     if name in foreign_events: return foreign_events[name][0]
+    if f'on_{name}' in foreign_events: return foreign_events[f'on_{name}'][0]     # 'batch_end': 'on_batch_end'
+    for suffix,prefix in (('_end', 'after_'), ('_begin', 'before_'), ('_start', 'before_')):
+        if name.endswith(suffix) and (ours := prefix + name[:-len(suffix)]) in _events: return ours
     match = difflib.get_close_matches(name, _events, n=1, cutoff=cutoff)
     return match[0] if match else None
 

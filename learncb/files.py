@@ -99,7 +99,16 @@ def load_torch_file(path, map_location=None):
     if not path.exists():
         near = sorted(p.name for p in path.parent.glob('*.pth')) if path.parent.exists() else []
         raise FileNotFoundError(f"no such file: {path}" + (f" (files there: {', '.join(near)})" if near else ''))
-    try: return torch.load(path, map_location=map_location, weights_only=True)
+    if path.is_dir():
+        inside = sorted(p.name for p in path.iterdir() if p.suffix in ('.pth', '.pt') and p.is_file())[:5]
+        raise IsADirectoryError(f"{path} is a directory, not a file: pass the path of a file" +
+                                (f" in it ({', '.join(inside)})" if inside else ''))
+    try: f = open(path, 'rb')
+    except PermissionError: raise PermissionError(
+        f"permission denied: cannot read {path}: this user may not read it. Give it read access (chmod u+r, or "
+        f"ask the file's owner), or read a copy") from None
+    try:
+        with f: return torch.load(f, map_location=map_location, weights_only=True)
     except Exception as e:
         if 'GLOBAL' in str(e) or 'Unsupported global' in str(e):
             raise ValueError(f"refused to load {path}: it contains objects that would run code when unpickled "

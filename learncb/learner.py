@@ -9,7 +9,7 @@ __all__ = ['fit_attrs', 'phase_attrs', 'DataLoaders', 'to_dls', 'check_event_nam
            'TrainEvalCallback', 'defaults', 'Learner', 'describe_value', 'EventFilter', 'spread_lr', 'norm_params']
 
 # %% ../nbs/02_learner.ipynb #4ceb359e
-import itertools, os, threading, warnings, weakref
+import inspect, itertools, os, sys, threading, warnings, weakref
 from types import MethodType
 from collections import namedtuple
 from collections.abc import Mapping
@@ -28,7 +28,8 @@ from .checks import _is_optimizer
 # %% ../nbs/02_learner.ipynb #ed390885
 class DataLoaders:
     "The training and validation dataloaders of a learner; `valid` may be `None`"
-    def __init__(self, train, valid=None): self.train,self.valid = train,valid
+    def __init__(self, train, valid=None):
+        self.train,self.valid = check_dataloader(train, 'training'),check_dataloader(valid, 'validation')
     def __getitem__(self, i): return (self.train, self.valid)[i]
     def __iter__(self): return iter((self.train, self.valid))
     def __repr__(self): return f'DataLoaders(train={self.train!r}, valid={self.valid!r})'
@@ -80,6 +81,7 @@ def print_row(row):
 class TrainEvalCallback(Callback):
     "Keeps the training counters (`train_iter`, `pct_train`) and puts the model in train or eval mode"
     order,run_valid,_pct_step = -10,False,0.    # its batch handler counts training batches only
+    removable_in_fit = False                    # the loop's counters: `remove_cb` refuses it during a fit
     def before_fit(self):
         self.learn.train_iter,self.learn.pct_train = 0,0.
     def before_train(self):
@@ -116,19 +118,20 @@ class Learner:
     "Trains `model` on `dls` with `loss_func` and `opt_func`; every stage of the loop fires events for callbacks"
     def __init__(self, dls, model, loss_func=None, opt_func=torch.optim.Adam, lr=None, splitter=None, cbs=None,
                  metrics=None, path='.', model_dir='models', wd=None, device=None, default_cbs=True, n_inp=1,
-                 vocab=None):
+                 vocab=None, train_bn=True):
         self.dls,self.model = to_dls(dls),check_model(model)
         self.loss_func,self.opt_func = check_loss_func(loss_func, allow_none=True),check_opt_func(opt_func)
         self.lr = check_lr(default_lr(opt_func) if lr is None else lr, who='Learner')
         self.wd = check_wd(wd, who='Learner')
-        self.splitter,self._vocab,self.frozen_idx,self.train_bn = check_splitter(splitter),vocab,0,True
+        self.splitter,self._vocab,self.frozen_idx,self.train_bn = check_splitter(splitter),vocab,0,bool(train_bn)
         self.n_inp,self.model_dir,self.path = n_inp,model_dir,Path(path)
         self.metrics = check_metrics(metrics)
         self.device = torch.device(device) if device is not None else default_device()
-        self.model.to(self.device)
+        if not _on_meta(self.model): self.model.to(self.device)     # a model on `meta` is refused when a fit starts
         self.opt,self.state,self.logger,self.exception,self.cbs = None,AttrDict(),print_row,None,[]
         self.fitting,self.validating_aside,self.stop_reason,self.resume_from = False,0,None,None
         self._running,self._opt_made = None,None      # who runs a fit or validation now; the model `opt` was made for
+        self._removed_in_fit = []                     # callbacks removed during this fit: `learn` is cleared at its end
         self.epoch,self.n_epoch,self.iter,self.n_iter,self.train_iter,self.pct_train = 0,1,0,0,0,0.
         self.dl = self.batch = self.xb = self.yb = self.pred = self.loss = self.loss_grad = None
         self.training,self.start_epoch,self.start_iter = False,0,0
@@ -292,6 +295,9 @@ def _fire_unwinding(self:Learner, event_name, e):
 def _end_fit(self:Learner):
     "Put the learner back in its resting state: not fitting, not resuming, every callback running, not training"
     self.fitting,self.resume_from = False,None
+    for cb in self._removed_in_fit:
+        if cb not in self.cbs: cb.learn = None
+    self._removed_in_fit = []
     for cb in self.cbs:
         if not cb.run: cb.run = True
     self.training = False
@@ -308,7 +314,8 @@ def _check_fit(self:Learner, n_epoch, lr, wd, who):
     n_epoch = check_int(n_epoch, 'n_epoch', ge=0, who=who, hint='a number of epochs, e.g. 3')
     check_lr(self.lr if lr is None else lr, 'learn.lr' if lr is None else 'lr', who)
     check_wd(self.wd if wd is None else wd, 'learn.wd' if wd is None else 'wd', who)
-    check_model(self.model); check_loss_func(self.loss_func, allow_none=True); check_opt_func(self.opt_func)
+    check_materialized(check_model(self.model)); check_opt_func(self.opt_func)
+    if check_loss_func(self.loss_func, allow_none=True) is None: self._check_model_loss()
     metrics = check_metrics(self.metrics)
     if not isinstance(self.metrics, list): self.metrics = metrics      # set by hand to one metric: keep a list
     self._check_data()
@@ -319,8 +326,24 @@ def _check_data(self:Learner):
     "Raise if there is no training dataloader, or if one of the dataloaders is known to be empty"
     dls = to_dls(self.dls)
     if dls.train is None: raise ValueError(_no_dl('training'))
+    check_dataloader(dls.train, 'training'); check_dataloader(dls.valid, 'validation')
     for dl,what in zip(dls, ('training', 'validation')):
         if dl is not None and n_batches(dl) == 0: raise ValueError(_empty_dl(what))
+
+def _on_meta(model):
+    "Whether some parameter or buffer of `model` is on the `meta` device (a shape without data)"
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+
+@patch
+def _check_model_loss(self:Learner):
+    "Without `loss_func` the model must compute the loss: refuse a model whose `forward` cannot take the labels"
+    model = plain_model(self.model)
+    try: params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError): return                  # no signature to read: the first batch will tell
+    if any(p.kind is p.VAR_KEYWORD or p.name == self.label_key for p in params): return
+    raise ValueError(f"this Learner has no loss_func, and {type(model).__name__}.forward takes no {self.label_key!r} "
+                     f"argument, so the model cannot compute a loss itself (as transformers models do from a dict batch "
+                     f"with {self.label_key!r}): pass one, e.g. Learner(dls, model, loss_func=nn.CrossEntropyLoss())")
 
 # %% ../nbs/02_learner.ipynb #4e06130d
 _Running = namedtuple('_Running', 'thread name what lends')
@@ -636,11 +659,37 @@ def remove_cb(self:Learner, cb):
     "Remove a callback, or every callback of a class"
     if isinstance(cb, type): return self.remove_cbs([c for c in self.cbs if isinstance(c, cb)])
     if cb not in self.cbs: return self
+    if self.fitting and not getattr(type(cb), 'removable_in_fit', True): raise self._removal_error(cb)
+    return self._remove(cb)
+
+@patch
+def _remove(self:Learner, cb):
+    "Take `cb` off; during a fit it keeps `cb.learn` until the fit ends, for its handlers of the event firing now"
     self.cbs.remove(cb)
     self._hide(cb)
-    cb.learn = None
+    if self.fitting: self._removed_in_fit.append(cb)
+    else: cb.learn = None
     self.cbs_changed()
     return self
+
+def _firing_now():
+    "The handler running now and its event, read from the stack of the dispatch that called it, or `(None, None)`"
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code not in (Learner._fire.__code__, Learner._fire_unwinding.__code__):
+        frame = frame.f_back
+    return (None, None) if frame is None else (frame.f_locals.get('handler'), frame.f_locals.get('event_name'))
+
+@patch
+def _removal_error(self:Learner, cb):
+    "The error for removing `cb`, which the loop or other callbacks read until the fit ends, during a fit"
+    handler,name = _firing_now()
+    who = getattr(handler, '__self__', handler)
+    by = f"{who!r} removed it in {name!r}" if who is not None else "it was removed"
+    return RuntimeError(
+        f"{type(cb).__name__} cannot be removed during a fit: {by} (epoch {self.epoch}, iter {self.iter}), and the "
+        f"loop and other callbacks read learn.{cb.name} until the fit ends. Remove it before the fit or after it "
+        f"(learn.remove_cb), make the learner without it (default_cbs=False), or set it aside for a while inside the "
+        f"fit with `with learn.removed_cbs(cb): ...`, which puts it back")
 
 @patch
 def remove_cbs(self:Learner, cbs):
@@ -656,7 +705,9 @@ def added_cbs(self:Learner, cbs):
     new = [cb for cb in map(_as_callback, listify(cbs)) if cb not in self.cbs]
     self.add_cbs(new)
     try: yield self
-    finally: self.remove_cbs(new)
+    finally:
+        for cb in new:
+            if cb in self.cbs: self._remove(cb)       # what it added, the Recorder too, whatever runs
 
 @patch
 @contextmanager
@@ -664,7 +715,7 @@ def removed_cbs(self:Learner, cbs):
     "Context manager: `cbs` are removed on entry and put back in their places on exit"
     before = list(self.cbs)
     gone = [cb for cb in listify(cbs) if cb in self.cbs]
-    self.remove_cbs(gone)
+    for cb in gone: self._remove(cb)          # any callback, the Recorder too: they are all put back
     try: yield self
     finally:
         for cb in gone: cb.learn = self
@@ -716,7 +767,10 @@ class EventFilter(Callback):
 @patch
 def on(self:Learner, event_name, every=None, once=None, filter_fn=None):
     "Decorator: call `fn(learn)` at `event_name`, on every `every`-th call, only the `once`-th, or when `filter_fn`"
-    check_event_name(event_name)
+    if event_name not in event: raise ValueError(
+        f"learn.on: {event_name!r} is not an event{did_you_mean(str(event_name), cutoff=0.6)}; pass one of `event` "
+        f"(event.after_batch, event.before_epoch, ...). For an event of your own, fired with learn({event_name!r}), "
+        f"give a Callback a method of that name")
     if sum(o is not None for o in (every, once, filter_fn)) > 1:
         raise ValueError(f"learn.on: every={every!r}, once={once!r} and filter_fn={filter_fn!r} are exclusive; "
                          f"pass one")
@@ -812,8 +866,9 @@ def norm_params(model):
     return {id(p) for m in model.modules() if isinstance(m, _norm_types) for p in m.parameters(recurse=False)}
 
 @patch
-def freeze_to(self:Learner, n, train_bn=True):
-    "Freeze the param groups before group `n` (negative: counted from the end), all but norm layers if `train_bn`"
+def freeze_to(self:Learner, n, train_bn=None):
+    "Freeze the param groups before group `n` (negative: from the end), all but norm layers if `train_bn` (`learn.train_bn`)"
+    if train_bn is None: train_bn = self.train_bn
     groups = self.param_groups()
     n = check_int(n, 'n', who='freeze_to', hint='the index of the first param group that trains')
     idx = n if n >= 0 else max(len(groups) + n, 0)
@@ -829,8 +884,8 @@ def freeze_to(self:Learner, n, train_bn=True):
     return self
 
 @patch
-def freeze(self:Learner, train_bn=True):
-    "Freeze every param group but the last (norm layers keep training if `train_bn`)"
+def freeze(self:Learner, train_bn=None):
+    "Freeze every param group but the last (norm layers keep training if `train_bn`, by default `learn.train_bn`)"
     return self.freeze_to(-1, train_bn=train_bn)
 
 @patch

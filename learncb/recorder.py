@@ -21,7 +21,7 @@ from .metrics import *
 # %% ../nbs/04_recorder.ipynb #bbe1a783
 class Recorder(Callback):
     "Records losses, learning rates and metrics (of the training set too if `train_metrics`): `losses`, `values`..."
-    order = 50
+    order,removable_in_fit = 50,False      # other callbacks read `learn.recorder` until the fit ends
     _state_attrs = ('iters', 'values', '_pending_bs', '_smooth', '_count', '_train_sum', '_train_n', '_epoch_valid',
                     '_extra', 'last_valid', '_train_cols', '_train_bs')
                     # not `_header_logged`: a resumed fit prints a new table, header first
@@ -30,7 +30,7 @@ class Recorder(Callback):
     def __init__(self, add_time=True, train_metrics=False, beta=0.98):
         self.add_time,self.train_metrics,self.beta = add_time,train_metrics,beta
         self.last_valid,self._valid_metrics,self._train_metrics,self._header_logged = None,[],[],False
-        self._valid_stack,self._warned_nan,self.hps = [],False,{}
+        self._valid_stack,self._warned_nan,self.hps,self._metrics_unchecked = [],False,{},False
         self._reset_history()
 
     def _reset_history(self):
@@ -138,7 +138,9 @@ class Recorder(Callback):
         self._pending,self._pending_bs,self._on_device = [],[],None
 
     def before_fit(self):
+        if self.learn.n_epoch == 0: return     # a fit of no epoch trains nothing: the last fit's history stays
         self._reset_history()
+        self._metrics_unchecked = bool(self.learn.metrics)     # tried on the first training batch, see below
         self.hps = {}              # a ParamScheduler puts what it scheduled here at the end of the fit
         self._header_logged,self._warned_nan,self._valid_stack = False,False,[]
 
@@ -170,6 +172,7 @@ class Recorder(Callback):
             self._pending.append(learn.loss)
             self._pending_bs.append(find_bs(learn.yb))
             self.lrs.append(learn.opt.param_groups[0]['lr'])
+            if self._metrics_unchecked: self._try_metrics()
             if self._train_metrics:
                 self._train_bs.append(self._pending_bs[-1])
                 with torch.no_grad(): self._compute_metrics(self._train_metrics, self._train_cols)
@@ -190,6 +193,20 @@ class Recorder(Callback):
             except Exception as e:
                 _explain_metric_error(e, name, learn)
                 raise
+
+    def _try_metrics(self):
+        "Call each metric (a copy of a metric object) on the first training batch: one that fails does so before an epoch"
+        self._metrics_unchecked,learn = False,self.learn
+        for name,m in self._metrics:
+            try:
+                with torch.no_grad():
+                    if is_stateful_metric(m): (c := copy.deepcopy(m)).reset(); c.update(learn.pred, *learn.yb)
+                    elif is_fastai_metric(m): (c := copy.deepcopy(m)).reset(); c.accumulate(learn)
+                    else: check_metric_value(m(learn.pred, *learn.yb), f'metric {name!r}', 'the first training batch')
+            except Exception as e:
+                _explain_metric_error(e, name, learn)
+                raise add_note(e, f"learncb: metrics are tried on the first training batch, so that one that fails "
+                                  f"does so before an epoch is spent; nothing was trained but that batch")
 
     def after_validate(self):
         aside = self.learn.validating_aside

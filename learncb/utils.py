@@ -105,9 +105,9 @@ def check_number(value, name, *, gt=None, ge=None, finite=False, per_group=False
 _lr_hint = 'a learning rate such as 1e-3; learn.lr_find() suggests one'
 
 def check_lr(lr, name='lr', who=None):
-    "`lr` if it is a finite number > 0, a list of them (one per param group), or a `slice(lo, hi)`/`slice(hi)`"
+    "`lr` if it is a finite number >= 0 (0: no update), a list of them (one per param group), or a `slice(lo, hi)`"
     if isinstance(lr, slice): return _check_lr_slice(lr, name, who)
-    return check_number(lr, name, gt=0, finite=True, per_group=True, who=who, hint=_lr_hint)
+    return check_number(lr, name, ge=0, finite=True, per_group=True, who=who, hint=_lr_hint)
 
 def _check_lr_slice(lr, name, who):
     "A slice of lrs: `stop` a positive number, `start` one too (or `None`) and not above `stop`, no `step`"

@@ -53,14 +53,17 @@ class MLflowCallback(ExperimentTrackerCallback):
         return self.tracking_uri is None and not os.environ.get('MLFLOW_TRACKING_URI')
 
 # %% ../../nbs/25_mlflow.ipynb #680ef022
+def _mlflow(module):
+    "The submodule `mlflow.<module>`, or an `ImportError` that says how to install MLflow if it cannot be imported"
+    return import_optional(f'mlflow.{module}', 'mlflow', 'mlflow', 'MLflowCallback')
+
 @patch
 def open_run(self:MLflowCallback, ref):
-    mlflow = import_optional('mlflow', 'mlflow', 'mlflow', 'MLflowCallback')
     if self._own_store(): Path(self.learn.path).mkdir(parents=True, exist_ok=True)
     self._uri = self.uri
     with _quiet('mlflow.store.db.utils', 'alembic'):
-        self.client = mlflow.MlflowClient(tracking_uri=self._uri)
-        if ref is not None: return self._reopen(ref, mlflow)
+        self.client = _mlflow('tracking').MlflowClient(tracking_uri=self._uri)
+        if ref is not None: return self._reopen(ref)
         self.experiment_id = self._experiment()
         return self.client.create_run(self.experiment_id, run_name=self.run_name, tags=self.tags).info.run_id
 
@@ -79,10 +82,10 @@ def _experiment(self:MLflowCallback):
     return exp.experiment_id
 
 @patch
-def _reopen(self:MLflowCallback, ref, mlflow):
+def _reopen(self:MLflowCallback, ref):
     "Open the run `ref` of a checkpoint again, or say that this tracking URI does not have it"
     try: run = self.client.get_run(ref)
-    except mlflow.exceptions.MlflowException as e:
+    except _mlflow('exceptions').MlflowException as e:
         raise ValueError(f"the checkpoint's MLflow run {ref} is not in {self._uri}: resume with the tracking_uri of "
                          f"the fit that made it") from e
     self.client.update_run(ref, status='RUNNING')
@@ -92,13 +95,13 @@ def _reopen(self:MLflowCallback, ref, mlflow):
 # %% ../../nbs/25_mlflow.ipynb #bb4efddf
 @patch
 def log_params(self:MLflowCallback, params):
-    from mlflow.entities import Param
+    Param = _mlflow('entities').Param
     ps = [Param(k, str(v)[:6000]) for k,v in params.items()]       # MLflow keeps 6000 characters of a value
     for i in range(0, len(ps), 100): self.client.log_batch(self.run_id, params=ps[i:i + 100])
 
 @patch
 def log_rows(self:MLflowCallback, rows):
-    from mlflow.entities import Metric
+    Metric = _mlflow('entities').Metric
     now = int(time.time() * 1000)
     ms = [Metric(k, float(v), now, step) for step,values in rows for k,v in values.items()]
     for i in range(0, len(ms), 1000): self.client.log_batch(self.run_id, metrics=ms[i:i + 1000])   # MLflow's limit

@@ -9,6 +9,7 @@ __all__ = ['check_installed', 'import_optional', 'fit_hparams', 'ExperimentTrack
 
 # %% ../../nbs/24_tensorboard.ipynb #35c17c57
 import importlib, importlib.util, numbers, re, time
+from contextlib import contextmanager
 from pathlib import Path
 import torch
 from fastcore.basics import patch
@@ -197,23 +198,34 @@ def _write(self:ExperimentTrackerCallback, rows):
         if not new: continue
         kept.append((step, new))
         last.update(dict.fromkeys(new, step))
-    if kept: self.log_rows(kept)
+    if kept:
+        with self._package_errors(): self.log_rows(kept)
 
 @patch
 def _open(self:ExperimentTrackerCallback):
     "Open the run once: a new one with the hyper-parameters, or the resumed one knowing the steps it holds"
     if self._is_open: return
-    self._run_ref = self.open_run(self._run_ref)
-    self._is_open = True
-    if self._resumed:
-        for k,step in self.run_steps().items(): self._last[k] = max(self._last.get(k, -1), step)
-    elif self._to_log: self.log_params(self._to_log)
+    with self._package_errors():
+        self._run_ref = self.open_run(self._run_ref)
+        self._is_open = True
+        if self._resumed:
+            for k,step in self.run_steps().items(): self._last[k] = max(self._last.get(k, -1), step)
+        elif self._to_log: self.log_params(self._to_log)
     self._to_log = None
+
+@patch
+@contextmanager
+def _package_errors(self:ExperimentTrackerCallback):
+    "A part of the tracker's package that cannot be imported (the package imports it late) ends in the install hint"
+    try: yield
+    except ImportError as e:
+        if self.package is None or 'pip install' in str(e): raise
+        raise _missing(self.package, self.extra, type(self).__name__, e) from e
 
 @patch
 def _close(self:ExperimentTrackerCallback, status):
     self._is_open = False
-    self.close_run(status)
+    with self._package_errors(): self.close_run(status)
 
 # %% ../../nbs/24_tensorboard.ipynb #d57433a6
 @patch
@@ -252,7 +264,8 @@ def _free_folder(root, name):
 
 def _tb_steps(folder):
     "`{tag: last step}` of the scalars in the event files of `folder`"
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    EventFileLoader = import_optional('tensorboard.backend.event_processing.event_file_loader', 'tensorboard',
+                                      'tensorboard', 'TensorBoardCallback').EventFileLoader
     last = {}
     for f in sorted(Path(folder).glob('events.out.tfevents.*')):
         for e in EventFileLoader(str(f)).Load():
@@ -286,7 +299,8 @@ class TensorBoardCallback(ExperimentTrackerCallback):
         return str(folder)
 
     def log_params(self, params):
-        from torch.utils.tensorboard.summary import hparams
+        hparams = import_optional('torch.utils.tensorboard.summary', 'tensorboard', 'tensorboard',
+                                  'TensorBoardCallback').hparams
         rec = getattr(self.learn, 'recorder', None)
         metrics = {f'epoch/{n}': 0. for n in rec.value_names} if isinstance(rec, Recorder) else {}
         for summary in hparams(params, metrics): self.writer.file_writer.add_summary(summary)

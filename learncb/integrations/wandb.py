@@ -80,7 +80,7 @@ def close_run(self:WandbCallback, status): self.wandb_run.finish(exit_code=0 if 
 # %% ../../nbs/26_wandb.ipynb #478662d6
 def _wandb_records(path, block=32768):
     "The records of a W&B transaction log (`run-<id>.wandb`): a 7-byte header, then blocks of length-prefixed parts"
-    from wandb.proto import wandb_internal_pb2
+    wandb_internal_pb2 = import_optional('wandb.proto.wandb_internal_pb2', 'wandb', 'wandb', 'WandbCallback')
     data = Path(path).read_bytes()
     if data[:4] != b':W&B': raise ValueError(f"{path} is not a W&B run file (run-<id>.wandb)")
     pos,parts = 7,[]
