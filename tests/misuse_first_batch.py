@@ -210,8 +210,7 @@ def test_metric_on_a_model_output_that_is_not_a_tensor(model, loss, said, pick):
     n = notes(info.value)
     assert f"metric 'accuracy' failed on batch 0 with pred {said}" in n
     assert f'def my_accuracy(pred, *yb): return accuracy({pick}, *yb)' in n
-    assert learn.count.n['valid'] == 1                         # at the first validation batch
-    assert len(learn.recorder.losses) == 4                     # the epoch's training is kept
+    assert dict(learn.count.n) == {'train': 1}           # metrics are tried on the first training batch
 
 def test_get_preds_of_a_dict_output():
     learn = synth_learner(model=Named(2, 2))
@@ -259,7 +258,7 @@ def test_get_preds_skips_cancelled_batches():
 # ---------------------------------------------------------------- metrics that do not return a number
 
 @pytest.mark.parametrize('value, err, said', [
-    (None, TypeError, "metric 'bad' returned None on validation batch 0"),
+    (None, TypeError, "metric 'bad' returned None on the first training batch"),
     ('good', TypeError, "metric 'bad' returned 'good'"),
     ('0.5', TypeError, "return the number, not its text"),
     (torch.ones(3), ValueError, "metric 'bad' gave a tensor of shape (3,)"),
@@ -268,8 +267,8 @@ def test_metric_that_does_not_return_a_number(value, err, said):
     def bad(pred, targ): return value
     learn = synth_learner(metrics=[accuracy, bad], cbs=Count())
     with pytest.raises(err) as info: learn.fit(2)
-    assert said in str(info.value) and "raised by Recorder in 'after_validate'" in notes(info.value)
-    assert learn.count.n['train'] == 4 and learn.count.n['valid'] == 2   # at the end of the first validation
+    assert said in str(info.value) and "raised by Recorder in 'after_loss'" in notes(info.value)
+    assert dict(learn.count.n) == {'train': 1}          # tried on the first training batch, before an epoch
 
 def test_metric_returning_numbers_and_shape_1_tensors_is_fine():
     def as_float(pred, targ): return float(accuracy(pred, targ))

@@ -182,7 +182,7 @@ def test_one_cycle_without_momentum_warns_and_still_schedules_lr():
         warnings.simplefilter('error')
         learn.fit_one_cycle(1, moms=None)
 
-@pytest.mark.parametrize('kw, match', [(dict(lr_max=-1.), 'lr_max must be a positive number'), (dict(div=0), 'div must be'),
+@pytest.mark.parametrize('kw, match', [(dict(lr_max=-1.), 'lr_max must be a number >= 0'), (dict(div=0), 'div must be'),
                                        (dict(moms=(0.9, 0.8)), r'moms must be \(start, middle, end\)'),
                                        (dict(pct_start=2.), 'fit_one_cycle: pct_start must be a fraction')])
 def test_one_cycle_argument_errors(kw, match):
