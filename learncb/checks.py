@@ -6,7 +6,7 @@ Docs: https://learncb.github.io/learncb/checks.html.md"""
 
 # %% auto #0
 __all__ = ['check_model', 'check_loss_func', 'check_opt_func', 'check_metrics', 'default_lr', 'check_splitter',
-           'check_dataloader', 'check_materialized']
+           'check_dataloader', 'meta_tensors', 'check_materialized']
 
 # %% ../nbs/01b_checks.ipynb #3c2a9e8e
 import importlib, itertools
@@ -108,10 +108,14 @@ def check_dataloader(dl, what='training'):
     raise TypeError(f"the {what} dataloader is {kind[0]}: {_fixes[kind[1]]}")
 
 # %% ../nbs/01b_checks.ipynb #e9875424
+def meta_tensors(model):
+    "The names of `model`'s parameters and buffers on the `meta` device: shapes without data (lazy layers aside)"
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    return [n for n,t in tensors if t.is_meta and not isinstance(t, torch.nn.parameter.UninitializedTensorMixin)]
+
 def check_materialized(model):
     "`model` if its parameters and buffers hold data: none of them on the `meta` device"
-    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
-    meta = [n for n,t in tensors if t.is_meta and not isinstance(t, torch.nn.parameter.UninitializedTensorMixin)]
+    meta = meta_tensors(model)
     if not meta: return model
     some = meta if len(meta) <= 6 else meta[:6] + [f'... ({len(meta) - 6} more)']
     raise ValueError(f"the model's tensors {some} are on the meta device: they have shapes but no data, so training "

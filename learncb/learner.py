@@ -127,7 +127,7 @@ class Learner:
         self.n_inp,self.model_dir,self.path = n_inp,model_dir,Path(path)
         self.metrics = check_metrics(metrics)
         self.device = torch.device(device) if device is not None else default_device()
-        if not _on_meta(self.model): self.model.to(self.device)     # a model on `meta` is refused when a fit starts
+        if not meta_tensors(self.model): self.model.to(self.device)     # a model on `meta` is refused by `fit`
         self.opt,self.state,self.logger,self.exception,self.cbs = None,AttrDict(),print_row,None,[]
         self.fitting,self.validating_aside,self.stop_reason,self.resume_from = False,0,None,None
         self._running,self._opt_made = None,None      # who runs a fit or validation now; the model `opt` was made for
@@ -329,10 +329,6 @@ def _check_data(self:Learner):
     check_dataloader(dls.train, 'training'); check_dataloader(dls.valid, 'validation')
     for dl,what in zip(dls, ('training', 'validation')):
         if dl is not None and n_batches(dl) == 0: raise ValueError(_empty_dl(what))
-
-def _on_meta(model):
-    "Whether some parameter or buffer of `model` is on the `meta` device (a shape without data)"
-    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
 
 @patch
 def _check_model_loss(self:Learner):
