@@ -9,7 +9,7 @@ __all__ = ['DistributedResumableSampler', 'ShardSampler', 'shard_train_dl', 'sha
            'DistributedCallback', 'launched_world', 'launch']
 
 # %% ../nbs/23_distributed.ipynb #77bf7d53
-import datetime, math, os, socket
+import datetime, gc, math, os, socket
 from contextlib import contextmanager
 import torch
 import torch.distributed as dist
@@ -145,7 +145,12 @@ def distrib_ctx(self:Learner, backend=None, timeout=1800, device_ids='auto', fin
         with self.added_cbs(cbs): yield self
         if started: dist.barrier()          # every rank done before the group ends (not after an error: no waiting)
     finally:
-        if started: dist.destroy_process_group()
+        if started: _end_group()
+
+def _end_group():
+    "End the process group now, with its threads: what still refers to it (DDP's reducer, in reference cycles) is freed"
+    dist.destroy_process_group()
+    gc.collect()        # else gloo's threads may outlive the interpreter's teardown and abort the process at exit
 
 @patch
 def _start_group(self:Learner, backend, timeout):
