@@ -206,7 +206,7 @@ class Recorder(Callback):
             except Exception as e:
                 _explain_metric_error(e, name, learn)
                 raise add_note(e, f"learncb: metrics are tried on the first training batch, so that one that fails "
-                                  f"does so before an epoch is spent; nothing was trained but that batch")
+                                  f"does so before an epoch is spent (this batch has not updated the weights)")
 
     def after_validate(self):
         aside = self.learn.validating_aside
