@@ -117,8 +117,7 @@ def check_materialized(model):
     "`model` if its parameters and buffers hold data: none of them on the `meta` device"
     meta = meta_tensors(model)
     if not meta: return model
-    some = meta if len(meta) <= 6 else meta[:6] + [f'... ({len(meta) - 6} more)']
-    raise ValueError(f"the model's tensors {some} are on the meta device: they have shapes but no data, so training "
+    raise ValueError(f"the model's tensors {short_list(meta, 6)} are on the meta device: they have shapes but no data, so training "
                      f"them would compute nothing. Give them storage and values before fitting: "
                      f"model.to_empty(device='cpu') (or 'cuda'), then load the weights (model.load_state_dict(...)) "
                      f"or initialise each layer (reset_parameters())")

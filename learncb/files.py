@@ -141,10 +141,7 @@ def match_prefix(state, saved_keys, model_keys):
     "`state` with the wrappers' prefix of `saved_keys` (`module.`, `_orig_mod.`, ...) replaced by that of `model_keys`"
     return _swap_prefix(state, _wrapper_prefix(saved_keys), _wrapper_prefix(model_keys))
 
-def _some(keys, n=8):
-    "`keys` as a list, cut to its first `n` when longer"
-    keys = list(keys)
-    return f"{keys[:n]} and {len(keys) - n} more" if len(keys) > n else f"{keys}"
+
 
 # %% ../nbs/01a_files.ipynb #1591de51
 def check_model_state(model, state, path='the file', strict=True):
@@ -155,19 +152,19 @@ def check_model_state(model, state, path='the file', strict=True):
     shapes = [f'{k}: file {tuple(state[k].shape)} vs model {tuple(v.shape)}' for k,v in own.items()
               if k in state and hasattr(state[k], 'shape') and state[k].shape != v.shape]
     if shapes or (strict and (missing or unexpected)):
-        parts = [f'missing keys {_some(missing)}' if missing else '',
-                 f'unexpected keys {_some(unexpected)}' if unexpected else '',
+        parts = [f'missing keys {short_list(missing)}' if missing else '',
+                 f'unexpected keys {short_list(unexpected)}' if unexpected else '',
                  f'shape mismatches [{"; ".join(shapes)}]' if shapes else '']
         raise ValueError(f"{path} was saved from a different model: {', '.join(p for p in parts if p)}. "
                          f"Load it into the model it was saved from" + ('' if shapes else ', or pass strict=False'))
     if own and len(missing) == len(own):
         raise ValueError(f"{path} has no key in common with the model, even with strict=False: the file has "
-                         f"{_some(state)}, the model {_some(own)}. It holds another model's weights: load it into "
+                         f"{short_list(state)}, the model {short_list(own)}. It holds another model's weights: load it into "
                          f"that model, or rename its keys to the model's")
     if missing or unexpected:
         warnings.warn(f"{path}: strict=False loaded {len(own) - len(missing)} of the model's {len(own)} entries; "
-                      f"left as they were (not in the file): {_some(missing)}; ignored (not in the model): "
-                      f"{_some(unexpected)}", UserWarning, stacklevel=3)
+                      f"left as they were (not in the file): {short_list(missing)}; ignored (not in the model): "
+                      f"{short_list(unexpected)}", UserWarning, stacklevel=3)
     return state
 
 def load_model_state(model, state, path='the checkpoint', strict=True):

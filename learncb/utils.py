@@ -8,7 +8,7 @@ Docs: https://learncb.github.io/learncb/utils.html.md"""
 __all__ = ['default_device', 'model_device', 'plain_model', 'to_device', 'tensors_of', 'find_bs', 'n_batches', 'listify',
            'add_note', 'is_number', 'ArgTypeError', 'arg_error', 'check_number', 'check_lr', 'check_wd', 'check_int',
            'check_fraction', 'check_choice', 'rng_state', 'set_rng_state', 'rng_kept', 'dl_generators', 'num_distrib',
-           'rank_distrib', 'is_rank0', 'sum_across_ranks', 'gather_objects']
+           'rank_distrib', 'is_rank0', 'sum_across_ranks', 'gather_objects', 'short_list']
 
 # %% ../nbs/01_utils.ipynb #4d5f189c
 import math, operator, random
@@ -234,3 +234,9 @@ def gather_objects(o):
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, o)
     return out
+
+# %% ../nbs/01_utils.ipynb #c2236a6e
+def short_list(items, n=8):
+    "`items` written as a list for a message, cut to its first `n` with the number left out"
+    items = list(items)
+    return f"{items[:n]} and {len(items) - n} more" if len(items) > n else f"{items}"

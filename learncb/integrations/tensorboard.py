@@ -25,9 +25,12 @@ def _installed(package):
     try: return importlib.util.find_spec(package) is not None
     except (ImportError, ValueError): return False
 
+class _MissingPackage(ImportError):
+    "An optional package, or a part of it, that cannot be imported: the message says how to install it"
+
 def _missing(package, extra, who, err=None):
     why = f" (importing it failed: {err})" if err is not None else ''
-    return ImportError(f"{who} needs the {package} package, which is not installed{why}: pip install "
+    return _MissingPackage(f"{who} needs the {package} package, which is not installed{why}: pip install "
                        f"\"learncb[{extra}]\" (or pip install {package})")
 
 def check_installed(package, extra, who):
@@ -219,7 +222,7 @@ def _package_errors(self:ExperimentTrackerCallback):
     "A part of the tracker's package that cannot be imported (the package imports it late) ends in the install hint"
     try: yield
     except ImportError as e:
-        if self.package is None or 'pip install' in str(e): raise
+        if self.package is None or isinstance(e, _MissingPackage): raise
         raise _missing(self.package, self.extra, type(self).__name__, e) from e
 
 @patch
