@@ -9,7 +9,7 @@ __all__ = ['ResumableSampler', 'cannot_resume_reason', 'resumable_dataloader', '
            'CheckpointCallback']
 
 # %% ../nbs/16_checkpoint.ipynb #02239c3a
-import itertools, os, random, re, signal, threading, warnings
+import itertools, os, random, re, shutil, signal, threading, warnings
 from functools import partial
 from pathlib import Path
 import torch
@@ -19,6 +19,7 @@ from .core import *
 from .utils import *
 from .learner import *
 from .files import *
+from .sharded import *
 
 # %% ../nbs/16_checkpoint.ipynb #f739fcd4
 class ResumableSampler(Sampler):
@@ -101,9 +102,16 @@ def _per_rank(cbs):
     return None if num_distrib() == 1 else gather_objects({'rng': rng_state(), 'cbs': cbs})
 
 def _own_rank(state):
-    "The random state and callbacks' state of this rank in checkpoint `state`"
+    "This rank's random state and callbacks' state in checkpoint `state` (rank 0's for a rank its run did not have)"
     ranks = state.get('ranks')
-    return ranks[rank_distrib()] if ranks else {'rng': state['rng'], 'cbs': state['cbs']}
+    if not ranks: return {'rng': state['rng'], 'cbs': state['cbs']}
+    return ranks[rank_distrib()] if rank_distrib() < len(ranks) else ranks[0]
+
+def _opt_param_names(learn):
+    "The name of each parameter the optimizer updates, in its order (the parameter groups' if it is not made yet)"
+    names = {id(p): n for n,p in plain_model(learn.model).named_parameters()}
+    groups = [g['params'] for g in learn.opt.param_groups] if learn.opt is not None else learn.param_groups()
+    return [names.get(id(p), f'<unnamed {i}>') for i,p in enumerate(p for g in groups for p in g)]
 
 @patch
 def state_dict(self:Learner):
@@ -112,7 +120,7 @@ def state_dict(self:Learner):
     sampler = _sampler_of(dl)
     return {'format': 'learncb-checkpoint', 'version': 2,
             'model': plain_model(self.model).state_dict(),
-            'opt': None if self.opt is None else self.opt.state_dict(),
+            'opt': None if self.opt is None else self.opt.state_dict(), 'opt_params': _opt_param_names(self),
             'grads': {n: p.grad for n,p in plain_model(self.model).named_parameters() if p.grad is not None},
             'loop': {'epoch': self.epoch, 'iter': self.iter, 'train_iter': self.train_iter, 'pct_train': self.pct_train,
                      'n_epoch': self.n_epoch, 'stop_reason': None if stop is None else str(stop)},
@@ -146,7 +154,8 @@ def _check_state(self:Learner, state, where, strict=True, with_opt=True):
     bad = [n for n,g in grads.items() if (n not in params and strict) or (n in params and g.shape != params[n].shape)]
     if bad: raise ValueError(f"{where} has gradients that do not fit the model's parameters: {bad}; load it into "
                              f"the model it was saved from")
-    if with_opt and state['opt'] is not None: self._load_opt_state(state['opt'], where)()     # tried, then undone
+    if with_opt and state['opt'] is not None and 'folder' not in state:
+        self._load_opt_state(state['opt'], where)()          # tried, then undone (a folder's is read when loaded)
     return weights,{n: g for n,g in grads.items() if n in params}
 
 # %% ../nbs/16_checkpoint.ipynb #6da5d3fa
@@ -154,6 +163,11 @@ def _check_state(self:Learner, state, where, strict=True, with_opt=True):
 def load_state_dict(self:Learner, state, strict=True, where='the checkpoint'):
     "Put back what `state_dict` returned if all of it fits this learner; else raise naming `where`, changing nothing"
     weights,grads = self._check_state(state, where, strict=strict, with_opt=False)
+    if 'folder' in state:            # a sharded checkpoint: its tensors are read now, laid out as the model's
+        state = load_sharded(state, plain_model(self.model), _opt_param_names(self))
+    own = plain_model(self.model).state_dict()
+    if 'folder' in state: weights,grads = match_prefix(state['model'], state['model'], own),state['grads']
+    weights = {k: shard_like(v, own[k]) if k in own else v for k,v in weights.items()}    # whole file, sharded model
     undos = []
     try:
         if state['opt'] is not None: undos.append(self._load_opt_state(state['opt'], where))
@@ -163,7 +177,8 @@ def load_state_dict(self:Learner, state, strict=True, where='the checkpoint'):
     except BaseException:
         for undo in reversed(undos): undo()
         raise
-    for n,p in plain_model(self.model).named_parameters(): p.grad = grads[n].to(p.device) if n in grads else None
+    for n,p in plain_model(self.model).named_parameters():
+        p.grad = shard_like(grads[n], p).to(p.device) if n in grads else None
     for k,v in state['loop'].items(): setattr(self, k, v)
     own = _own_rank(state)
     set_rng_state(own['rng'])
@@ -217,10 +232,20 @@ def save_checkpoint(self:Learner, path, at=None):
     check_choice(at, 'at', ('batch', 'epoch_end'))
     state = self.state_dict()
     state['at'] = at
+    return _write(state, path, sharded=is_sharded(self.model))
+
+def _write(state, path, sharded):
+    "Write checkpoint `state`: one file, or for a sharded model (FSDP) a folder (`path` without `.pt`) of every rank's shard"
+    path = Path(path)
+    if sharded: return save_sharded(state, path.with_suffix('') if path.suffix == '.pt' else path)
     return atomic_save(with_checksum(state), path)
 
 def _read_checkpoint(learn, path):
-    "The state in checkpoint file `path`: a learncb checkpoint, intact (else a `CorruptFileError`)"
+    "The state in checkpoint `path` (a file, or a sharded checkpoint's folder): a learncb checkpoint, intact"
+    if Path(path).is_dir():
+        state = read_sharded(path)          # its tensors are read when loaded: as shards of a sharded model
+        _check_format(state, path)
+        return state
     state = load_torch_file(path, map_location=model_device(learn.model, learn.device))
     _check_format(state, path)
     return check_checksum(state, path, required=state.get('version', 1) >= 2)
@@ -311,7 +336,7 @@ def _finished(state):
     return None
 
 # %% ../nbs/16_checkpoint.ipynb #cb6f12ba
-_ckpt_re = re.compile(r'^checkpoint_(\d{8})_(batch|epoch_end)\.pt$')
+_ckpt_re = re.compile(r'^checkpoint_(\d{8})_(batch|epoch_end)(\.pt)?$')      # a file, or a folder (sharded)
 
 def _ckpt_key(p):
     "Where checkpoint file `p` is in its run: (training batches done, taken at the end of an epoch)"
@@ -319,7 +344,7 @@ def _ckpt_key(p):
     return int(m[1]),m[2] == 'epoch_end'
 
 def checkpoints_in(folder):
-    "The checkpoint files in `folder`, oldest first"
+    "The checkpoints in `folder` (files, and folders of sharded ones), oldest first"
     folder = Path(folder)
     if not folder.is_dir(): return []
     return sorted((p for p in folder.iterdir() if _ckpt_re.match(p.name)), key=_ckpt_key)
@@ -339,32 +364,44 @@ def _newest_intact(learn):
         except CorruptFileError:
             damaged.append(path.name)
             continue
-        if damaged: warnings.warn(f"resume=True: the newest checkpoints in {folder} are damaged (truncated, corrupt or "
-                                  f"changed since written): {damaged}; resuming from {path.name}, the newest intact "
-                                  f"one. The damaged files are left as they are")
+        if damaged: warnings.warn(f"resume=True: the newest checkpoints in {folder} are damaged or incomplete "
+                                  f"(truncated, corrupt, changed since written, or a sharded one whose shards were not "
+                                  f"all written): {damaged}; resuming from {path.name}, the newest intact one. The "
+                                  f"damaged ones are left as they are")
         return path,state
-    raise CorruptFileError(f"resume=True but every checkpoint in {folder} is damaged (truncated, corrupt or changed "
-                           f"since written): {damaged}; start the run again without resume")
+    raise CorruptFileError(f"resume=True but every checkpoint in {folder} is damaged or incomplete (truncated, corrupt, "
+                           f"changed since written, or not all of its shards written): {damaged}; start the run "
+                           f"again without resume")
 
 # %% ../nbs/16_checkpoint.ipynb #93ee8723
 def _describe(shape):
     n,bs,items = (shape.get(k) for k in ('n_batches', 'batch_size', 'n_items'))
     return f"{n} batches per epoch, batch size {bs}, {items} items"
 
+def _processes(n): return f"{n} process{'es' if n > 1 else ''}"
+
+def _check_global_batch(bs, world, now_bs, path):
+    "Refuse to go on over another number of processes unless the global batch (per-process batch x processes) is kept"
+    now_world = num_distrib()
+    if None in (bs, now_bs) or bs * world == now_bs * now_world: return
+    fix = (f"a batch size of {bs * world // now_world} per process" if bs * world % now_world == 0 else
+           f"{_processes(world)}")
+    raise ValueError(f"{path} was taken with a global batch of {bs * world} ({bs} per process x {_processes(world)}), "
+                     f"but this run's is {now_bs * now_world} ({now_bs} x {_processes(now_world)}): a run goes on over "
+                     f"another number of processes only with the same global batch, so that it sees the same batches "
+                     f"in the same order. Resume with {fix}")
+
 def _check_same_run(learn, state, path):
-    "Refuse checkpoint `state` if it is of another run: another number of epochs or processes, other training data"
-    world = state.get('world_size', 1)
-    if world != num_distrib(): raise ValueError(
-        f"{path} was taken in a run of {world} process{'es' if world > 1 else ''}, but this run has {num_distrib()}: "
-        f"each process's random state and share of the data are in it, so resume with as many, e.g. torchrun "
-        f"--nproc_per_node={world} (to go on with another number, load the weights, learn.load_checkpoint(path), and "
-        f"start a new fit)")
+    "Refuse checkpoint `state` if it is of another run: another number of epochs, another global batch, other data"
     n_epoch = state['loop']['n_epoch']
     if n_epoch != learn.n_epoch:
         raise ValueError(f"{path} was taken in a fit of {n_epoch} epochs, but this fit has {learn.n_epoch}: resume "
                          f"the same run with learn.fit({n_epoch}, resume=...)")
     dl = learn.dls.train
     saved,now = state.get('data_shape') or {},_data_shape(getattr(dl, 'unsharded', dl))
+    if state.get('world_size', 1) != num_distrib():        # each process has its own batches: the global batch counts
+        _check_global_batch(saved.get('batch_size'), state.get('world_size', 1), now['batch_size'], path)
+        saved,now = {'n_items': saved.get('n_items')},{'n_items': now['n_items']}
     if any(saved.get(k) is not None and v is not None and saved[k] != v for k,v in now.items()):
         raise ValueError(f"{path} was taken with training data of {_describe(saved)}, but the training data now has "
                          f"{_describe(now)}: resume with the data the run was trained on (the same dataset, batch_size "
@@ -432,8 +469,8 @@ class CheckpointCallback(Callback):
         resuming = next((cb for cb in learn.cbs if isinstance(cb, ResumeCallback)), None)
         if resuming is None:
             self._warn_earlier_run()
-            seed = gather_objects(int(torch.randint(0, 2**62, ())))[0]      # rank 0's: every rank the same order
-            reason = _make_train_resumable(learn, seed=seed)
+            if hasattr(learn.dls.train, 'unsharded'): reason = None    # sharded for this fit: resumable, seed drawn
+            else: reason = _make_train_resumable(learn, seed=int(torch.randint(0, 2**62, ())))
             if reason: warnings.warn(f"the training dataloader cannot resume in the middle of an epoch exactly "
                                      f"({reason}); checkpoints taken in an epoch will replay it from its start. Use a "
                                      f"torch DataLoader (shuffle=True or False) to resume exactly.")
@@ -482,11 +519,14 @@ def save(self:CheckpointCallback):
     end = self._loader_end
     if end is not None and end[0] == pos['epoch'] and (pos['at'] == 'epoch_end' or pos['iter'] == end[1]):
         state.update(loader=end[2], loader_drain=pos['at'] == 'epoch_end')
-    path = self.folder/f"checkpoint_{learn.train_iter:08d}_{pos['at']}.pt"
-    self.last = atomic_save(with_checksum(state), path)
+    sharded = is_sharded(learn.model)
+    path = self.folder/f"checkpoint_{learn.train_iter:08d}_{pos['at']}{'' if sharded else '.pt'}"
+    self.last = _write(state, path, sharded)
     if not is_rank0(): return self.last
     older = [p for p in checkpoints_in(self.folder) if _ckpt_key(p) < _ckpt_key(path)]
-    for old in older[:max(0, len(older) - self.keep_last + 1)]: old.unlink(missing_ok=True)
+    for old in older[:max(0, len(older) - self.keep_last + 1)]:
+        if old.is_dir(): shutil.rmtree(old, ignore_errors=True)
+        else: old.unlink(missing_ok=True)
     return self.last
 
 # %% ../nbs/16_checkpoint.ipynb #30b278de

@@ -6,20 +6,22 @@ Docs: https://learncb.github.io/learncb/distributed.html.md"""
 
 # %% auto #0
 __all__ = ['DistributedResumableSampler', 'ShardSampler', 'shard_train_dl', 'shard_in_order', 'gather_in_order',
-           'DistributedCallback', 'launched_world', 'launch']
+           'DistributedCallback', 'units_to_shard', 'fsdp_model', 'FSDPCallback', 'launched_world', 'launch']
 
 # %% ../nbs/23_distributed.ipynb #77bf7d53
-import datetime, gc, math, os, socket
+import copy, datetime, gc, math, os, socket
 from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 from fastcore.basics import noop, patch
 from .core import *
 from .utils import *
 from .learner import *
 from .checkpoint import ResumableSampler
+from .training import MixedPrecision
 
 # %% ../nbs/23_distributed.ipynb #2a1a06ab
 class DistributedResumableSampler(ResumableSampler):
@@ -102,9 +104,18 @@ class DistributedCallback(Callback):
         self._dls,self._logger = learn.dls,learn.logger
         learn.dls = DataLoaders(shard_train_dl(learn.dls.train),
                                 None if learn.dls.valid is None else shard_in_order(learn.dls.valid))
-        learn.model = DistributedDataParallel(learn.model, device_ids=self.device_ids,
-                                              find_unused_parameters=self.find_unused_parameters)
+        self._wrap()
         if not is_rank0(): self._silence()
+
+    def _wrap(self):
+        "Put the model the ranks train in `learn.model`: here, the model wrapped in `DistributedDataParallel`"
+        self.learn.model = DistributedDataParallel(self.learn.model, device_ids=self.device_ids,
+                                                   find_unused_parameters=self.find_unused_parameters)
+
+    def _unwrap(self):
+        "Put the plain model back in `learn.model`, trained"
+        learn = self.learn
+        if isinstance(learn.model, DistributedDataParallel): learn.model = learn.model.module
 
     def before_train(self):
         "Each epoch its own order, the same on every rank (`set_epoch`, done for the user)"
@@ -115,7 +126,7 @@ class DistributedCallback(Callback):
 
     def after_fit(self):
         learn = self.learn
-        if isinstance(learn.model, DistributedDataParallel): learn.model = learn.model.module
+        self._unwrap()
         learn.loss_grad = None       # its graph holds DDP's hooks, and through them the process group: let them go
         learn.dls,learn.logger = self._dls,self._logger
 
@@ -126,6 +137,126 @@ class _RankAgreement(Callback):
         reasons = [r for r in gather_objects(self.learn.stop_reason) if r is not None]
         if reasons and self.learn.stop_reason is None: self.learn.stop_reason = reasons[0]
 
+# %% ../nbs/23_distributed.ipynb #9732bb8f
+def _post_order(m):
+    "`m`'s modules, each after its children"
+    for c in m.children(): yield from _post_order(c)
+    yield m
+
+def _shard_rule(shard):
+    "The test of a module that `shard` stands for: a function of a module, a module class, or a collection of them"
+    classes = ((shard,) if isinstance(shard, type) else tuple(shard) if isinstance(shard, (set, frozenset, list, tuple))
+               else None)
+    if classes and all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        return lambda m: isinstance(m, classes)
+    if classes is None and callable(shard): return shard
+    raise TypeError(f"distrib_ctx: shard must be a function of a module that says whether to shard it, e.g. "
+                    f"lambda m: isinstance(m, Block), a module class, or a set of them, not {shard!r}")
+
+def units_to_shard(model, shard=None):
+    "The submodules of `model` FSDP shards as units, children before parents; `None`: each direct child with parameters"
+    if shard is None: return [m for m in model.children() if next(m.parameters(), None) is not None]
+    rule = _shard_rule(shard)
+    return [m for m in _post_order(model) if m is not model and rule(m)]
+
+# %% ../nbs/23_distributed.ipynb #abf58d9d
+def _meta_copy(model):
+    "A copy of `model` whose parameters and buffers are on the `meta` device: its structure, without its memory"
+    memo = {}
+    for t in (*model.parameters(), *model.buffers()):
+        empty = torch.empty_like(t, device='meta')
+        memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
+
+def fsdp_model(model, shard=None, device=None, mp_policy=None):
+    "A copy of `model` sharded over the ranks by FSDP2: `fully_shard` on the units `shard` picks, then the root"
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, StateDictOptions
+    device = torch.device(device) if device is not None else model_device(model, torch.device('cpu'))
+    kw = {'mesh': init_device_mesh(device.type, (num_distrib(),))}
+    if mp_policy is not None: kw['mp_policy'] = mp_policy
+    out = _meta_copy(model)
+    for unit in units_to_shard(out, shard): fully_shard(unit, **kw)
+    fully_shard(out, **kw)
+    out.to_empty(device=device)
+    weights = model.state_dict()        # rank 0's are broadcast, as DDP does: every rank starts from the same
+    set_model_state_dict(out, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():               # buffers that are not in the state dict (persistent=False) are copied
+        own = dict(model.named_buffers())
+        for n,b in out.named_buffers():
+            if n not in weights: b.copy_(own[n])
+    return out
+
+def _gather_into(sharded, model):
+    "Copy the whole weights of `sharded` into `model`, the model it was copied from, one tensor at a time"
+    own = model.state_dict()
+    with torch.no_grad():
+        for k,v in sharded.state_dict().items(): own[k].copy_(v.full_tensor() if is_sharded(v) else v)
+
+# %% ../nbs/23_distributed.ipynb #0b12db35
+class FSDPCallback(DistributedCallback):
+    "For a fit sharded by FSDP2: trains a sharded copy of the model, then gathers its weights and optimizer state back"
+    def __init__(self, shard=None):
+        super().__init__()
+        self.shard = shard
+        _shard_rule(shard) if shard is not None else None        # a bad `shard` fails now, not in the fit
+
+    def _wrap(self):
+        learn = self.learn
+        if not learn._opt_is_made(): raise ValueError(
+            "under FSDP the learner makes the optimizer for the sharded parameters from learn.opt_func, so an "
+            "optimizer set by hand (learn.opt = ...) cannot be used: set learn.opt_func (e.g. partial(SGD, "
+            "momentum=0.9)) and learn.opt = None")
+        self._plain,self._plain_opt,self._made,self._mp = learn.model,learn.opt,learn._opt_made,self._precision()
+        learn.model = fsdp_model(self._plain, self.shard, learn.device, self._policy())
+        learn.create_opt()        # the same groups (splitter), of the sharded parameters; then the old state and hypers
+        learn.opt.load_state_dict(opt_state_like(self._plain_opt.state_dict(), learn.opt))
+        self._plain.to('cpu')     # the whole weights wait out the fit in CPU memory
+        valid = learn.dls.valid
+        counts = gather_objects(0 if valid is None else n_batches(valid))
+        self._extra_forwards = max(counts) - counts[rank_distrib()]
+
+    def after_validate(self):
+        "A rank with fewer validation batches runs its last one again, unseen: every forward of FSDP is a collective"
+        learn = self.learn
+        for _ in range(self._extra_forwards if learn.xb is not None else 0):
+            learn._call_with_keywords() if learn._kw else learn.model(*learn.xb)
+
+# %% ../nbs/23_distributed.ipynb #c3655090
+@patch
+def _precision(self:FSDPCallback):
+    "The learner's `MixedPrecision` callback, told that the model casts itself: FSDP's `MixedPrecisionPolicy` does"
+    mp = next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)
+    if mp is None: return None
+    if mp.dtype == torch.float16: raise ValueError(
+        "MixedPrecision('fp16') under FSDP: learncb maps MixedPrecision to FSDP's MixedPrecisionPolicy, which has no "
+        "gradient scaler here; use MixedPrecision('bf16') (MixedPrecision() is bf16 under FSDP)")
+    mp.in_model = True
+    return mp
+
+@patch
+def _policy(self:FSDPCallback):
+    "FSDP's `MixedPrecisionPolicy` for a `MixedPrecision` callback: weights in bf16, gradients reduced and outputs in fp32"
+    if self._mp is None: return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+
+@patch
+def _unwrap(self:FSDPCallback):
+    "Gather the trained weights and optimizer state back into the plain model and its optimizer (not after an error)"
+    learn,sharded,opt = self.learn,self.learn.model,self.learn.opt
+    if not hasattr(self, '_plain'): return      # `before_fit` did not get to shard it
+    self._plain.to(learn.device)
+    if learn.exception is None:                 # gathering is a collective: only when every rank came here
+        _gather_into(sharded, self._plain)
+        self._plain_opt.load_state_dict(whole_state(opt.state_dict(), rank0=False))
+    else: add_note(learn.exception, "learncb: the FSDP fit ended with an error, so its weights were not gathered: "
+                   "learn.model has the weights it had before the fit; the run's progress is in its last checkpoint")
+    learn.model,learn.opt,learn._opt_made = self._plain,self._plain_opt,self._made
+    if self._mp is not None: self._mp.in_model = False
+    del self._plain
+
 # %% ../nbs/23_distributed.ipynb #6dafeda1
 def launched_world():
     "The number of processes `torchrun` (or `launch`) started for this run: its `WORLD_SIZE`, 1 when not launched"
@@ -133,14 +264,19 @@ def launched_world():
 
 @patch
 @contextmanager
-def distrib_ctx(self:Learner, backend=None, timeout=1800, device_ids='auto', find_unused_parameters=False):
-    "Context manager: fits inside run over every process torchrun started (DDP); a no-op in a single process"
+def distrib_ctx(self:Learner, strategy='ddp', shard=None, backend=None, timeout=1800, device_ids='auto',
+                find_unused_parameters=False):
+    "Context manager: fits inside run over every process torchrun started, with DDP or FSDP; a no-op in one process"
+    check_choice(strategy, 'strategy', ('ddp', 'fsdp'), who='distrib_ctx')
+    if shard is not None and strategy != 'fsdp': raise ValueError(
+        f"distrib_ctx: shard={shard!r} says how FSDP cuts the model, but strategy={strategy!r}: pass strategy='fsdp'")
+    wrapping = FSDPCallback(shard) if strategy == 'fsdp' else None
     started = self._start_group(backend, timeout) if launched_world() > 1 and not dist.is_initialized() else False
     if num_distrib() == 1:
         yield self
         return
-    ids = self._to_rank_device() if device_ids == 'auto' else device_ids
-    cbs = [DistributedCallback(ids, find_unused_parameters), _RankAgreement()]
+    ids = self._to_rank_device(move=strategy == 'ddp') if device_ids == 'auto' else device_ids
+    cbs = [wrapping or DistributedCallback(ids, find_unused_parameters), _RankAgreement()]
     try:
         with self.added_cbs(cbs): yield self
         if started: dist.barrier()          # every rank done before the group ends (not after an error: no waiting)
@@ -161,13 +297,13 @@ def _start_group(self:Learner, backend, timeout):
     return True
 
 @patch
-def _to_rank_device(self:Learner):
-    "Put a learner on CUDA on this rank's GPU (`LOCAL_RANK`); the device ids DDP takes (`None` on the CPU)"
+def _to_rank_device(self:Learner, move=True):
+    "Put a learner on CUDA on this rank's GPU (`LOCAL_RANK`), its model too if `move`; the ids DDP takes (`None` on CPU)"
     if self.device.type != 'cuda': return None
     local = int(os.environ.get('LOCAL_RANK', rank_distrib())) % torch.cuda.device_count()
     torch.cuda.set_device(local)
     self.device = torch.device('cuda', local)
-    self.model.to(self.device)
+    if move: self.model.to(self.device)
     return [local]
 
 # %% ../nbs/23_distributed.ipynb #72cc24dc

@@ -1006,8 +1006,8 @@ def _file(self:Learner, name):
 @patch
 def save(self:Learner, name, with_opt=True):
     "Save the model weights (and optimizer state) to `path/model_dir/name.pth`, atomically; returns the path"
-    state = {'model': plain_model(self.model).state_dict()}
-    if with_opt and self.opt is not None: state['opt'] = self.opt.state_dict()
+    state = {'model': whole_state(plain_model(self.model).state_dict())}     # sharded (FSDP): gathered to rank 0
+    if with_opt and self.opt is not None: state['opt'] = whole_state(self.opt.state_dict())
     return atomic_save(with_checksum(state), self._file(name))
 
 @patch
@@ -1019,6 +1019,8 @@ def load(self:Learner, name, with_opt=True, strict=True, device=None):
         raise ValueError(f"{path} is not a file written by Learner.save (no 'model' entry)")
     check_checksum(state, path)
     weights = check_model_state(plain_model(self.model), state['model'], path, strict=strict)
+    own = plain_model(self.model).state_dict()
+    weights = {k: shard_like(v, own[k]) if k in own else v for k,v in weights.items()}   # under FSDP: this rank's shard
     undo = noop
     if with_opt and state.get('opt') is not None:
         undo = self._load_opt_state(state['opt'], path, hint='or pass with_opt=False to load the weights alone')
@@ -1038,7 +1040,7 @@ def _load_opt_state(self:Learner, state, path, hint=''):
         if created: self.opt = None
         else: opt.state,opt.param_groups = before
     try:
-        opt.load_state_dict(state)
+        opt.load_state_dict(opt_state_like(state, opt))
         lacking = sorted({k for g in opt.param_groups for k in opt.defaults if k not in g})
         if lacking: raise ValueError(f"its parameter groups have no {lacking}")
     except Exception as e:

@@ -9,7 +9,8 @@ __all__ = ['GradientAccumulation', 'GradientClip', 'autocast_for', 'MixedPrecisi
            'ChannelsLast']
 
 # %% ../nbs/13_training.ipynb #4ce9135a
-import warnings
+import contextlib, warnings
+from functools import partial
 import torch
 from torch import nn
 from .core import *
@@ -24,6 +25,11 @@ def _scale_grads(learn, k):
         for p in pg['params']:
             if p.grad is not None: p.grad.mul_(k)
 
+def _grad_sync_switch(model):
+    "A function that turns the reduction of gradients over the ranks on or off: DDP's `no_sync`, FSDP's; `None` alone"
+    if hasattr(model, 'require_backward_grad_sync'): return partial(setattr, model, 'require_backward_grad_sync')
+    return getattr(model, 'set_requires_gradient_sync', None)
+
 def _is_last_batch(learn):
     "Whether this is the last batch of the dataloader (never known for a dataloader without a length)"
     return learn.n_iter is not None and learn.iter == learn.n_iter - 1
@@ -36,14 +42,13 @@ class GradientAccumulation(Callback):
 
     def before_fit(self):
         self.count = 0
-        self._ddp = hasattr(self.learn.model, 'require_backward_grad_sync')      # wrapped in DistributedDataParallel
+        self._sync = _grad_sync_switch(self.learn.model)
 
     def before_batch(self):
-        "Under DDP, average the gradients over the ranks only in the backward of a batch that steps (`no_sync`)"
-        if self._ddp:
+        "Under DDP or FSDP, reduce the gradients over the ranks only in the backward of a batch that steps"
+        if self._sync is not None:
             learn = self.learn
-            learn.model.require_backward_grad_sync = (self.count + find_bs(learn.yb) >= self.n_acc
-                                                      or _is_last_batch(learn))
+            self._sync(self.count + find_bs(learn.yb) >= self.n_acc or _is_last_batch(learn))
 
     def before_backward(self):
         learn = self.learn
@@ -60,7 +65,7 @@ class GradientAccumulation(Callback):
     def after_fit(self):
         "Drop the gradients of samples that never got their step"
         if self.count and self.learn.opt is not None: self.learn.opt.zero_grad()
-        if getattr(self, '_ddp', False): self.learn.model.require_backward_grad_sync = True
+        if getattr(self, '_sync', None) is not None: self._sync(True)
         self.count = 0
 
 # %% ../nbs/13_training.ipynb #c7eace64
@@ -136,7 +141,7 @@ class MixedPrecision(Callback):
         self.dtype = _check_amp_dtype(dtype)
         self.init_scale = check_number(init_scale, 'init_scale', gt=0, who='MixedPrecision')
         self.growth_interval = check_int(growth_interval, 'growth_interval', ge=1, who='MixedPrecision')
-        self.scaler,self.skipped_steps,self._scaler_state = None,0,None
+        self.scaler,self.skipped_steps,self._scaler_state,self.in_model = None,0,None,False
         self._region,self._device_type,self._scaler_device,self._probe = None,None,None,None
 
     def amp_dtype(self, device_type):
@@ -144,6 +149,9 @@ class MixedPrecision(Callback):
         return self.dtype or (torch.bfloat16 if device_type == 'cpu' else torch.float16)
 
     def before_fit(self):
+        if self.in_model:          # the model casts itself (FSDP's MixedPrecisionPolicy): no autocast, no scaler
+            self._region,self._device_type,self.scaler = _Region(contextlib.nullcontext()),None,None
+            return
         device_type = self._open_region()
         if self.amp_dtype(device_type) != torch.float16: self.scaler = None
         elif self.scaler is None or self._scaler_device != device_type: self._make_scaler(device_type)
@@ -163,7 +171,8 @@ class MixedPrecision(Callback):
         if self._scaler_state is not None: self.scaler.load_state_dict(self._scaler_state)
         self._scaler_state,self._scaler_device = None,device_type
 
-    def before_validate(self): self._open_region()     # validate() and get_preds() may run outside a fit
+    def before_validate(self):
+        if not self.in_model: self._open_region()       # validate() and get_preds() may run outside a fit
 
     def before_batch(self): self._region.enter()
 

@@ -22,6 +22,8 @@ p.add_argument('--timeout', type=int, default=60); p.add_argument('--dropout', t
 p.add_argument('--device', default='cpu'); p.add_argument('--acc', type=int, default=None)
 p.add_argument('--clip-bf16', action='store_true'); p.add_argument('--stop-rank', type=int, default=None)
 p.add_argument('--nan-rank', type=int, default=None); p.add_argument('--torchmetrics', action='store_true')
+p.add_argument('--strategy', default='ddp'); p.add_argument('--blocks', action='store_true')
+p.add_argument('--adam', action='store_true'); p.add_argument('--export', action='store_true')
 args = p.parse_args()
 out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
 torch.set_num_threads(1)
@@ -42,29 +44,56 @@ x = torch.randn(64 + args.n_valid, 4, generator=g)
 y = (x[:, 0] + x[:, 1] * x[:, 2] > 0).long() + (x[:, 3] > 1).long()
 train = DataLoader(TensorDataset(x[:64], y[:64]), batch_size=args.bs, shuffle=args.shuffle)
 valid = DataLoader(TensorDataset(x[64:], y[64:]), batch_size=4)
+class Block(nn.Module):
+    "A unit FSDP shards: linear, ReLU, dropout"
+    def __init__(self, n): super().__init__(); self.lin, self.act, self.drop = nn.Linear(n, n), nn.ReLU(), nn.Dropout(args.dropout)
+    def forward(self, x): return self.drop(self.act(self.lin(x)))
+
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(args.dropout), nn.Linear(16, 3))
+if args.blocks: model = nn.Sequential(nn.Linear(4, 16), Block(16), Block(16), Block(16), nn.Linear(16, 3))
+else: model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(args.dropout), nn.Linear(16, 3))
 metrics = accuracy
 if args.torchmetrics:
     from torchmetrics.classification import MulticlassAccuracy
     metrics = [accuracy, MulticlassAccuracy(num_classes=3, average='macro')]
 learn = Learner(DataLoaders(train, valid), model, nn.CrossEntropyLoss(), metrics=metrics, path=out,
-                opt_func=partial(torch.optim.SGD, momentum=0.9), lr=0.05 if not args.early else 1e-9, device=args.device)
+                opt_func=partial(torch.optim.AdamW, weight_decay=0.01) if args.adam else partial(torch.optim.SGD, momentum=0.9),
+                lr=(1e-2 if args.adam else 0.05) if not args.early else 1e-9, device=args.device)
 learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
 
 class Chaos(Callback):
     "Kills this process (SIGKILL) at training batch `kill_at`, or raises on rank `fail_rank`"
     def after_pred(self):
         if not self.training: return
-        if args.kill_at is not None and self.train_iter == args.kill_at and rank_distrib() == 1:
+        if args.kill_at is not None and self.train_iter == args.kill_at and rank_distrib() == min(1, num_distrib() - 1):
             os.kill(os.getpid(), signal.SIGKILL)
         if args.fail_rank is not None and rank_distrib() == args.fail_rank and self.train_iter == 2:
             raise RuntimeError(f'boom on rank {rank_distrib()}')
 
-syncs = []
+syncs, sizes = [], {}
+reduced = [0]                           # gradient reductions FSDP made (reduce-scatters), counted
+if args.strategy == 'fsdp':
+    import torch.distributed as dist
+    for name in ('reduce_scatter_single', 'reduce_scatter_tensor'):
+        def counting(*a, _f=getattr(dist, name), **kw):
+            reduced[0] += 1
+            return _f(*a, **kw)
+        setattr(dist, name, counting)
+
+def local_numel(ts): return sum((t.to_local() if hasattr(t, 'to_local') else t).numel() for t in ts)
+
 class Probe(Callback):
-    "Writes down whether DDP averages the gradients in each backward; stops or poisons the loss on one rank"
-    def before_backward(self): syncs.append(getattr(self.learn.model, 'require_backward_grad_sync', None))
+    "Writes down whether the gradients are reduced in each backward, and what each rank holds; stops or poisons one rank"
+    def before_backward(self): self._before = reduced[0]
+    def after_backward(self):
+        if args.strategy == 'fsdp': syncs.append(reduced[0] > self._before)
+        else: syncs.append(getattr(self.learn.model, 'require_backward_grad_sync', None))
+    def after_step(self):
+        if sizes: return
+        opt = self.learn.opt
+        sizes.update(params=local_numel(self.learn.model.parameters()),
+                     opt=local_numel(v for s in opt.state.values() for v in s.values() if v.ndim > 0),
+                     units=[sum(p.numel() for p in m.parameters()) for m in self.learn.model.children()])
     def after_loss(self):
         if args.nan_rank == rank_distrib() and self.training and self.train_iter == 5:
             self.learn.loss = self.learn.loss * float('nan')
@@ -79,15 +108,18 @@ if args.ckpt: cbs.append(CheckpointCallback(every_n_steps=1))
 if args.early: cbs.append(EarlyStoppingCallback(monitor='accuracy', patience=1))
 if args.count_writes: cbs += [SaveModelCallback(monitor='accuracy', fname='best'), CSVLogger()]
 
-with learn.distrib_ctx(timeout=args.timeout):
+with learn.distrib_ctx(strategy=args.strategy, timeout=args.timeout):
     learn.fit(args.epochs, cbs=cbs, resume=True if args.resume else None)
     preds, targs = learn.get_preds()
     rank, world = rank_distrib(), num_distrib()
+    all_sizes = gather_objects(sizes)
+    if args.export: learn.export(out/'export.pkl')
     print(f'RANK {rank} OF {world} EPOCHS {learn.epoch + 1} WRITES {sum(writes.values())} {sorted(writes)}', flush=True)
 if rank == 0:
     alone = learn.get_preds()[0]           # the group is over: one process, the whole validation set, same weights
     opt = learn.opt.state_dict()
     torch.save({'alone': alone, 'model': learn.model.state_dict(), 'opt': opt, 'losses': learn.recorder.losses,
                 'values': learn.recorder.values, 'preds': preds, 'targs': targs, 'world': world, 'syncs': syncs,
+                'sizes': all_sizes, 'x_valid': x[64:],
                 'is_plain': not isinstance(learn.model, torch.nn.parallel.DistributedDataParallel)},
                out/'result.pt')
