@@ -1,0 +1,115 @@
+"""FSDP2 and sharded checkpoints on the CPU with gloo (issue 16): tests/ddp_script.py launched by torchrun, each run
+bounded by a timeout. An MLP of 3 blocks, each block an FSDP unit; AdamW, so the optimizer has state to shard."""
+import shutil, subprocess, sys
+from pathlib import Path
+import pytest, torch
+from test_distributed import run, result, ranks_said
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason='torch.distributed is not available')
+COMMON = ('--blocks', '--adam', '--ckpt', '--shuffle')            # checkpoints every batch, shuffled data
+FSDP = ('--strategy', 'fsdp')
+
+def assert_weights_close(got, ref, atol=1e-5):
+    for k in ref['model']: torch.testing.assert_close(got['model'][k], ref['model'][k], atol=atol, rtol=1e-5)
+
+def assert_weights_equal(got, ref):
+    for k in ref['model']: assert torch.equal(got['model'][k], ref['model'][k]), k
+    for i, st in ref['opt']['state'].items():
+        for key, v in st.items(): assert torch.equal(got['opt']['state'][i][key], v), (i, key)
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+    "Uninterrupted runs on the same global batch of 16: one process (batches of 16), two under FSDP (8 each)"
+    one, two = tmp_path_factory.mktemp('one'), tmp_path_factory.mktemp('fsdp')
+    run(one, *COMMON, '--bs', '16', nproc=1)
+    res = run(two, *COMMON, *FSDP, '--bs', '8', '--export')
+    return result(one), result(two), res, two
+
+@pytest.fixture(scope='module')
+def killed(tmp_path_factory):
+    "Folders of runs killed at training batch 5 (of 12): two processes under FSDP and DDP, and one process"
+    out = {}
+    for name, args, nproc in (('fsdp', (*FSDP, '--bs', '8'), 2), ('ddp', ('--bs', '8'), 2), ('one', ('--bs', '16'), 1)):
+        out[name] = tmp_path_factory.mktemp(f'killed_{name}')
+        assert run(out[name], *COMMON, *args, '--kill-at', '5', nproc=nproc, check=False).returncode != 0
+    return out
+
+def copy_of(folder, tmp_path, name):
+    shutil.copytree(folder, tmp_path/name)
+    return tmp_path/name
+
+def test_fsdp_trains_like_one_process(runs):
+    one, two, res, _ = runs
+    assert two['world'] == 2 and two['is_plain']                    # learn.model is the plain model again
+    assert_weights_close(two, one)
+    for a, b in zip(one['values'], two['values']): assert all(abs(x - y) < 1e-5 for x, y in zip(a, b)), (a, b)
+    assert torch.equal(two['preds'], two['alone'])                   # get_preds under FSDP: gathered in dataset order
+    assert ranks_said(res) == {0: (2, 3, 0), 1: (2, 3, 0)}
+
+def test_fsdp_shards_parameters_and_optimizer_state(runs):
+    one, two, _, _ = runs
+    alone, ranks = one['sizes'][0], two['sizes']
+    for part in ('params', 'opt'):
+        assert sum(r[part] for r in ranks) == alone[part] > 0, part     # every element once, on one rank
+    block = max(alone['units'])
+    for r in ranks: assert r['params'] <= alone['params'] / 2 + block and r['opt'] <= alone['opt'] / 2 + 2 * block
+
+def test_export_after_fsdp_loads_in_a_fresh_process(runs, tmp_path):
+    _, two, _, folder = runs
+    torch.save(two['x_valid'], tmp_path/'x.pt')
+    code = ("import sys, torch; from learncb.all import *; il = load_learner(sys.argv[1]); "
+            "torch.save(il.get_preds(dl=il.test_dl(torch.load(sys.argv[2])))[0], sys.argv[3])")
+    subprocess.run([sys.executable, '-c', code, str(folder/'export.pkl'), str(tmp_path/'x.pt'), str(tmp_path/'p.pt')],
+                   check=True, timeout=120)
+    torch.testing.assert_close(torch.load(tmp_path/'p.pt'), two['alone'], atol=1e-6, rtol=1e-6)
+
+def test_gradient_accumulation_skips_the_reduce_scatter(tmp_path):
+    run(tmp_path/'one', '--blocks', '--bs', '8', '--acc', '16', nproc=1)
+    run(tmp_path/'two', '--blocks', *FSDP, '--bs', '4', '--acc', '8')       # per rank: 4 a batch, a step every 8
+    one, two = result(tmp_path/'one'), result(tmp_path/'two')
+    assert two['syncs'][:6] == [False, True] * 3                     # a reduce-scatter in the backward of a step only
+    assert_weights_close(two, one, atol=1e-6)
+
+def test_gradient_clip_and_bf16_under_fsdp(tmp_path):
+    res = run(tmp_path, '--blocks', *FSDP, '--bs', '8', '--clip-bf16')
+    vals = result(tmp_path)['values']
+    assert len(vals) == 3 and all(v == v for row in vals for v in row) and ranks_said(res)[1][1] == 3
+
+def test_sigkill_then_resume_on_two_processes_is_exact(runs, killed, tmp_path):
+    _, ref, _, _ = runs
+    out = copy_of(killed['fsdp'], tmp_path, 'again')
+    assert (out/'checkpoints'/'checkpoint_00000005_batch'/'complete.pt').exists()      # a folder, not a file
+    run(out, *COMMON, *FSDP, '--bs', '8', '--resume')
+    got = result(out)
+    assert_weights_equal(got, ref)
+    assert got['losses'] == ref['losses'] and got['values'] == ref['values']
+
+@pytest.mark.parametrize('strategy', ['fsdp', 'ddp'])
+def test_resume_on_another_number_of_processes(runs, killed, tmp_path, strategy):
+    one, _, _, _ = runs                      # the uninterrupted run (two processes give the same, within 1e-5)
+    down = copy_of(killed[strategy], tmp_path, 'down')
+    run(down, *COMMON, '--bs', '16', '--resume', nproc=1)                                  # 2 processes -> 1
+    up = copy_of(killed['one'], tmp_path, 'up')
+    run(up, *COMMON, '--strategy', strategy, '--bs', '8', '--resume')                     # 1 process -> 2
+    for out in (down, up):
+        got = result(out)
+        assert_weights_close(got, one)
+        assert len(got['values']) == 3
+
+def test_another_global_batch_is_refused(killed, tmp_path):
+    out = copy_of(killed['fsdp'], tmp_path, 'other_batch')
+    res = run(out, *COMMON, '--bs', '8', '--resume', nproc=1, check=False)
+    assert res.returncode != 0
+    assert 'global batch of 16 (8 per process x 2 processes), but this run\'s is 8 (8 x 1 process)' in res.stderr
+    assert 'Resume with a batch size of 16 per process' in res.stderr
+
+@pytest.mark.parametrize('remove', ['__1_0.distcp', 'complete.pt'])
+def test_an_incomplete_checkpoint_folder_is_skipped(runs, killed, tmp_path, remove):
+    _, ref, _, _ = runs
+    out = copy_of(killed['fsdp'], tmp_path, 'broken')
+    newest = out/'checkpoints'/'checkpoint_00000005_batch'
+    (newest/remove).unlink()
+    res = run(out, *COMMON, *FSDP, '--bs', '8', '--resume')
+    assert "damaged or incomplete" in res.stderr and "['checkpoint_00000005_batch']" in res.stderr
+    assert 'resuming from checkpoint_00000004_epoch_end' in res.stderr
+    assert_weights_equal(result(out), ref)              # from the one before: still the uninterrupted run's weights
