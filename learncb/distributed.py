@@ -188,6 +188,12 @@ def fsdp_model(model, shard=None, device=None, mp_policy=None):
             if n not in weights: b.copy_(own[n])
     return out
 
+def _rank0_buffers(model):
+    "Give every rank rank 0's buffers (BatchNorm's running statistics), as DDP does: under FSDP each rank has its own"
+    with torch.no_grad():
+        for b in model.buffers():
+            if not is_sharded(b): dist.broadcast(b, src=0)
+
 def _gather_into(sharded, model):
     "Copy the whole weights of `sharded` into `model`, the model it was copied from, one tensor at a time"
     own = model.state_dict()
@@ -216,6 +222,8 @@ class FSDPCallback(DistributedCallback):
         valid = learn.dls.valid
         counts = gather_objects(0 if valid is None else n_batches(valid))
         self._extra_forwards = max(counts) - counts[rank_distrib()]
+
+    def before_validate(self): _rank0_buffers(self.learn.model)
 
     def after_validate(self):
         "A rank with fewer validation batches runs its last one again, unseen: every forward of FSDP is a collective"
@@ -249,6 +257,7 @@ def _unwrap(self:FSDPCallback):
     if not hasattr(self, '_plain'): return      # `before_fit` did not get to shard it
     self._plain.to(learn.device)
     if learn.exception is None:                 # gathering is a collective: only when every rank came here
+        _rank0_buffers(sharded)
         _gather_into(sharded, self._plain)
         self._plain_opt.load_state_dict(whole_state(opt.state_dict(), rank0=False))
     else: add_note(learn.exception, "learncb: the FSDP fit ended with an error, so its weights were not gathered: "

@@ -49,7 +49,9 @@ class LRFinder(Callback):
 
     def after_loss(self):
         lrs,losses = self.lrs,self.losses
-        self._avg = self.beta * self._avg + (1 - self.beta) * float(self.learn.loss)    # host sync: needed to stop
+        loss = self.learn.loss
+        if num_distrib() > 1: loss = sum_across_ranks(loss.detach().float()) / num_distrib()   # one curve, one stop
+        self._avg = self.beta * self._avg + (1 - self.beta) * float(loss)    # host sync: needed to stop
         smooth = self._avg / (1 - self.beta ** (len(losses) + 1))
         lrs.append(self.learn.opt.param_groups[0]['lr']); losses.append(smooth)
         if self.stop_div and (not math.isfinite(smooth) or smooth > 4 * self.best): raise CancelFitException()

@@ -3,7 +3,7 @@ bounded by a timeout. An MLP of 3 blocks, each block an FSDP unit; AdamW, so the
 import shutil, subprocess, sys
 from pathlib import Path
 import pytest, torch
-from test_distributed import run, result, ranks_said
+from test_distributed import free_port, run, result, ranks_said
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason='torch.distributed is not available')
 COMMON = ('--blocks', '--adam', '--ckpt', '--shuffle')            # checkpoints every batch, shuffled data
@@ -113,3 +113,13 @@ def test_an_incomplete_checkpoint_folder_is_skipped(runs, killed, tmp_path, remo
     assert "damaged or incomplete" in res.stderr and "['checkpoint_00000005_batch']" in res.stderr
     assert 'resuming from checkpoint_00000004_epoch_end' in res.stderr
     assert_weights_equal(result(out), ref)              # from the one before: still the uninterrupted run's weights
+
+def test_lr_find_fine_tune_and_batchnorm_agree_on_every_rank(tmp_path):
+    script = Path(__file__).parent/'fsdp_extras_script.py'
+    res = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', f'--master-port={free_port()}',
+                          str(script), str(tmp_path)], capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-5000:]
+    r0, r1 = (torch.load(tmp_path/f'rank{r}.pt', weights_only=False) for r in (0, 1))
+    assert r0['lr'] == r1['lr'] and r0['finder_losses'] == r1['finder_losses']   # one curve: the loss of both ranks
+    assert r0['values'] == r1['values'] and len(r0['values']) == 1 and r0['plain'] and r0['frozen_idx'] == 0
+    for k, v in r0['model'].items(): assert torch.equal(v, r1['model'][k]), k     # BatchNorm statistics: rank 0's
