@@ -245,10 +245,12 @@ def _dtensor_class():
     return DTensor
 
 def is_sharded(t):
-    "Whether `t` is a tensor sharded over the ranks (a `DTensor`, as FSDP2 makes parameters), or a module that has one"
+    "Whether `t` is a tensor sharded over the ranks (a `DTensor`, as FSDP2 makes parameters), or a module FSDP shards"
     cls = _dtensor_class()
     if cls is None: return False
-    if isinstance(t, torch.nn.Module): return any(isinstance(p, cls) for p in t.parameters())
+    if isinstance(t, torch.nn.Module):
+        from torch.distributed.fsdp import FSDPModule
+        return any(isinstance(m, FSDPModule) for m in t.modules())
     return isinstance(t, cls)
 
 def whole_state(o, rank0=True):

@@ -1,0 +1,145 @@
+"""FSDP2 on the CPU (gloo, 2 processes): the memory each rank holds, and learncb's time per step against a
+hand-written FSDP2 loop doing the same work (shard the model, train, validate, reduce the epoch's means).
+
+`python tests/bench/fsdp.py` for the full run, `--short` for the quick one CI runs. Prints figures; asserts nothing."""
+import argparse, json, os, socket, sys, tempfile, time
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from learncb.all import *
+
+D, N_BLOCKS, BS = 256, 4, 32
+
+class Block(nn.Module):
+    "The unit FSDP shards"
+    def __init__(self): super().__init__(); self.lin = nn.Linear(D, D)
+    def forward(self, x): return torch.relu(self.lin(x))
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, D), *[Block() for _ in range(N_BLOCKS)], nn.Linear(D, 10))
+
+def make_data(n_train, n_valid=512):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(n_train + n_valid, 16, generator=g), torch.randint(0, 10, (n_train + n_valid,), generator=g)
+    return TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:])
+
+def local_bytes(model, opt):
+    "Bytes this rank holds of parameters, gradients and optimizer state (its shards under FSDP)"
+    local = lambda t: t.to_local() if hasattr(t, 'to_local') else t
+    ts = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None),
+          *(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))]
+    return sum(local(t).numel() * t.element_size() for t in ts)
+
+def raw_fsdp_loop(train_ds, valid_ds, n_epoch, sizes=None):
+    "A careful hand-written FSDP2 loop: shard each block, then the root; train; validate; one all_reduce per epoch"
+    from torch.distributed.fsdp import fully_shard
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train = DataLoader(train_ds, batch_size=BS, sampler=DistributedSampler(train_ds, world, rank, shuffle=False))
+    valid = DataLoader(valid_ds, batch_size=BS, sampler=DistributedSampler(valid_ds, world, rank, shuffle=False))
+    model, loss_func = make_model(), nn.CrossEntropyLoss()
+    for m in model:
+        if isinstance(m, Block): fully_shard(m)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for epoch in range(n_epoch):
+        model.train(); losses = []
+        for xb, yb in train:
+            loss = loss_func(model(xb), yb)
+            loss.backward(); opt.step()
+            if sizes is not None and not sizes: sizes['fsdp'] = local_bytes(model, opt)   # gradients and Adam's state
+            opt.zero_grad()
+            losses.append(loss.detach())
+        model.eval(); vlosses = []
+        with torch.no_grad():
+            for xb, yb in valid: vlosses.append(loss_func(model(xb), yb) * len(yb))
+        sums = torch.stack([torch.stack(losses).sum(), torch.tensor(float(len(losses))),
+                            torch.stack(vlosses).sum(), torch.tensor(float(len(valid.sampler)))]).double()
+        dist.all_reduce(sums); sums.tolist()
+
+def learncb_fsdp_loop(train_ds, valid_ds, n_epoch):
+    "learncb, default callbacks less the progress bar, under `distrib_ctx(strategy='fsdp', shard=Block)`"
+    dls = DataLoaders(DataLoader(train_ds, batch_size=BS), DataLoader(valid_ds, batch_size=BS))
+    learn = Learner(dls, make_model(), nn.CrossEntropyLoss(), device='cpu')
+    learn.remove_cb(ProgressCallback)
+    with learn.no_logging(), learn.distrib_ctx(strategy='fsdp', shard=Block): learn.fit(n_epoch)
+
+def one_process_bytes():
+    "What one process holds without sharding: parameters, gradients and Adam's state after a step"
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(BS, 16)).sum().backward()
+    opt.step()
+    return local_bytes(model, opt)
+
+def worker(rank, world, port, n_batches, n_epoch, rounds, out):
+    "One rank: the bytes it holds under FSDP, and the best time of each loop over `rounds`; rank 0 writes them to `out`"
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo')          # one group for the run: distrib_ctx joins it, rendezvous not counted
+    try:
+        train_ds, valid_ds = make_data(n_batches * BS * world)
+        sizes = {}
+        raw_fsdp_loop(train_ds, valid_ds, 1, sizes)            # warm-up, and what each rank holds
+        learncb_fsdp_loop(train_ds, valid_ds, 1)
+        fns = {'raw': lambda: raw_fsdp_loop(train_ds, valid_ds, n_epoch),
+               'learncb': lambda: learncb_fsdp_loop(train_ds, valid_ds, n_epoch)}
+        best = dict.fromkeys(fns, float('inf'))
+        for _ in range(rounds):
+            for name, f in fns.items():
+                dist.barrier(); t = time.perf_counter()
+                f(); dist.barrier()
+                best[name] = min(best[name], time.perf_counter() - t)
+        n_steps = n_epoch * (n_batches + -(-len(valid_ds) // (BS * world)))
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, sizes['fsdp'])
+        if rank == 0:
+            res = {**{k: v / n_steps * 1e6 for k, v in best.items()}, 'bytes': per_rank}
+            with open(out + '.tmp', 'w') as fh: json.dump(res, fh)
+            os.replace(out + '.tmp', out)
+    finally: dist.destroy_process_group()
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+def run_workers(n_batches, n_epoch, rounds, timeout, world=2):
+    "The figures of `world` processes, or why there are none; never longer than `timeout` seconds"
+    if not dist.is_available() or not dist.is_gloo_available(): return 'torch.distributed with gloo is not available'
+    out = os.path.join(tempfile.mkdtemp(), 'fsdp.json')
+    ctx = mp.start_processes(worker, args=(world, _free_port(), n_batches, n_epoch, rounds, out), nprocs=world,
+                             start_method='fork', join=False)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline: return f'no result in {timeout} s'
+    except Exception as e:
+        lines = str(e).strip().splitlines()
+        return f'a process failed: {lines[-1] if lines else repr(e)}'
+    finally:
+        for p in ctx.processes:
+            if p.is_alive(): p.terminate(); p.join(5)
+            if p.is_alive(): p.kill(); p.join()
+    if not os.path.exists(out): return 'rank 0 wrote no figures'
+    with open(out) as fh: return json.load(fh)
+
+def main(short=False):
+    torch.set_num_threads(1)
+    n_batches, n_epoch, rounds = (60, 1, 2) if short else (300, 2, 3)
+    alone = one_process_bytes()
+    res = run_workers(n_batches, n_epoch, rounds, timeout=120 if short else 600)
+    if isinstance(res, str):
+        print(f"FSDP, 2 processes (gloo)              : skipped: {res}")
+        return
+    per_rank = ', '.join(f'{b / 2**20:.2f} MiB ({b / alone:.2f}x)' for b in res['bytes'])
+    print(f"FSDP bytes per rank (params+grads+Adam): 1 process {alone / 2**20:.2f} MiB; 2 processes: {per_rank}")
+    print(f"FSDP, 2 processes (gloo)              : learncb {res['learncb']:7.1f} us/step, hand-written FSDP2 loop "
+          f"{res['raw']:7.1f} us/step, ratio {res['learncb'] / res['raw']:.3f} ({n_batches} batches of {BS} per rank, "
+          f"{N_BLOCKS} blocks of {D}x{D}, {n_epoch} epoch(s), best of {rounds}, 1 thread per process)")
+
+if __name__ == '__main__':
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument('--short', action='store_true', help='small run for CI')
+    main(p.parse_args().short)
