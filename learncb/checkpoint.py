@@ -163,10 +163,10 @@ def _check_state(self:Learner, state, where, strict=True, with_opt=True):
 def load_state_dict(self:Learner, state, strict=True, where='the checkpoint'):
     "Put back what `state_dict` returned if all of it fits this learner; else raise naming `where`, changing nothing"
     weights,grads = self._check_state(state, where, strict=strict, with_opt=False)
+    own = plain_model(self.model).state_dict()
     if 'folder' in state:            # a sharded checkpoint: its tensors are read now, laid out as the model's
         state = load_sharded(state, plain_model(self.model), _opt_param_names(self))
-    own = plain_model(self.model).state_dict()
-    if 'folder' in state: weights,grads = match_prefix(state['model'], state['model'], own),state['grads']
+        weights,grads = match_prefix(state['model'], state['model'], own),state['grads']
     weights = {k: shard_like(v, own[k]) if k in own else v for k,v in weights.items()}    # whole file, sharded model
     undos = []
     try:

@@ -188,6 +188,13 @@ def fsdp_model(model, shard=None, device=None, mp_policy=None):
             if n not in weights: b.copy_(own[n])
     return out
 
+def _on_cpu(o):
+    "`o` (tensors, nested in dicts and lists) with its tensors copied to the CPU"
+    if isinstance(o, torch.Tensor): return o.cpu()
+    if isinstance(o, dict): return {k: _on_cpu(v) for k,v in o.items()}
+    if isinstance(o, (list, tuple)): return type(o)(_on_cpu(v) for v in o)
+    return o
+
 def _rank0_buffers(model):
     "Give every rank rank 0's buffers (BatchNorm's running statistics), as DDP does: under FSDP each rank has its own"
     with torch.no_grad():
@@ -218,7 +225,9 @@ class FSDPCallback(DistributedCallback):
         learn.model = fsdp_model(self._plain, self.shard, learn.device, self._policy())
         learn.create_opt()        # the same groups (splitter), of the sharded parameters; then the old state and hypers
         learn.opt.load_state_dict(opt_state_like(self._plain_opt.state_dict(), learn.opt))
-        self._plain.to('cpu')     # the whole weights wait out the fit in CPU memory
+        self._plain.to('cpu')     # the whole weights and optimizer state wait out the fit in CPU memory
+        self._plain_opt_state = _on_cpu(self._plain_opt.state_dict())
+        self._plain_opt.state.clear()
         valid = learn.dls.valid
         counts = gather_objects(0 if valid is None else n_batches(valid))
         self._extra_forwards = max(counts) - counts[rank_distrib()]
@@ -260,8 +269,10 @@ def _unwrap(self:FSDPCallback):
         _rank0_buffers(sharded)
         _gather_into(sharded, self._plain)
         self._plain_opt.load_state_dict(whole_state(opt.state_dict(), rank0=False))
-    else: add_note(learn.exception, "learncb: the FSDP fit ended with an error, so its weights were not gathered: "
-                   "learn.model has the weights it had before the fit; the run's progress is in its last checkpoint")
+    else:
+        self._plain_opt.load_state_dict(self._plain_opt_state)
+        add_note(learn.exception, "learncb: the FSDP fit ended with an error, so its weights were not gathered: "
+                 "learn.model has the weights it had before the fit; the run's progress is in its last checkpoint")
     learn.model,learn.opt,learn._opt_made = self._plain,self._plain_opt,self._made
     if self._mp is not None: self._mp.in_model = False
     del self._plain

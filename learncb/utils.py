@@ -12,15 +12,17 @@ __all__ = ['default_device', 'model_device', 'plain_model', 'to_device', 'tensor
            'opt_state_like', 'short_list']
 
 # %% ../nbs/01_utils.ipynb #4d5f189c
-import math, operator, random
+import math, operator, os, random
 from contextlib import contextmanager
 from numbers import Real
 import torch
 
 # %% ../nbs/01_utils.ipynb #2140fa2d
 def default_device():
-    "CUDA if it is available, else the CPU"
-    return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    "CUDA if it is available (under torchrun, this process's GPU: the one of its `LOCAL_RANK`), else the CPU"
+    if not torch.cuda.is_available(): return torch.device('cpu')
+    local = os.environ.get('LOCAL_RANK')
+    return torch.device('cuda', int(local) % torch.cuda.device_count()) if local is not None else torch.device('cuda')
 
 def model_device(model, default=None):
     "The device of `model`'s first parameter, or `default` for a model without parameters"

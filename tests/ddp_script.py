@@ -24,6 +24,7 @@ p.add_argument('--clip-bf16', action='store_true'); p.add_argument('--stop-rank'
 p.add_argument('--nan-rank', type=int, default=None); p.add_argument('--torchmetrics', action='store_true')
 p.add_argument('--strategy', default='ddp'); p.add_argument('--blocks', action='store_true')
 p.add_argument('--adam', action='store_true'); p.add_argument('--export', action='store_true')
+p.add_argument('--clip', action='store_true'); p.add_argument('--save-best', action='store_true')
 args = p.parse_args()
 out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
 torch.set_num_threads(1)
@@ -103,6 +104,8 @@ class Probe(Callback):
 cbs = [Chaos(), Probe()]
 if args.acc: cbs.append(GradientAccumulation(args.acc))
 if args.clip_bf16: cbs += [GradientClip(0.5), MixedPrecision('bf16')]
+if args.clip: cbs.append(GradientClip(0.05))                  # small: every step is clipped
+if args.save_best: cbs.append(SaveModelCallback(fname='epoch', every_epoch=True, with_opt=True))   # in the fit
 if args.nan_rank is not None: cbs.append(TerminateOnNaNCallback(check_every=2))
 if args.ckpt: cbs.append(CheckpointCallback(every_n_steps=1))
 if args.early: cbs.append(EarlyStoppingCallback(monitor='accuracy', patience=1))

@@ -123,3 +123,17 @@ def test_lr_find_fine_tune_and_batchnorm_agree_on_every_rank(tmp_path):
     assert r0['lr'] == r1['lr'] and r0['finder_losses'] == r1['finder_losses']   # one curve: the loss of both ranks
     assert r0['values'] == r1['values'] and len(r0['values']) == 1 and r0['plain'] and r0['frozen_idx'] == 0
     for k, v in r0['model'].items(): assert torch.equal(v, r1['model'][k]), k     # BatchNorm statistics: rank 0's
+
+def test_gradient_clip_clips_the_global_norm(tmp_path):
+    run(tmp_path/'one', '--blocks', '--bs', '16', '--clip', nproc=1)
+    run(tmp_path/'two', '--blocks', *FSDP, '--bs', '8', '--clip')
+    assert_weights_close(result(tmp_path/'two'), result(tmp_path/'one'), atol=1e-6)
+
+def test_save_in_an_fsdp_fit_writes_a_whole_file(runs, tmp_path):
+    "SaveModelCallback saves each epoch, while the model is sharded: a file of whole tensors, for one process"
+    _, two, _, _ = runs
+    run(tmp_path, *COMMON, *FSDP, '--bs', '8', '--save-best')
+    state = torch.load(tmp_path/'models'/'epoch_2.pth', weights_only=True)
+    for k, v in two['model'].items(): assert torch.equal(state['model'][k], v), k          # the final weights, whole
+    for i, st in two['opt']['state'].items():
+        for key, v in st.items(): assert torch.equal(state['opt']['state'][i][key], v), (i, key)
