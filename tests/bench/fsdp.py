@@ -2,11 +2,12 @@
 hand-written FSDP2 loop doing the same work (shard the model, train, validate, reduce the epoch's means).
 
 `python tests/bench/fsdp.py` for the full run, `--short` for the quick one CI runs. Prints figures; asserts nothing."""
-import argparse, json, os, socket, sys, tempfile, time
-import torch, torch.distributed as dist, torch.multiprocessing as mp
+import argparse, time
+import torch, torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from learncb.all import *
+from procs import join_group, run_workers, write_figures
 
 D, N_BLOCKS, BS = 256, 4, 32
 
@@ -74,10 +75,7 @@ def one_process_bytes():
 
 def worker(rank, world, port, n_batches, n_epoch, rounds, out):
     "One rank: the bytes it holds under FSDP, and the best time of each loop over `rounds`; rank 0 writes them to `out`"
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group('gloo')          # one group for the run: distrib_ctx joins it, rendezvous not counted
+    join_group(rank, world, port)           # one group for the run: distrib_ctx joins it, rendezvous not counted
     try:
         train_ds, valid_ds = make_data(n_batches * BS * world)
         sizes = {}
@@ -94,42 +92,14 @@ def worker(rank, world, port, n_batches, n_epoch, rounds, out):
         n_steps = n_epoch * (n_batches + -(-len(valid_ds) // (BS * world)))
         per_rank = [None] * world
         dist.all_gather_object(per_rank, sizes['fsdp'])
-        if rank == 0:
-            res = {**{k: v / n_steps * 1e6 for k, v in best.items()}, 'bytes': per_rank}
-            with open(out + '.tmp', 'w') as fh: json.dump(res, fh)
-            os.replace(out + '.tmp', out)
+        if rank == 0: write_figures({**{k: v / n_steps * 1e6 for k, v in best.items()}, 'bytes': per_rank}, out)
     finally: dist.destroy_process_group()
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-def run_workers(n_batches, n_epoch, rounds, timeout, world=2):
-    "The figures of `world` processes, or why there are none; never longer than `timeout` seconds"
-    if not dist.is_available() or not dist.is_gloo_available(): return 'torch.distributed with gloo is not available'
-    out = os.path.join(tempfile.mkdtemp(), 'fsdp.json')
-    ctx = mp.start_processes(worker, args=(world, _free_port(), n_batches, n_epoch, rounds, out), nprocs=world,
-                             start_method='fork', join=False)
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline: return f'no result in {timeout} s'
-    except Exception as e:
-        lines = str(e).strip().splitlines()
-        return f'a process failed: {lines[-1] if lines else repr(e)}'
-    finally:
-        for p in ctx.processes:
-            if p.is_alive(): p.terminate(); p.join(5)
-            if p.is_alive(): p.kill(); p.join()
-    if not os.path.exists(out): return 'rank 0 wrote no figures'
-    with open(out) as fh: return json.load(fh)
 
 def main(short=False):
     torch.set_num_threads(1)
     n_batches, n_epoch, rounds = (60, 1, 2) if short else (300, 2, 3)
     alone = one_process_bytes()
-    res = run_workers(n_batches, n_epoch, rounds, timeout=120 if short else 600)
+    res = run_workers(worker, (n_batches, n_epoch, rounds), 2, timeout=120 if short else 600)
     if isinstance(res, str):
         print(f"FSDP, 2 processes (gloo)              : skipped: {res}")
         return

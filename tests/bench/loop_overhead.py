@@ -2,14 +2,14 @@
 
 Prints one line per configuration: microseconds per step, overhead per step, and the ratio to the raw loop.
 `python tests/bench/loop_overhead.py` for the full run, `--short` for the quick one CI runs."""
-import argparse, contextlib, cProfile, io, json, os, pstats, socket, tempfile, time
+import argparse, contextlib, cProfile, io, pstats, tempfile, time
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from learncb.all import *
+from procs import join_group, run_workers, write_figures
 
 def make_data(n_batches, bs=32, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -134,12 +134,9 @@ def ddp_learncb_loop(train_ds, valid_ds, n_epoch, bs=32):
 
 def ddp_worker(rank, world, port, n_batches, n_epoch, rounds, out):
     "One rank of the 2-process benchmark: best time of each loop over `rounds` rounds; rank 0 writes them to `out`"
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
     # One group for the whole run, started here: `distrib_ctx` joins it rather than starting its own, so that neither
     # loop's time counts the rendezvous, and both use the same gloo connections
-    dist.init_process_group('gloo')
+    join_group(rank, world, port)
     try:
         train, valid = make_data(n_batches * world)
         train_ds, valid_ds = train.dataset, valid.dataset
@@ -154,35 +151,12 @@ def ddp_worker(rank, world, port, n_batches, n_epoch, rounds, out):
                 best[name] = min(best[name], time.perf_counter() - t)
         per_rank = lambda n_items: -(-n_items // 32)      # batches of 32, the last one partial
         n_steps = n_epoch * (per_rank(-(-len(train_ds) // world)) + per_rank(len(range(rank, len(valid_ds), world))))
-        if rank == 0:
-            with open(out + '.tmp', 'w') as fh: json.dump({k: v / n_steps * 1e6 for k, v in best.items()}, fh)
-            os.replace(out + '.tmp', out)
+        if rank == 0: write_figures({k: v / n_steps * 1e6 for k, v in best.items()}, out)
     finally: dist.destroy_process_group()
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
 
 def ddp_us(n_batches, n_epoch, rounds, timeout, world=2):
     "Microseconds per step of the raw DDP loop and learncb's, in `world` CPU processes (gloo); or why there are none"
-    if not dist.is_available() or not dist.is_gloo_available(): return 'torch.distributed with gloo is not available'
-    out = os.path.join(tempfile.mkdtemp(), 'ddp.json')
-    ctx = mp.start_processes(ddp_worker, args=(world, _free_port(), n_batches, n_epoch, rounds, out), nprocs=world,
-                             start_method='fork', join=False)
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline: return f'no result in {timeout} s'
-    except Exception as e:   # a rank failed (the others are stopped): the last line of its traceback
-        lines = str(e).strip().splitlines()
-        return f'a process failed: {lines[-1] if lines else repr(e)}'
-    finally:
-        for p in ctx.processes:
-            if p.is_alive(): p.terminate(); p.join(5)
-            if p.is_alive(): p.kill(); p.join()
-    if not os.path.exists(out): return 'rank 0 wrote no timings'
-    with open(out) as fh: return json.load(fh)
+    return run_workers(ddp_worker, (n_batches, n_epoch, rounds), world, timeout)
 
 def main(short=False):
     torch.set_num_threads(1)
