@@ -163,11 +163,11 @@ def _check_state(self:Learner, state, where, strict=True, with_opt=True):
 def load_state_dict(self:Learner, state, strict=True, where='the checkpoint'):
     "Put back what `state_dict` returned if all of it fits this learner; else raise naming `where`, changing nothing"
     weights,grads = self._check_state(state, where, strict=strict, with_opt=False)
-    own = plain_model(self.model).state_dict()
+    current = plain_model(self.model).state_dict()
     if 'folder' in state:            # a sharded checkpoint: its tensors are read now, laid out as the model's
         state = load_sharded(state, plain_model(self.model), _opt_param_names(self))
-        weights,grads = match_prefix(state['model'], state['model'], own),state['grads']
-    weights = {k: shard_like(v, own[k]) if k in own else v for k,v in weights.items()}    # whole file, sharded model
+        weights,grads = match_prefix(state['model'], state['model'], current),state['grads']
+    weights = {k: shard_like(v, current[k]) if k in current else v for k,v in weights.items()}   # whole into shards
     undos = []
     try:
         if state['opt'] is not None: undos.append(self._load_opt_state(state['opt'], where))
