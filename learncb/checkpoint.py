@@ -9,7 +9,7 @@ __all__ = ['ResumableSampler', 'cannot_resume_reason', 'resumable_dataloader', '
            'CheckpointCallback']
 
 # %% ../nbs/16_checkpoint.ipynb #02239c3a
-import itertools, os, random, re, shutil, signal, threading, warnings
+import itertools, os, random, re, shutil, signal, sys, threading, warnings
 from functools import partial
 from pathlib import Path
 import torch
@@ -20,6 +20,7 @@ from .utils import *
 from .learner import *
 from .files import *
 from .sharded import *
+from .preemption import *
 
 # %% ../nbs/16_checkpoint.ipynb #f739fcd4
 class ResumableSampler(Sampler):
@@ -411,6 +412,13 @@ def _check_same_run(learn, state, path):
 # %% ../nbs/16_checkpoint.ipynb #ec6c046f
 def resume_cbs(learn, resume):
     "What `fit(resume=...)` adds: a `ResumeCallback` of `resume` (`True`: the newest), a `CheckpointCallback` if none"
+    auto = resume == 'auto'
+    if auto:                         # the same command for the first run and every restart
+        folder = _folder_of(learn)
+        if not checkpoints_in(folder):
+            if is_rank0(): print(f"resume='auto': no checkpoint in {folder}: starting the run", flush=True)
+            return []
+        resume = True
     if resume is True: path,state = _newest_intact(learn)
     else: path,state = Path(resume),_read_checkpoint(learn, Path(resume))
     _check_same_run(learn, state, path)
@@ -423,6 +431,7 @@ def resume_cbs(learn, resume):
                       f"complete batch, but may not end exactly as an uninterrupted run would")
     _make_train_resumable(learn, seed=(state['data'] or {}).get('seed', 0))
     if resume is not True: _warn_newer(path)
+    if auto and is_rank0(): print(f"resume='auto': resuming the run from {path}", flush=True)
     saving = [] if any(isinstance(cb, CheckpointCallback) for cb in learn.cbs) else \
              [CheckpointCallback(path=path.parent, **state.get('checkpointing', {}))]
     return [ResumeCallback(state, path), *saving]
@@ -448,12 +457,15 @@ def _warn_newer(path):
 class CheckpointCallback(Callback):
     "Saves resumable checkpoints every `every_n_steps` training batches and every epoch, keeping the last `keep_last`"
     order,remove_on_lr_find,run_valid = 95,True,False     # its batch handlers follow training batches only
-    def __init__(self, path='checkpoints', every_n_steps=None, every_epoch=True, keep_last=2, on_exception=True):
+    def __init__(self, path='checkpoints', every_n_steps=None, every_epoch=True, keep_last=2, on_exception=True,
+                 signals=('SIGTERM',), background=True):
         check_int(every_n_steps, 'every_n_steps', ge=1, allow_none=True, who='CheckpointCallback')
         check_int(keep_last, 'keep_last', ge=1, who='CheckpointCallback')
         self.path,self.every_n_steps,self.every_epoch = Path(path),every_n_steps,every_epoch
-        self.keep_last,self.on_exception = keep_last,on_exception
-        self.last,self._interrupted,self._old_sigint,self._stateful,self._loader_end = None,False,None,False,None
+        self.keep_last,self.on_exception,self.signals,self.background = keep_last,on_exception,signals,background
+        self._signums = check_signals(signals)
+        self.last,self._signal,self._old_handlers,self._stateful,self._loader_end = None,None,{},False,None
+        self._exchange,self._writer = None,BackgroundWriter()
         self._pos = {'at': None, 'epoch': 0, 'iter': -1, 'dirty': False}   # the last complete point of the run
 
     @property
@@ -462,7 +474,7 @@ class CheckpointCallback(Callback):
         return self.path if self.path.is_absolute() else self.learn.path/self.path
 
     def before_fit(self):
-        self._restore_sigint()                          # left by an earlier fit that could not give it back
+        self._restore_signals()                         # left by an earlier fit that could not give them back
         self.folder.mkdir(parents=True, exist_ok=True)
         for stale in self.folder.glob('.checkpoint_*.tmp'): stale.unlink(missing_ok=True)   # left by a kill in a save
         learn = self.learn
@@ -476,8 +488,9 @@ class CheckpointCallback(Callback):
                                      f"torch DataLoader (shuffle=True or False) to resume exactly.")
             self._pos.update(at=None, epoch=0, iter=-1, dirty=False)
         else: self._pos.update(at=resuming.at, epoch=resuming.epoch, iter=resuming.iter, dirty=False)
-        self._interrupted,self._stateful,self._loader_end = False,_has_state(learn.dls.train),None
-        self._catch_sigint()
+        self._signal,self._stateful,self._loader_end = None,_has_state(learn.dls.train),None
+        self._exchange = SignalExchange() if num_distrib() > 1 else None
+        self._catch_signals()
 
     def _warn_earlier_run(self):
         if not (earlier := checkpoints_in(self.folder)): return
@@ -499,12 +512,13 @@ class CheckpointCallback(Callback):
         self._pos.update(at='batch', epoch=learn.epoch, iter=learn.iter, dirty=False)
         if self._stateful and learn.iter == learn.n_iter - 1:     # the last batch: its state, before the epoch ends
             self._loader_end = (learn.epoch, learn.iter, learn.dls.train.state_dict())
-        if self._interrupted: self._stop_now()
+        self._writer.check()                                    # a failed background write is raised here
+        if self._stop_asked(): self._stop_now()
         elif self.every_n_steps and learn.train_iter % self.every_n_steps == 0: self.save()
 
     def after_epoch(self):
         self._pos.update(at='epoch_end', epoch=self.learn.epoch, dirty=False)
-        if self._interrupted: self._stop_now()
+        if self._stop_asked(wait=True): self._stop_now()
         elif self.every_epoch: self.save()
 
 # %% ../nbs/16_checkpoint.ipynb #f7b9ccb4
@@ -521,57 +535,89 @@ def save(self:CheckpointCallback):
         state.update(loader=end[2], loader_drain=pos['at'] == 'epoch_end')
     sharded = is_sharded(learn.model)
     path = self.folder/f"checkpoint_{learn.train_iter:08d}_{pos['at']}{'' if sharded else '.pt'}"
-    self.last = _write(state, path, sharded)
-    if not is_rank0(): return self.last
+    if self.background and not sharded:      # a snapshot now; serialised and written on the writer's thread
+        self._writer.submit(partial(self._write_and_prune, snapshot(state), path, sharded))
+    else: self._write_and_prune(state, path, sharded)
+    self.last = path
+    return path
+
+@patch
+def _write_and_prune(self:CheckpointCallback, state, path, sharded):
+    "Write checkpoint `state` to `path`, then remove the checkpoints older than it beyond `keep_last`"
+    _write(state, path, sharded)
+    if not is_rank0(): return
     older = [p for p in checkpoints_in(self.folder) if _ckpt_key(p) < _ckpt_key(path)]
     for old in older[:max(0, len(older) - self.keep_last + 1)]:
         if old.is_dir(): shutil.rmtree(old, ignore_errors=True)
         else: old.unlink(missing_ok=True)
-    return self.last
 
 # %% ../nbs/16_checkpoint.ipynb #30b278de
 @patch
-def _catch_sigint(self:CheckpointCallback):
-    "Hold Ctrl-C until the end of the batch, so that the checkpoint written then is exact"
-    if not self.on_exception or threading.current_thread() is not threading.main_thread(): return
+def _catch_signals(self:CheckpointCallback):
+    "Hold Ctrl-C (with `on_exception`) and the `signals` until the end of the batch, so that the checkpoint then is exact"
+    if threading.current_thread() is not threading.main_thread(): return
     def hold(signum, frame):
-        if self.learn is None or not self.learn.fitting:       # the fit is over: give Ctrl-C back, and pass it on
-            self._restore_sigint()
+        if self.learn is None or not self.learn.fitting:       # the fit is over: give the signal back, and pass it on
+            self._restore_signals()
             return signal.raise_signal(signum)
-        self._interrupted = True
-        signal.signal(signal.SIGINT, self._old_sigint)     # a second Ctrl-C interrupts at once
-    self._old_sigint = signal.signal(signal.SIGINT, hold)
+        self._signal = signum
+        signal.signal(signum, self._old_handlers[signum])      # a second one acts at once
+    held = ([signal.SIGINT] if self.on_exception else []) + self._signums
+    self._old_handlers = {s: signal.signal(s, hold) for s in held}
 
 @patch
-def _restore_sigint(self:CheckpointCallback):
-    if self._old_sigint is not None:
-        signal.signal(signal.SIGINT, self._old_sigint)
-        self._old_sigint = None
+def _restore_signals(self:CheckpointCallback):
+    "Give back the handlers found before the fit"
+    for s,handler in self._old_handlers.items(): signal.signal(s, handler)
+    self._old_handlers = {}
+
+@patch
+def _stop_asked(self:CheckpointCallback, wait=False):
+    "Whether a signal caught on this rank (or, in a distributed run, on any rank) asks the fit to stop now"
+    if self._exchange is not None: self._signal = self._exchange.agreed(self._signal, wait=wait)
+    return self._signal is not None
 
 @patch
 def _stop_now(self:CheckpointCallback):
+    "Save the run, wait for the file, and end the fit: `KeyboardInterrupt` for Ctrl-C, else `SignalStop`"
     path = self.save()
-    self._restore_sigint()
-    raise KeyboardInterrupt(f"interrupted; the run is saved in {path}: continue it with learn.fit(..., resume=True)")
+    self._writer.wait()
+    self._restore_signals()
+    if self._signal == signal.SIGINT: raise KeyboardInterrupt(
+        f"interrupted; the run is saved in {path}: continue it with learn.fit(..., resume=True)")
+    e = SignalStop(self._signal, path)
+    if is_rank0(): print(f"learncb: {e}", file=sys.stderr, flush=True)
+    raise e
 
 # %% ../nbs/16_checkpoint.ipynb #e37b2923
 @patch
 def after_exception(self:CheckpointCallback):
     learn,e = self.learn,self.learn.exception
+    self._exchange = None                    # another rank may be gone: no more exchanges to wait for
     try:
-        if (not self.on_exception or self._pos['at'] is None or num_distrib() > 1
-            or (isinstance(e, KeyboardInterrupt) and self._interrupted)): return
+        if isinstance(e, (KeyboardInterrupt, SignalStop)) and self._signal is not None: return   # saved already
+        self._writer.wait()
+        if not self.on_exception or self._pos['at'] is None or num_distrib() > 1: return
         if learn.training and (learn.epoch, learn.iter) != (self._pos['epoch'], self._pos['iter']):
             self._pos['dirty'] = True      # a batch had begun (even if our before_batch, at order 95, had not run yet)
         path = self.save()
+        self._writer.wait()
         add_note(e, f"learncb: the run is saved in {path}" +
                   (' (after an error in the middle of a batch: resuming from it is not exact)'
                    if self._pos['dirty'] else ''))
-    finally: self._restore_sigint()
+    except Exception as write_error:
+        add_note(e, f"learncb: the checkpoint could not be written: {write_error}")
+    finally: self._restore_signals()
 
 @patch
 def after_fit(self:CheckpointCallback):
-    self._restore_sigint()
-    if self._interrupted and self.learn.exception is None:    # Ctrl-C came when no batch was left to finish
-        self._interrupted = False
-        raise KeyboardInterrupt("interrupted at the end of the fit")
+    try:
+        if self.learn.exception is None:
+            self._writer.wait()                                 # the last checkpoint is on disk when the fit ends
+            if self._exchange is not None: self._exchange.close()
+    finally: self._restore_signals()
+    signum,self._exchange = self._signal,None
+    if signum is not None and self.learn.exception is None:    # the signal came when no batch was left to finish
+        self._signal = None
+        if signum == signal.SIGINT: raise KeyboardInterrupt("interrupted at the end of the fit")
+        raise SignalStop(signum, self.last)

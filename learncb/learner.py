@@ -142,7 +142,7 @@ class Learner:
         self('after_create')
 
     def fit(self, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, resume=None):
-        "Train `n_epoch` epochs; `cbs` are added for this fit only; `resume` (a checkpoint, or `True`) continues a run"
+        "Train `n_epoch` epochs; `cbs` are added for this fit only; `resume` (a checkpoint, `True`, `'auto'`) continues a run"
         with self._fit_session(n_epoch, lr, wd, cbs, reset_opt, resume):
             self._with_events(self._do_fit, 'fit', CancelFitException)
 

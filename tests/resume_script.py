@@ -24,7 +24,7 @@ def make_learner(path):
 
 class KillAt(Callback):
     "SIGKILLs this process at `event` of epoch `epoch`, batch `iter`, in `phase` ('train', 'valid' or '-')"
-    order = 99    # after the checkpoint of that batch, if any, was written
+    order = 99    # after the checkpoint of that batch, if any, was taken (its write may still be in flight)
     def __init__(self, event, epoch, it, phase):
         self.epoch_, self.iter_, self.phase_ = epoch, it, phase
         setattr(self, event, self.maybe_kill)
@@ -56,7 +56,7 @@ def main():
         event, epoch, it, phase = a.kill.split(',')
         cbs.append(KillAt(event, int(epoch), int(it), phase))
     if a.stall_save: stall_save(a.stall_save)
-    learn.fit_one_cycle(N_EPOCH, lr_max=1e-2, cbs=cbs, resume=True if a.resume else None)
+    learn.fit_one_cycle(N_EPOCH, lr_max=1e-2, cbs=cbs, resume='auto' if a.resume else None)   # a write in flight at the kill may be lost: the one before, or none
     if a.out:
         torch.save({'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(), 'losses': learn.recorder.losses,
                     'values': learn.recorder.values, 'lrs': learn.recorder.lrs}, a.out)
