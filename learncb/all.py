@@ -15,6 +15,8 @@ from .lr_find import *
 from .training import *
 from .loggers import *
 from .evaluation import *
+from .sharded import *
+from .preemption import *
 from .checkpoint import *
 from .interpret import *
 from .summary import *

@@ -25,6 +25,8 @@ p.add_argument('--nan-rank', type=int, default=None); p.add_argument('--torchmet
 p.add_argument('--strategy', default='ddp'); p.add_argument('--blocks', action='store_true')
 p.add_argument('--adam', action='store_true'); p.add_argument('--export', action='store_true')
 p.add_argument('--clip', action='store_true'); p.add_argument('--save-best', action='store_true')
+p.add_argument('--term-at', type=int, default=None); p.add_argument('--kill-once', default=None)
+p.add_argument('--auto', action='store_true')
 args = p.parse_args()
 out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
 torch.set_num_threads(1)
@@ -67,6 +69,12 @@ class Chaos(Callback):
     def after_pred(self):
         if not self.training: return
         if args.kill_at is not None and self.train_iter == args.kill_at and rank_distrib() == min(1, num_distrib() - 1):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.term_at is not None and self.train_iter == args.term_at and rank_distrib() == 1 and not args.auto:
+            os.kill(os.getpid(), signal.SIGTERM)                 # as a scheduler would, to one process
+        if (args.kill_once and self.train_iter == 5 and rank_distrib() == min(1, num_distrib() - 1)
+            and not os.path.exists(args.kill_once)):
+            open(args.kill_once, 'w').close()                    # once: the restarted run goes on
             os.kill(os.getpid(), signal.SIGKILL)
         if args.fail_rank is not None and rank_distrib() == args.fail_rank and self.train_iter == 2:
             raise RuntimeError(f'boom on rank {rank_distrib()}')
@@ -112,7 +120,10 @@ if args.early: cbs.append(EarlyStoppingCallback(monitor='accuracy', patience=1))
 if args.count_writes: cbs += [SaveModelCallback(monitor='accuracy', fname='best'), CSVLogger()]
 
 with learn.distrib_ctx(strategy=args.strategy, timeout=args.timeout):
-    learn.fit(args.epochs, cbs=cbs, resume=True if args.resume else None)
+    try: learn.fit(args.epochs, cbs=cbs, resume='auto' if args.auto else True if args.resume else None)
+    except SignalStop:
+        print(f'STOPPED RANK {rank_distrib()} AT {learn.train_iter}', flush=True)
+        raise
     preds, targs = learn.get_preds()
     rank, world = rank_distrib(), num_distrib()
     all_sizes = gather_objects(sizes)

@@ -1,7 +1,8 @@
 """A training run for the resume tests: shuffled data, dropout, one-cycle, gradient accumulation, a checkpoint after
 every batch. It can kill itself with SIGKILL at a chosen point, stall inside a checkpoint write, or resume.
 
-python resume_script.py PATH [--kill EVENT,EPOCH,ITER,PHASE] [--stall-save N] [--resume] [--out FILE]"""
+python resume_script.py PATH [--kill EVENT,EPOCH,ITER,PHASE] [--term EPOCH,ITER] [--every N] [--stall-save N]
+                             [--resume] [--out FILE]"""
 import argparse, os, signal, sys, time
 import torch
 from torch import nn
@@ -34,6 +35,14 @@ class KillAt(Callback):
         if self.phase_ != '-' and (learn.training != (self.phase_ == 'train') or learn.iter != self.iter_): return
         os.kill(os.getpid(), signal.SIGKILL)
 
+class TermAt(Callback):
+    "Sends SIGTERM to this process after the forward pass of training batch `iter` of epoch `epoch`"
+    def __init__(self, epoch, it): self.epoch_, self.iter_ = epoch, it
+    def after_pred(self):
+        if self.training and (self.learn.epoch, self.learn.iter) == (self.epoch_, self.iter_):
+            print(f'SIGTERM AT {time.time()}', flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
 def stall_save(n):
     "Make the `n`-th file write hang inside fsync (after the data is written to the temporary file)"
     calls, real_fsync = [0], os.fsync
@@ -49,14 +58,18 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument('path'); p.add_argument('--kill'); p.add_argument('--stall-save', type=int)
     p.add_argument('--resume', action='store_true'); p.add_argument('--out')
+    p.add_argument('--term'); p.add_argument('--every', type=int, default=1)
     a = p.parse_args()
     learn = make_learner(a.path)
-    cbs = [CheckpointCallback(every_n_steps=1, keep_last=3), GradientAccumulation(n_acc=16)]
+    cbs = [CheckpointCallback(every_n_steps=a.every or None, keep_last=3), GradientAccumulation(n_acc=16)]
+    if a.term: cbs.append(TermAt(*map(int, a.term.split(','))))
     if a.kill:
         event, epoch, it, phase = a.kill.split(',')
         cbs.append(KillAt(event, int(epoch), int(it), phase))
     if a.stall_save: stall_save(a.stall_save)
-    learn.fit_one_cycle(N_EPOCH, lr_max=1e-2, cbs=cbs, resume='auto' if a.resume else None)   # a write in flight at the kill may be lost: the one before, or none
+    before = signal.getsignal(signal.SIGTERM)
+    try: learn.fit_one_cycle(N_EPOCH, lr_max=1e-2, cbs=cbs, resume='auto' if a.resume else None)
+    finally: print(f'SIGTERM HANDLER BACK {signal.getsignal(signal.SIGTERM) is before}', flush=True)   # a write in flight at the kill may be lost: the one before, or none
     if a.out:
         torch.save({'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(), 'losses': learn.recorder.losses,
                     'values': learn.recorder.values, 'lrs': learn.recorder.lrs}, a.out)

@@ -1,0 +1,63 @@
+"""Preemption (issue 17): SIGTERM ends a fit with an exact checkpoint and exit code 143, `resume='auto'` goes on from
+it; the ranks of a distributed run stop at the same batch; torchrun's restarts resume by themselves; a lost rank
+does not leave the others waiting. Every process is bounded by a timeout."""
+import re, signal, subprocess, sys
+from pathlib import Path
+import pytest, torch
+from learncb.checkpoint import checkpoints_in
+from test_resume import run_script, assert_same_run, reference
+from test_distributed import free_port, run, result
+
+HERE = Path(__file__).parent
+
+def test_sigterm_writes_one_checkpoint_exits_143_and_auto_resume_is_exact(reference, tmp_path):
+    stopped = run_script(tmp_path, '--every', '0', '--term', '1,4', check=False)   # epoch 1, batch 4 (of 10)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert 'stopped by SIGTERM' in stopped.stderr and 'SIGTERM HANDLER BACK True' in stopped.stdout
+    names = [p.name for p in checkpoints_in(tmp_path/'checkpoints')]
+    assert names == ['checkpoint_00000010_epoch_end.pt', 'checkpoint_00000015_batch.pt'], names   # the end of epoch 0, and the stop
+    resumed = run_script(tmp_path, '--every', '0', '--resume', '--out', str(tmp_path/'final.pt'))
+    assert "resume='auto': resuming the run from" in resumed.stdout and 'checkpoint_00000015_batch.pt' in resumed.stdout
+    assert_same_run(torch.load(tmp_path/'final.pt', weights_only=True), reference)
+
+def test_resume_auto_starts_a_run_without_checkpoints(tmp_path, reference):
+    res = run_script(tmp_path, '--resume', '--out', str(tmp_path/'final.pt'))
+    assert "resume='auto': no checkpoint in" in res.stdout
+    assert_same_run(torch.load(tmp_path/'final.pt', weights_only=True), reference)
+
+def stops(res):
+    "{rank: the training batch it stopped at} from what the ranks printed"
+    return {int(r): int(i) for r, i in re.findall(r'STOPPED RANK (\d) AT (\d+)', res.stdout)}
+
+def test_sigterm_to_one_rank_stops_both_at_the_same_batch(tmp_path):
+    common = ('--bs', '8', '--ckpt', '--shuffle', '--dropout', '0.2')
+    run(tmp_path/'ref', *common)
+    out = tmp_path/'stopped'
+    res = run(out, *common, '--term-at', '5', check=False)
+    assert res.returncode != 0
+    at = stops(res)
+    assert set(at) == {0, 1} and at[0] == at[1], res.stdout[-2000:] + res.stderr[-3000:]
+    assert checkpoints_in(out/'checkpoints')[-1].name == f'checkpoint_{at[0]:08d}_batch.pt'
+    run(out, *common, '--resume')
+    got, ref = result(out), result(tmp_path/'ref')
+    for k in ref['model']: assert torch.equal(got['model'][k], ref['model'][k]), k
+    assert got['losses'] == ref['losses'] and got['values'] == ref['values']
+
+def test_torchrun_restarts_a_killed_worker_and_the_run_resumes_by_itself(tmp_path):
+    common = ('--bs', '8', '--ckpt', '--shuffle', '--dropout', '0.2', '--auto')
+    run(tmp_path/'ref', *common)
+    out = tmp_path/'restarted'
+    out.mkdir()
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--max-restarts=2',
+           f'--master-port={free_port()}', str(HERE/'ddp_script.py'), str(out), *common, '--kill-once', str(out/'killed')]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    assert (out/'killed').exists() and "resume='auto': resuming the run from" in res.stdout   # killed once, restarted
+    got, ref = result(out), result(tmp_path/'ref')
+    for k in ref['model']: assert torch.equal(got['model'][k], ref['model'][k]), k
+    assert got['losses'] == ref['losses'] and got['values'] == ref['values']
+
+def test_a_rank_killed_under_launch_ends_the_others(tmp_path):
+    res = subprocess.run([sys.executable, str(HERE/'launch_kill_script.py')], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert 'process 1 terminated with signal SIGKILL' in res.stderr, res.stderr[-3000:]
