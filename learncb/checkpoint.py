@@ -535,16 +535,18 @@ def save(self:CheckpointCallback):
         state.update(loader=end[2], loader_drain=pos['at'] == 'epoch_end')
     sharded = is_sharded(learn.model)
     path = self.folder/f"checkpoint_{learn.train_iter:08d}_{pos['at']}{'' if sharded else '.pt'}"
-    if self.background and not sharded:      # a snapshot now; serialised and written on the writer's thread
-        self._writer.submit(partial(self._write_and_prune, snapshot(state), path, sharded))
-    else: self._write_and_prune(state, path, sharded)
+    if sharded: self._write_and_prune(partial(save_sharded, state, path), path)
+    elif is_rank0():                         # serialised now: training goes on changing the tensors
+        write = partial(atomic_write, serialized(with_checksum(state), path), path)
+        if self.background: self._writer.submit(partial(self._write_and_prune, write, path))  # the rest off the thread
+        else: self._write_and_prune(write, path)
     self.last = path
     return path
 
 @patch
-def _write_and_prune(self:CheckpointCallback, state, path, sharded):
-    "Write checkpoint `state` to `path`, then remove the checkpoints older than it beyond `keep_last`"
-    _write(state, path, sharded)
+def _write_and_prune(self:CheckpointCallback, write, path):
+    "Write a checkpoint to `path` with `write()`, then remove the checkpoints older than it beyond `keep_last`"
+    write()
     if not is_rank0(): return
     older = [p for p in checkpoints_in(self.folder) if _ckpt_key(p) < _ckpt_key(path)]
     for old in older[:max(0, len(older) - self.keep_last + 1)]:
