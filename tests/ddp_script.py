@@ -3,7 +3,7 @@
 python tests/ddp_script.py OUT [--bs B] [--epochs E] [--shuffle] [--ckpt] [--resume] [--kill-at K] [--fail-rank R]
                                [--early] [--count-writes] [--n-valid N] [--dropout P] [--device D]
 Rank 0 saves the result in OUT/result.pt: final weights, optimizer state, recorder losses and values, get_preds."""
-import argparse, builtins, os, signal, sys, tempfile
+import argparse, builtins, os, signal, sys, tempfile, time
 from collections import Counter
 from pathlib import Path
 import torch
@@ -71,6 +71,7 @@ class Chaos(Callback):
         if args.kill_at is not None and self.train_iter == args.kill_at and rank_distrib() == min(1, num_distrib() - 1):
             os.kill(os.getpid(), signal.SIGKILL)
         if args.term_at is not None and self.train_iter == args.term_at and rank_distrib() == 1 and not args.auto:
+            print(f'SIGTERM AT {time.time()}', flush=True)
             os.kill(os.getpid(), signal.SIGTERM)                 # as a scheduler would, to one process
         if (args.kill_once and self.train_iter == 5 and rank_distrib() == min(1, num_distrib() - 1)
             and not os.path.exists(args.kill_once)):

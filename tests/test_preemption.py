@@ -61,3 +61,20 @@ def test_a_rank_killed_under_launch_ends_the_others(tmp_path):
     res = subprocess.run([sys.executable, str(HERE/'launch_kill_script.py')], capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
     assert 'process 1 terminated with signal SIGKILL' in res.stderr, res.stderr[-3000:]
+
+def test_a_full_disk_in_the_writer_is_raised_in_the_training_thread(tmp_path, monkeypatch):
+    import errno, os, stat
+    from learncb.all import CheckpointCallback
+    from learncb.test_utils import synth_learner
+    real, files = os.fsync, [0]
+    def fsync(fd):                              # the second checkpoint file finds the disk full
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            files[0] += 1
+            if files[0] >= 2: raise OSError(errno.ENOSPC, 'No space left on device')
+        real(fd)
+    learn = synth_learner(path=tmp_path)
+    monkeypatch.setattr(os, 'fsync', fsync)
+    with pytest.raises(OSError) as e: learn.fit(2, cbs=CheckpointCallback(every_n_steps=1))
+    notes = ' '.join(getattr(e.value, '__notes__', []))
+    assert 'checkpoint_00000002_batch.pt' in str(e.value) and 'the disk is full; it needs' in notes, (e.value, notes)
+    assert [p.name for p in checkpoints_in(tmp_path/'checkpoints')] == ['checkpoint_00000001_batch.pt']   # kept
