@@ -12,7 +12,7 @@ __all__ = ['default_device', 'model_device', 'plain_model', 'to_device', 'tensor
            'opt_state_like', 'short_list']
 
 # %% ../nbs/01_utils.ipynb #4d5f189c
-import math, operator, os, random
+import functools, math, operator, os, random
 from contextlib import contextmanager
 from numbers import Real
 import torch
@@ -239,6 +239,7 @@ def gather_objects(o):
     return out
 
 # %% ../nbs/01_utils.ipynb #ef045f5f
+@functools.cache
 def _dtensor_class():
     "torch's DTensor class, or `None` where torch is built without torch.distributed"
     import torch.distributed as dist
