@@ -565,7 +565,8 @@ def _catch_signals(self:CheckpointCallback):
         self._signal = signum
         signal.signal(signum, self._old_handlers[signum])      # a second one acts at once
     held = ([signal.SIGINT] if self.on_exception else []) + self._signums
-    self._old_handlers = {s: signal.signal(s, hold) for s in held}
+    before = {s: signal.signal(s, hold) for s in held}
+    self._old_handlers = {s: signal.SIG_DFL if h is None else h for s,h in before.items()}   # None: set outside Python
 
 @patch
 def _restore_signals(self:CheckpointCallback):
