@@ -465,7 +465,7 @@ class CheckpointCallback(Callback):
         self.keep_last,self.on_exception,self.signals,self.background = keep_last,on_exception,signals,background
         self._signums = check_signals(signals)
         self.last,self._signal,self._old_handlers,self._stateful,self._loader_end = None,None,{},False,None
-        self._exchange,self._writer = None,BackgroundWriter()
+        self._exchange,self._writer,self._sharded_save,self._save_group = None,BackgroundWriter(),None,None
         self._pos = {'at': None, 'epoch': 0, 'iter': -1, 'dirty': False}   # the last complete point of the run
 
     @property
@@ -490,6 +490,8 @@ class CheckpointCallback(Callback):
         else: self._pos.update(at=resuming.at, epoch=resuming.epoch, iter=resuming.iter, dirty=False)
         self._signal,self._stateful,self._loader_end = None,_has_state(learn.dls.train),None
         self._exchange = SignalExchange() if num_distrib() > 1 else None
+        self._sharded_save = None
+        self._save_group = checkpoint_group() if self.background and is_sharded(learn.model) else None
         self._catch_signals()
 
     def _warn_earlier_run(self):
@@ -535,7 +537,10 @@ def save(self:CheckpointCallback):
         state.update(loader=end[2], loader_drain=pos['at'] == 'epoch_end')
     sharded = is_sharded(learn.model)
     path = self.folder/f"checkpoint_{learn.train_iter:08d}_{pos['at']}{'' if sharded else '.pt'}"
-    if sharded: self._write_and_prune(partial(save_sharded, state, path), path)
+    if sharded:                              # copied to the CPU now; written by DCP's thread (every rank its shards)
+        self._finish_sharded()
+        self._sharded_save = start_sharded(state, path, self._save_group)
+        if self._save_group is None: self._finish_sharded()
     elif is_rank0():                         # serialised now: training goes on changing the tensors
         write = partial(atomic_write, serialized(with_checksum(state), path), path)
         if self.background: self._writer.submit(partial(self._write_and_prune, write, path))  # the rest off the thread
@@ -547,6 +552,19 @@ def save(self:CheckpointCallback):
 def _write_and_prune(self:CheckpointCallback, write, path):
     "Write a checkpoint to `path` with `write()`, then remove the checkpoints older than it beyond `keep_last`"
     write()
+    self._prune(path)
+
+@patch
+def _finish_sharded(self:CheckpointCallback):
+    "Wait for the sharded checkpoint in flight, if any, write its marker (it counts from then on), prune the old ones"
+    save,self._sharded_save = self._sharded_save,None
+    if save is None: return
+    finish_sharded(save)
+    self._prune(save.folder)
+
+@patch
+def _prune(self:CheckpointCallback, path):
+    "Remove the checkpoints older than `path` beyond `keep_last` (rank 0)"
     if not is_rank0(): return
     older = [p for p in checkpoints_in(self.folder) if _ckpt_key(p) < _ckpt_key(path)]
     for old in older[:max(0, len(older) - self.keep_last + 1)]:
@@ -585,6 +603,7 @@ def _stop_now(self:CheckpointCallback):
     "Save the run, wait for the file, and end the fit: `KeyboardInterrupt` for Ctrl-C, else `SignalStop`"
     path = self.save()
     self._writer.wait()
+    self._finish_sharded()
     self._restore_signals()
     if self._signal == signal.SIGINT: raise KeyboardInterrupt(
         f"interrupted; the run is saved in {path}: continue it with learn.fit(..., resume=True)")
@@ -596,7 +615,7 @@ def _stop_now(self:CheckpointCallback):
 @patch
 def after_exception(self:CheckpointCallback):
     learn,e = self.learn,self.learn.exception
-    self._exchange = None                    # another rank may be gone: no more exchanges to wait for
+    self._exchange,self._sharded_save = None,None   # another rank may be gone: nothing more to wait for together
     try:
         if isinstance(e, (KeyboardInterrupt, SignalStop)) and self._signal is not None: return   # saved already
         self._writer.wait()
@@ -617,6 +636,7 @@ def after_fit(self:CheckpointCallback):
     try:
         if self.learn.exception is None:
             self._writer.wait()                                 # the last checkpoint is on disk when the fit ends
+            self._finish_sharded()
             if self._exchange is not None: self._exchange.close()
     finally: self._restore_signals()
     signum,self._exchange = self._signal,None

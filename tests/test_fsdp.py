@@ -78,7 +78,9 @@ def test_gradient_clip_and_bf16_under_fsdp(tmp_path):
 def test_sigkill_then_resume_on_two_processes_is_exact(runs, killed, tmp_path):
     _, ref, _, _ = runs
     out = copy_of(killed['fsdp'], tmp_path, 'again')
-    assert (out/'checkpoints'/'checkpoint_00000005_batch'/'complete.pt').exists()      # a folder, not a file
+    folders = out/'checkpoints'
+    assert (folders/'checkpoint_00000004_epoch_end'/'complete.pt').exists()              # folders, not files
+    assert not (folders/'checkpoint_00000005_batch'/'complete.pt').exists()    # in flight at the kill: not counted
     run(out, *COMMON, *FSDP, '--bs', '8', '--resume')
     got = result(out)
     assert_weights_equal(got, ref)
@@ -107,11 +109,12 @@ def test_another_global_batch_is_refused(killed, tmp_path):
 def test_an_incomplete_checkpoint_folder_is_skipped(runs, killed, tmp_path, remove):
     _, ref, _, _ = runs
     out = copy_of(killed['fsdp'], tmp_path, 'broken')
-    newest = out/'checkpoints'/'checkpoint_00000005_batch'
+    newest = out/'checkpoints'/'checkpoint_00000004_epoch_end'        # the newest complete one (5 was in flight)
     (newest/remove).unlink()
     res = run(out, *COMMON, *FSDP, '--bs', '8', '--resume')
-    assert "damaged or incomplete" in res.stderr and "['checkpoint_00000005_batch']" in res.stderr
-    assert 'resuming from checkpoint_00000004_epoch_end' in res.stderr
+    assert "damaged or incomplete" in res.stderr
+    assert "['checkpoint_00000005_batch', 'checkpoint_00000004_epoch_end']" in res.stderr
+    assert 'resuming from checkpoint_00000004_batch' in res.stderr
     assert_weights_equal(result(out), ref)              # from the one before: still the uninterrupted run's weights
 
 def test_lr_find_fine_tune_and_batchnorm_agree_on_every_rank(tmp_path):
