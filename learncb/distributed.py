@@ -313,7 +313,12 @@ def _start_group(self:Learner, backend, timeout):
     "Start the process group torchrun's environment describes: NCCL for a learner on GPUs, one per rank, else gloo"
     local_world = int(os.environ.get('LOCAL_WORLD_SIZE', launched_world()))
     on_gpus = self.device.type == 'cuda' and torch.cuda.device_count() >= local_world
-    dist.init_process_group(backend or ('nccl' if on_gpus else 'gloo'), timeout=datetime.timedelta(seconds=timeout))
+    wait = datetime.timedelta(seconds=timeout)
+    store,rank,world = next(dist.rendezvous('env://', timeout=wait))
+    restart = os.environ.get('TORCHELASTIC_RESTART_COUNT')     # torchrun restarted the workers: its store still holds
+    if restart is not None: store = dist.PrefixStore(f'learncb/restart{restart}', store)   # the last round's keys
+    dist.init_process_group(backend or ('nccl' if on_gpus else 'gloo'), store=store, rank=rank, world_size=world,
+                            timeout=wait)
     return True
 
 @patch
