@@ -464,7 +464,8 @@ class CheckpointCallback(Callback):
         self.path,self.every_n_steps,self.every_epoch = Path(path),every_n_steps,every_epoch
         self.keep_last,self.on_exception,self.signals,self.background = keep_last,on_exception,signals,background
         self._signums = check_signals(signals)
-        self.last,self._signal,self._old_handlers,self._stateful,self._loader_end = None,None,{},False,None
+        self.last,self._old_handlers,self._stateful,self._loader_end = None,{},False,None
+        self._caught,self._signal = None,None          # the signal this rank caught; the one the fit stops for
         self._exchange,self._writer,self._sharded_save,self._save_group = None,BackgroundWriter(),None,None
         self._pos = {'at': None, 'epoch': 0, 'iter': -1, 'dirty': False}   # the last complete point of the run
 
@@ -488,7 +489,7 @@ class CheckpointCallback(Callback):
                                      f"torch DataLoader (shuffle=True or False) to resume exactly.")
             self._pos.update(at=None, epoch=0, iter=-1, dirty=False)
         else: self._pos.update(at=resuming.at, epoch=resuming.epoch, iter=resuming.iter, dirty=False)
-        self._signal,self._stateful,self._loader_end = None,_has_state(learn.dls.train),None
+        self._caught,self._signal,self._stateful,self._loader_end = None,None,_has_state(learn.dls.train),None
         self._exchange = SignalExchange() if num_distrib() > 1 else None
         self._sharded_save = None
         self._save_group = checkpoint_group() if self.background and is_sharded(learn.model) else None
@@ -580,7 +581,7 @@ def _catch_signals(self:CheckpointCallback):
         if self.learn is None or not self.learn.fitting:       # the fit is over: give the signal back, and pass it on
             self._restore_signals()
             return signal.raise_signal(signum)
-        self._signal = signum
+        self._caught = signum                                  # this rank's; `_signal`: the one the fit stops for
         signal.signal(signum, self._old_handlers[signum])      # a second one acts at once
     held = ([signal.SIGINT] if self.on_exception else []) + self._signums
     before = {s: signal.signal(s, hold) for s in held}
@@ -595,7 +596,8 @@ def _restore_signals(self:CheckpointCallback):
 @patch
 def _stop_asked(self:CheckpointCallback, wait=False):
     "Whether a signal caught on this rank (or, in a distributed run, on any rank) asks the fit to stop now"
-    if self._exchange is not None: self._signal = self._exchange.agreed(self._signal, wait=wait)
+    if self._exchange is None: self._signal = self._caught
+    elif self._signal is None: self._signal = self._exchange.agreed(self._caught, wait=wait)   # every rank at once
     return self._signal is not None
 
 @patch
@@ -617,7 +619,7 @@ def after_exception(self:CheckpointCallback):
     learn,e = self.learn,self.learn.exception
     self._exchange,self._sharded_save = None,None   # another rank may be gone: nothing more to wait for together
     try:
-        if isinstance(e, (KeyboardInterrupt, SignalStop)) and self._signal is not None: return   # saved already
+        if isinstance(e, (KeyboardInterrupt, SignalStop)) and (self._signal or self._caught): return   # held: saved
         self._writer.wait()
         if not self.on_exception or self._pos['at'] is None or num_distrib() > 1: return
         if learn.training and (learn.epoch, learn.iter) != (self._pos['epoch'], self._pos['iter']):
@@ -639,8 +641,8 @@ def after_fit(self:CheckpointCallback):
             self._finish_sharded()
             if self._exchange is not None: self._exchange.close()
     finally: self._restore_signals()
-    signum,self._exchange = self._signal,None
+    signum,self._exchange = self._signal if self._signal is not None else self._caught,None
     if signum is not None and self.learn.exception is None:    # the signal came when no batch was left to finish
-        self._signal = None
+        self._signal = self._caught = None
         if signum == signal.SIGINT: raise KeyboardInterrupt("interrupted at the end of the fit")
         raise SignalStop(signum, self.last)
