@@ -239,7 +239,7 @@ def _write(state, path, sharded):
     "Write checkpoint `state`: one file, or for a sharded model (FSDP) a folder (`path` without `.pt`) of every rank's shard"
     path = Path(path)
     if sharded: return save_sharded(state, path.with_suffix('') if path.suffix == '.pt' else path)
-    return atomic_save(with_checksum(state), path)
+    return StateSnapshot(state).write(path) if is_rank0() else path
 
 def _read_checkpoint(learn, path):
     "The state in checkpoint `path` (a file, or a sharded checkpoint's folder): a learncb checkpoint, intact"
@@ -247,9 +247,11 @@ def _read_checkpoint(learn, path):
         state = read_sharded(path)          # its tensors are read when loaded: as shards of a sharded model
         _check_format(state, path)
         return state
-    state = load_torch_file(path, map_location=model_device(learn.model, learn.device))
+    state = load_torch_file(path, map_location=model_device(learn.model, learn.device), unpack=False)
+    if is_snapshot(state): state = read_snapshot(state, path)       # checked against its checksum as it is read
+    else: state = check_checksum(state, path, required=state.get('version', 1) >= 2) if isinstance(state, dict) else state
     _check_format(state, path)
-    return check_checksum(state, path, required=state.get('version', 1) >= 2)
+    return state
 
 @patch
 def load_checkpoint(self:Learner, path, strict=True):
@@ -464,7 +466,7 @@ class CheckpointCallback(Callback):
         self.path,self.every_n_steps,self.every_epoch = Path(path),every_n_steps,every_epoch
         self.keep_last,self.on_exception,self.signals,self.background = keep_last,on_exception,signals,background
         self._signums = check_signals(signals)
-        self.last,self._old_handlers,self._stateful,self._loader_end = None,{},False,None
+        self.last,self._old_handlers,self._stateful,self._loader_end,self._on_disk = None,{},False,None,[]
         self._caught,self._signal = None,None          # the signal this rank caught; the one the fit stops for
         self._exchange,self._writer,self._sharded_save,self._save_group = None,BackgroundWriter(),None,None
         self._pos = {'at': None, 'epoch': 0, 'iter': -1, 'dirty': False}   # the last complete point of the run
@@ -478,6 +480,7 @@ class CheckpointCallback(Callback):
         self._restore_signals()                         # left by an earlier fit that could not give them back
         self.folder.mkdir(parents=True, exist_ok=True)
         for stale in self.folder.glob('.checkpoint_*.tmp'): stale.unlink(missing_ok=True)   # left by a kill in a save
+        self._on_disk = checkpoints_in(self.folder)     # what `_prune` removes from, with what this fit writes
         learn = self.learn
         resuming = next((cb for cb in learn.cbs if isinstance(cb, ResumeCallback)), None)
         if resuming is None:
@@ -506,17 +509,15 @@ class CheckpointCallback(Callback):
         sampler = _sampler_of(self.learn.dl)
         if sampler is not None: sampler.set_epoch(self.learn.epoch)
 
-    def before_batch(self): self._pos['dirty'] = True
-
     def before_validate(self): self._pos['dirty'] = True       # validation draws from the random generators
 
-    def after_batch(self):
-        learn = self.learn
-        self._pos.update(at='batch', epoch=learn.epoch, iter=learn.iter, dirty=False)
+    def after_batch(self):             # every training batch: kept to a few attribute reads
+        learn,pos = self.learn,self._pos
+        pos['at'],pos['epoch'],pos['iter'],pos['dirty'] = 'batch',learn.epoch,learn.iter,False
         if self._stateful and learn.iter == learn.n_iter - 1:     # the last batch: its state, before the epoch ends
             self._loader_end = (learn.epoch, learn.iter, learn.dls.train.state_dict())
-        self._writer.check()                                    # a failed background write is raised here
-        if self._stop_asked(): self._stop_now()
+        if self._writer.error is not None: self._writer.check()  # a failed background write is raised here
+        if (self._caught is not None or self._exchange is not None) and self._stop_asked(): self._stop_now()
         elif self.every_n_steps and learn.train_iter % self.every_n_steps == 0: self.save()
 
     def after_epoch(self):
@@ -542,8 +543,8 @@ def save(self:CheckpointCallback):
         self._finish_sharded()
         self._sharded_save = start_sharded(state, path, self._save_group)
         if self._save_group is None: self._finish_sharded()
-    elif is_rank0():                         # serialised now: training goes on changing the tensors
-        write = partial(atomic_write, serialized(with_checksum(state), path), path)
+    elif is_rank0():                         # copied now: training goes on changing the tensors
+        write = partial(StateSnapshot(state).write, path)
         if self.background: self._writer.submit(partial(self._write_and_prune, write, path))  # the rest off the thread
         else: self._write_and_prune(write, path)
     self.last = path
@@ -567,10 +568,14 @@ def _finish_sharded(self:CheckpointCallback):
 def _prune(self:CheckpointCallback, path):
     "Remove the checkpoints older than `path` beyond `keep_last` (rank 0)"
     if not is_rank0(): return
-    older = [p for p in checkpoints_in(self.folder) if _ckpt_key(p) < _ckpt_key(path)]
-    for old in older[:max(0, len(older) - self.keep_last + 1)]:
+    key = _ckpt_key(path)
+    on_disk = sorted({*self._on_disk, path}, key=_ckpt_key)   # kept in memory: listing the folder costs ~0.3 ms a save
+    older = [p for p in on_disk if _ckpt_key(p) < key]
+    gone = older[:max(0, len(older) - self.keep_last + 1)]
+    for old in gone:
         if old.is_dir(): shutil.rmtree(old, ignore_errors=True)
         else: old.unlink(missing_ok=True)
+    self._on_disk = [p for p in on_disk if p not in gone]
 
 # %% ../nbs/16_checkpoint.ipynb #30b278de
 @patch
@@ -623,7 +628,7 @@ def after_exception(self:CheckpointCallback):
         self._writer.wait()
         if not self.on_exception or self._pos['at'] is None or num_distrib() > 1: return
         if learn.training and (learn.epoch, learn.iter) != (self._pos['epoch'], self._pos['iter']):
-            self._pos['dirty'] = True      # a batch had begun (even if our before_batch, at order 95, had not run yet)
+            self._pos['dirty'] = True      # a batch had begun since the last complete point
         path = self.save()
         self._writer.wait()
         add_note(e, f"learncb: the run is saved in {path}" +
@@ -631,7 +636,9 @@ def after_exception(self:CheckpointCallback):
                    if self._pos['dirty'] else ''))
     except Exception as write_error:
         add_note(e, f"learncb: the checkpoint could not be written: {write_error}")
-    finally: self._restore_signals()
+    finally:
+        self._restore_signals()
+        self._writer.close()
 
 @patch
 def after_fit(self:CheckpointCallback):
@@ -640,7 +647,9 @@ def after_fit(self:CheckpointCallback):
             self._writer.wait()                                 # the last checkpoint is on disk when the fit ends
             self._finish_sharded()
             if self._exchange is not None: self._exchange.close()
-    finally: self._restore_signals()
+    finally:
+        self._restore_signals()
+        self._writer.close()                                    # its thread ends with the fit
     signum,self._exchange = self._signal if self._signal is not None else self._caught,None
     if signum is not None and self.learn.exception is None:    # the signal came when no batch was left to finish
         self._signal = self._caught = None

@@ -12,7 +12,7 @@ __all__ = ['loop_outline', 'batch_events', 'stage_events', 'foreign_events', 'ev
            'name_is_own', 'check_order', 'Callback']
 
 # %% ../nbs/00_core.ipynb #fdd1603a
-import difflib, operator, re, warnings
+import difflib, functools, operator, re, warnings
 from types import MethodType
 
 # %% ../nbs/00_core.ipynb #2d81cbeb
@@ -194,6 +194,7 @@ CancelTrain,CancelValid = CancelTrainException,CancelValidException
 CancelEpoch,CancelFit = CancelEpochException,CancelFitException
 
 # %% ../nbs/00_core.ipynb #b9d86a19
+@functools.lru_cache(maxsize=None)
 def snake_name(cls_name):
     "`ComplicatedNameCallback` -> `'complicated_name'`"
     name = re.sub(r'Callback$', '', cls_name) or cls_name

@@ -6,7 +6,8 @@ Docs: https://learncb.github.io/learncb/files.html.md"""
 
 # %% auto #0
 __all__ = ['atomic_save', 'serialized', 'atomic_write', 'CorruptFileError', 'state_checksum', 'with_checksum', 'check_checksum',
-           'load_torch_file', 'match_prefix', 'check_model_state', 'load_model_state']
+           'StateSnapshot', 'is_snapshot', 'read_snapshot', 'load_torch_file', 'match_prefix', 'check_model_state',
+           'load_model_state']
 
 # %% ../nbs/01a_files.ipynb #d1f03b8a
 import errno, hashlib, io, os, shutil, tempfile, warnings
@@ -99,15 +100,125 @@ def check_checksum(state, path, required=False):
     "`state` if it matches its `'checksum'` (if it has one, or must have one: `required`); else a `CorruptFileError`"
     saved = state.get('checksum')
     if saved is None and not required: return state
-    if saved is None or state_checksum({k: v for k,v in state.items() if k != 'checksum'}) != saved:
-        raise CorruptFileError(f"{path} is damaged: its content does not match the checksum written with it (its bytes "
-                               f"changed after it was saved: a disk, copy or transfer error). Use another copy of it, "
-                               f"or an older file")
+    if saved is None or state_checksum({k: v for k,v in state.items() if k != 'checksum'}) != saved: raise _damaged(path)
     return state
 
+def _damaged(path):
+    return CorruptFileError(f"{path} is damaged: its content does not match the checksum written with it (its bytes "
+                            f"changed after it was saved: a disk, copy or transfer error). Use another copy of it, or "
+                            f"an older file")
+
+# %% ../nbs/01a_files.ipynb #032935f3
+import collections, math, pickle, sys
+
+def _stored_tensor(offset, dtype, shape):
+    "Stands for a tensor in a snapshot's pickled structure; only `read_snapshot` turns it back into the tensor"
+    raise pickle.UnpicklingError("a learncb snapshot is read with load_torch_file, which puts its tensors back")
+
+_plain_types = (int, float, str, bytes, bool, complex)
+_safe_classes = (collections.OrderedDict, set, frozenset, complex, slice, torch.Size, torch.device)
+
+class _NotPackable(Exception): "A tensor that a snapshot cannot hold as plain bytes: the state is saved by `torch.save`"
+
+class _SnapshotPickler(pickle.Pickler):
+    "Pickles a state's structure at C speed; each tensor becomes an `_stored_tensor` reference to its bytes"
+    def __init__(self, f):
+        super().__init__(f, protocol=4)
+        self.tensors,self.nbytes = [],0
+
+    def reducer_override(self, o):     # called for objects other than None, bools, numbers, strings, lists, tuples, dicts
+        if isinstance(o, torch.Tensor): return self._store(o)
+        if isinstance(o, (*_safe_classes, torch.dtype)) or o is _stored_tensor: return NotImplemented
+        if isinstance(o, type) and (o in _safe_classes or o in _plain_types): return NotImplemented
+        if isinstance(o, _plain_types): return (_plain_type(o), (_plain_type(o)(o),))   # e.g. an IntEnum, numpy.float64
+        if type(o).__module__ == 'numpy' and getattr(o, 'ndim', None) == 0: return self.reducer_override(o.item())
+        raise TypeError(f"a checkpoint holds tensors, numbers, strings, None, and lists, tuples, dicts and sets of them; "
+                        f"this state also holds a {type(o).__module__}.{type(o).__qualname__} ({_short_repr(o)}). Have "
+                        f"the `state_dict` that returns it give plain values instead")
+
+    def _store(self, t):
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.is_quantized or t.is_meta:
+            raise _NotPackable(type(t).__name__)
+        self.tensors.append(t)
+        offset,self.nbytes = self.nbytes,self.nbytes + t.numel() * t.element_size()
+        return _stored_tensor,(offset, str(t.dtype).removeprefix('torch.'), tuple(t.shape))
+
+def _plain_type(o): return next(t for t in (bool, int, float, complex, str, bytes) if isinstance(o, t))
+def _short_repr(o): return r if len(r := repr(o)) <= 60 else r[:57] + '...'
+
+def _plain(t):
+    "`t` without autograd, and with a conjugate or negative view resolved (their bytes are not the values')"
+    if t.requires_grad: t = t.detach()
+    return t.resolve_conj().resolve_neg() if t.dtype.is_complex else t
+
+def _bytes_of(tensors):
+    "One uint8 CPU tensor holding the bytes of every tensor of `tensors`, one after another: a copy taken now"
+    if not tensors: return torch.zeros(0, dtype=torch.uint8)
+    parts = [_plain(t).reshape(-1).view(torch.uint8) for t in tensors]
+    device = parts[0].device
+    if all(p.device == device for p in parts): return torch.cat(parts).cpu()     # one copy (and one from a GPU)
+    return torch.cat([p.cpu() for p in parts])
+
+class StateSnapshot:
+    "A copy of `state` (a dict) taken now, in a form that is fast to make; `write` saves it later, from any thread"
+    def __init__(self, state):
+        f = io.BytesIO()
+        pickler = _SnapshotPickler(f)
+        try:
+            pickler.dump(state)
+            self.meta,self.data,self.fallback = f.getvalue(),_bytes_of(pickler.tensors),None
+        except _NotPackable: self.meta,self.data,self.fallback = None,None,serialized(with_checksum(state))
+
+    def write(self, path):
+        "Write the snapshot to `path` atomically, with a checksum of all of it: `load_torch_file` reads it back"
+        if self.fallback is not None: return atomic_write(self.fallback, path)
+        return atomic_write(serialized(_packed(self.meta, self.data), path), path)
+
+def _snapshot_checksum(meta, data):
+    h = hashlib.sha256(meta)
+    h.update(data.cpu().numpy())
+    return 'sha256:' + h.hexdigest()
+
+def _packed(meta, data):
+    return {'format': 'learncb-snapshot', 'version': 1, 'meta': meta, 'data': data,
+            'checksum': _snapshot_checksum(meta, data)}
+
+def is_snapshot(obj):
+    "Whether `obj`, read by `torch.load`, is a `StateSnapshot` as written to a file"
+    return isinstance(obj, dict) and obj.get('format') == 'learncb-snapshot'
+
+class _SnapshotUnpickler(pickle.Unpickler):
+    "Unpickles a snapshot's structure; refuses every global but tensors' references and a few plain classes"
+    def __init__(self, f, data):
+        super().__init__(f)
+        self.data = data
+
+    def _tensor(self, offset, dtype, shape):
+        dtype = getattr(torch, dtype)
+        n = math.prod(shape) * dtype.itemsize
+        return self.data[offset:offset + n].clone().view(dtype).reshape(shape)
+
+    def find_class(self, module, name):
+        if (module, name) == (__name__, '_stored_tensor'): return self._tensor
+        found = getattr(sys.modules.get(module), name, None)
+        if (found in _safe_classes or found in _plain_types) and module in ('builtins', 'collections', 'torch'):
+            return found
+        if module == 'torch' and isinstance(found, torch.dtype): return found
+        raise pickle.UnpicklingError(f"refused global {module}.{name}")
+
+def read_snapshot(obj, path='the file'):
+    "The state in `obj`, a snapshot read back by `torch.load`, if it matches its checksum; else a `CorruptFileError`"
+    if not isinstance(obj.get('meta'), bytes) or not isinstance(obj.get('data'), torch.Tensor) or \
+       _snapshot_checksum(obj['meta'], obj['data']) != obj.get('checksum'):
+        raise _damaged(path)
+    try: return _SnapshotUnpickler(io.BytesIO(obj['meta']), obj['data']).load()
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"refused to load {path}: it contains objects that would run code when unpickled ({e}); only "
+                         f"load files you trust") from None
+
 # %% ../nbs/01a_files.ipynb #5c31b34c
-def load_torch_file(path, map_location=None):
-    "`torch.load(path, weights_only=True)`, with errors that name the file and say what was wrong"
+def load_torch_file(path, map_location=None, unpack=True):
+    "`torch.load(path, weights_only=True)`, with errors that name the file and say what was wrong; a snapshot unpacked"
     path = Path(path)
     if not path.exists():
         near = sorted(p.name for p in path.parent.glob('*.pth')) if path.parent.exists() else []
@@ -121,7 +232,7 @@ def load_torch_file(path, map_location=None):
         f"permission denied: cannot read {path}: this user may not read it. Give it read access (chmod u+r, or "
         f"ask the file's owner), or read a copy") from None
     try:
-        with f: return torch.load(f, map_location=map_location, weights_only=True)
+        with f: obj = torch.load(f, map_location=map_location, weights_only=True)
     except Exception as e:
         if 'GLOBAL' in str(e) or 'Unsupported global' in str(e):
             raise ValueError(f"refused to load {path}: it contains objects that would run code when unpickled "
@@ -129,6 +240,7 @@ def load_torch_file(path, map_location=None):
                              f"you trust, and write them with Learner.save") from None
         raise CorruptFileError(f"cannot read {path}: it is truncated, corrupt or not a torch file "
                                f"({type(e).__name__}: {e})") from e
+    return read_snapshot(obj, path) if unpack and is_snapshot(obj) else obj
 
 # %% ../nbs/01a_files.ipynb #5550f412
 _wrappers = ('module', '_orig_mod')      # what DistributedDataParallel and torch.compile put before the model's keys

@@ -8,7 +8,7 @@ Docs: https://learncb.github.io/learncb/preemption.html.md"""
 __all__ = ['SignalStop', 'check_signals', 'SignalExchange', 'checkpoint_group', 'BackgroundWriter']
 
 # %% ../nbs/16b_preemption.ipynb #f0f8f6a2
-import signal, threading
+import queue, signal, threading
 import torch
 from .utils import *
 
@@ -92,33 +92,45 @@ def _control_group():
 
 # %% ../nbs/16b_preemption.ipynb #fce0742d
 class BackgroundWriter:
-    "Runs one write at a time on a thread of its own; an error of a write is raised by the next `submit` or `wait`"
-    def __init__(self): self.thread,self.error = None,None
+    "Runs writes one at a time on a thread of its own, started once and kept; a write's error is raised in the caller"
+    def __init__(self): self.thread,self.error,self._jobs,self._idle = None,None,None,threading.Event()
 
     def submit(self, write):
-        "Start `write()` on the writer's thread, once the write before it is done"
+        "Run `write()` on the writer's thread, once the write before it is done"
         self.wait()
-        def run():
+        if self.thread is None or not self.thread.is_alive():     # a thread made once: starting one per write costs
+            self._jobs,self._idle = queue.SimpleQueue(),threading.Event()     # the training thread about a millisecond
+            self.thread = threading.Thread(target=self._run, args=(self._jobs, self._idle),
+                                           name='learncb checkpoint writer', daemon=True)
+            self.thread.start()
+        self._idle.clear()
+        self._jobs.put(write)
+
+    def _run(self, jobs, idle):
+        while (write := jobs.get()) is not None:
             try: write()
             except BaseException as e: self.error = e
-        self.thread = threading.Thread(target=run, name='learncb checkpoint writer', daemon=True)
-        self.thread.start()
+            finally: idle.set()
 
     def wait(self):
         "Wait for the write in flight, if any; raise its error, if it failed"
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
+        if self.thread is not None: self._idle.wait()
         self.check()
 
     def check(self):
         "Raise the error of a finished write, if there is one (without waiting)"
-        if self.thread is not None and not self.thread.is_alive(): self.thread = None
         if self.error is not None:
             e,self.error = self.error,None
             raise e
 
+    def close(self):
+        "Wait for the write in flight, then end the thread (the next `submit` starts another); its error stays for `check`"
+        if self.thread is None: return
+        self._jobs.put(None)
+        self.thread.join()
+        self.thread = None
+
     @property
     def busy(self):
         "Whether a write is in flight"
-        return self.thread is not None and self.thread.is_alive()
+        return self.thread is not None and not self._idle.is_set()

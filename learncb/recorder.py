@@ -114,8 +114,8 @@ class Recorder(Callback):
     def state_dict(self):
         "History for checkpoints; the per-batch lists travel as tensors, much faster to save than lists of floats"
         self._flush()
-        return {**super().state_dict(), 'lrs': torch.tensor(self.lrs, dtype=torch.float64),
-                'losses': torch.tensor(self._losses, dtype=torch.float64), '_pending': []}
+        return {**super().state_dict(), 'lrs': numbers_tensor(self.lrs), 'losses': numbers_tensor(self._losses),
+                '_pending': []}
 
     def load_state_dict(self, state):
         state = dict(state)

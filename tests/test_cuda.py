@@ -56,7 +56,7 @@ def test_checkpoint_keeps_the_cuda_rng_and_resumes_exactly(tmp_path):
         return learn
     ref = run(tmp_path/'ref')
     with pytest.raises(RuntimeError): run(tmp_path/'run', cbs=[FailAfterEpoch()])
-    state = torch.load(checkpoints_in(tmp_path/'run'/'checkpoints')[-1], weights_only=True)
+    state = load_torch_file(checkpoints_in(tmp_path/'run'/'checkpoints')[-1])
     assert 'cuda' in state['rng']
     resumed = run(tmp_path/'run', resume=True)
     for a, b in zip(ref.model.state_dict().values(), resumed.model.state_dict().values()): assert torch.equal(a, b)

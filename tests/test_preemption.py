@@ -5,6 +5,7 @@ import re, signal, subprocess, sys
 from pathlib import Path
 import pytest, torch
 from learncb.checkpoint import checkpoints_in
+from learncb.files import load_torch_file
 from test_resume import run_script, assert_same_run, reference
 from test_distributed import free_port, run, result
 
@@ -18,12 +19,12 @@ def test_sigterm_writes_one_checkpoint_exits_143_and_auto_resume_is_exact(refere
     assert names == ['checkpoint_00000010_epoch_end.pt', 'checkpoint_00000015_batch.pt'], names   # the end of epoch 0, and the stop
     resumed = run_script(tmp_path, '--every', '0', '--resume', '--out', str(tmp_path/'final.pt'))
     assert "resume='auto': resuming the run from" in resumed.stdout and 'checkpoint_00000015_batch.pt' in resumed.stdout
-    assert_same_run(torch.load(tmp_path/'final.pt', weights_only=True), reference)
+    assert_same_run(load_torch_file(tmp_path/'final.pt'), reference)
 
 def test_resume_auto_starts_a_run_without_checkpoints(tmp_path, reference):
     res = run_script(tmp_path, '--resume', '--out', str(tmp_path/'final.pt'))
     assert "resume='auto': no checkpoint in" in res.stdout
-    assert_same_run(torch.load(tmp_path/'final.pt', weights_only=True), reference)
+    assert_same_run(load_torch_file(tmp_path/'final.pt'), reference)
 
 def stops(res):
     "{rank: the training batch it stopped at} from what the ranks printed"

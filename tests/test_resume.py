@@ -21,7 +21,7 @@ def run_script(path, *args, check=True):
 def reference(tmp_path_factory):
     path = tmp_path_factory.mktemp('ref')
     run_script(path, '--out', str(path/'final.pt'))
-    return torch.load(path/'final.pt', weights_only=True)
+    return load_torch_file(path/'final.pt')
 
 def assert_same_run(a, b):
     for k in a['model']: assert torch.equal(a['model'][k], b['model'][k]), f'model {k} differs'
@@ -50,7 +50,7 @@ def kill_and_resume(point, path):
     killed = run_script(path, '--kill', spec, check=False)
     assert killed.returncode == -signal.SIGKILL, f'{spec}: expected SIGKILL, got {killed.returncode}\n{killed.stderr}'
     run_script(path, '--resume', '--out', str(path/'final.pt'))
-    return torch.load(path/'final.pt', weights_only=True)
+    return load_torch_file(path/'final.pt')
 
 def test_resume_after_sigkill_at_20_points(reference, tmp_path):
     points = kill_points()
@@ -73,11 +73,11 @@ def test_kill_while_writing_a_checkpoint_keeps_the_previous_one(reference, tmp_p
         proc.wait(30)
     done = checkpoints_in(folder)
     assert done, 'no complete checkpoint left'
-    state = torch.load(done[-1], weights_only=True)          # the previous checkpoint is intact and loadable
+    state = load_torch_file(done[-1])          # the previous checkpoint is intact and loadable
     assert state['format'] == 'learncb-checkpoint'
     run_script(tmp_path, '--resume', '--out', str(tmp_path/'final.pt'))
     assert not list(folder.glob('.checkpoint_*.tmp'))         # the stale temporary file was cleaned up
-    assert_same_run(reference, torch.load(tmp_path/'final.pt', weights_only=True))
+    assert_same_run(reference, load_torch_file(tmp_path/'final.pt'))
 
 class Evil:
     def __reduce__(self): return (os.system, (f'touch {os.environ["LEARNCB_PWNED"]}',))
@@ -94,7 +94,7 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path, monkeypatch):
     learn = small_learner(tmp_path)
     learn.fit(1, cbs=CheckpointCallback())
     good = checkpoints_in(tmp_path/'checkpoints')[-1]
-    state = torch.load(good, weights_only=True)
+    state = load_torch_file(good)
     state['state'] = {'note': Evil()}
     evil = tmp_path/'checkpoints'/'checkpoint_99999999_epoch_end.pt'
     torch.save(state, evil)
@@ -106,6 +106,20 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path, monkeypatch):
     with open(tmp_path/'plain.pkl', 'wb') as f: pickle.dump(Evil(), f)
     with pytest.raises(ValueError): learn.load_checkpoint(tmp_path/'plain.pkl')
     assert not flag.exists()
+
+def test_a_checkpoint_written_before_snapshots_still_loads(tmp_path):
+    learn = small_learner(tmp_path)
+    learn.fit(1, cbs=CheckpointCallback())
+    good = checkpoints_in(tmp_path/'checkpoints')[-1]
+    assert is_snapshot(torch.load(good, weights_only=True))
+    state = load_torch_file(good)
+    atomic_save(with_checksum(state), tmp_path/'old.pt')          # the format before snapshots: the state itself
+    other = small_learner(tmp_path/'o')
+    other.load_checkpoint(tmp_path/'old.pt')
+    for a,b in zip(other.model.parameters(), learn.model.parameters()): assert torch.equal(a, b)
+    state['model']['weight'] += 1                                  # changed after the checksum was taken
+    torch.save(state, tmp_path/'changed.pt')
+    with pytest.raises(CorruptFileError, match='changed.pt is damaged'): other.load_checkpoint(tmp_path/'changed.pt')
 
 def test_bad_checkpoint_files_give_clear_errors(tmp_path):
     learn = small_learner(tmp_path)
@@ -178,7 +192,7 @@ def test_error_inside_a_batch_saves_an_inexact_checkpoint_that_warns(tmp_path):
     with pytest.raises(RuntimeError) as info: in_process_run(tmp_path, cbs=[Boom()])
     assert 'resuming from it is not exact' in info.value.__notes__[-1]
     last = checkpoints_in(tmp_path/'checkpoints')[-1]
-    state = torch.load(last, weights_only=True)
+    state = load_torch_file(last)
     assert state['exact'] is False and state['loop']['iter'] == 0     # the last complete batch: batch 0 of epoch 1
     with pytest.warns(UserWarning, match='written after an error in the middle of a batch'):
         in_process_run(tmp_path, resume=True)
