@@ -543,9 +543,10 @@ def test_a_full_disk_names_the_target_and_keeps_the_old_file(tmp_path, monkeypat
 
 def test_a_checkpoint_write_error_names_the_checkpoint(tmp_path, monkeypatch):
     learn = synth_learner(path=tmp_path)
-    real = os.fsync
-    def full(fd):
-        if learn.train_iter == 2: raise OSError(errno.ENOSPC, 'No space left on device')
+    real,calls = os.fsync,[]
+    def full(fd):                        # the first fsync is that of the first checkpoint (on the writer's thread)
+        calls.append(fd)
+        if len(calls) == 1: raise OSError(errno.ENOSPC, 'No space left on device')
         real(fd)
     monkeypatch.setattr(os, 'fsync', full)
     with pytest.raises(OSError) as info: learn.fit(1, cbs=CheckpointCallback(every_n_steps=2, on_exception=False))
