@@ -24,6 +24,7 @@ from .inference import *
 from .distributed import *
 from .compiling import *
 from .tricks import *
+from .profiling import *
 from .integrations.tensorboard import *      # the trackers import their packages only when a run opens
 from .integrations.mlflow import *
 from .integrations.wandb import *
