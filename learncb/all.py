@@ -25,6 +25,7 @@ from .distributed import *
 from .compiling import *
 from .tricks import *
 from .profiling import *
+from .hooks import *
 from .integrations.tensorboard import *      # the trackers import their packages only when a run opens
 from .integrations.mlflow import *
 from .integrations.wandb import *

@@ -49,3 +49,14 @@ def test_throughput_callback_does_not_sync_per_batch():
         return c.counts
     few, many = syncs(100), syncs(300)
     assert few == many, f'100 batches: {dict(few)}, 300 batches: {dict(many)}'
+
+def test_activation_stats_keep_their_values_on_the_device():
+    def syncs(n_batches):
+        learn = synth_learner(dls=synth_dls(n_train=16 * n_batches, n_valid=16 * 4), opt_func=torch.optim.SGD,
+                              model=torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)))
+        stats = ActivationStats(with_hist=True)
+        with SyncCounter() as c: learn.fit(1, cbs=stats)
+        assert len(stats._stats) == n_batches
+        return c.counts
+    few, many = syncs(100), syncs(300)
+    assert few == many, f'100 batches: {dict(few)}, 300 batches: {dict(many)}'
