@@ -29,3 +29,4 @@ from .hooks import *
 from .integrations.tensorboard import *      # the trackers import their packages only when a run opens
 from .integrations.mlflow import *
 from .integrations.wandb import *
+from .integrations.optuna import *

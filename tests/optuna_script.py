@@ -1,0 +1,22 @@
+"One worker of a shared Optuna study: python optuna_script.py DB N_TRIALS (the study 'search' must exist in DB)"
+import sys, warnings
+import optuna, torch
+from torch import nn
+from learncb.all import *
+from learncb.test_utils import synth_learner, synth_dls
+
+def objective(trial):
+    lr = trial.suggest_float('lr', 1e-3, 100., log=True)
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+    learn = synth_learner(dls=synth_dls(n_train=128, bs=16), model=mlp, lr=lr, opt_func=torch.optim.SGD)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        learn.fit(4, cbs=OptunaPruningCallback(trial))
+    return learn.recorder.values[-1][1]
+
+if __name__ == '__main__':
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name='search', storage=f'sqlite:///{sys.argv[1]}')
+    study.optimize(objective, n_trials=int(sys.argv[2]))
+    print('DONE', len(study.trials))
