@@ -1,4 +1,4 @@
-"Training tricks across a checkpoint: a run with MixUp, CutMix or EMA stopped in the middle of an epoch and resumed equals one never stopped"
+"Training tricks across a checkpoint: a run with MixUp, CutMix, EMA or SWA stopped in the middle of an epoch and resumed equals one never stopped"
 import pytest, torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -24,9 +24,11 @@ def image_learner(path):
 def weights_and_extra(learn, trick):
     out = {k: v.clone() for k, v in learn.model.state_dict().items()}
     if isinstance(trick, EMACallback): out.update({f'ema.{k}': v.clone() for k, v in trick.ema.state_dict().items()})
+    if isinstance(trick, SWACallback): out.update({f'swa.{k}': v.clone() for k, v in trick.swa.state_dict().items()})
     return out
 
-@pytest.mark.parametrize('make', [lambda: MixUp(0.4), lambda: CutMix(1.), lambda: EMACallback(0.9)], ids=['mixup', 'cutmix', 'ema'])
+@pytest.mark.parametrize('make', [lambda: MixUp(0.4), lambda: CutMix(1.), lambda: EMACallback(0.9),
+                                  lambda: SWACallback(start_epoch=1, swa_lr=0.005)], ids=['mixup', 'cutmix', 'ema', 'swa'])
 def test_a_resumed_run_with_a_trick_equals_an_uninterrupted_one(tmp_path, make):
     whole = image_learner(tmp_path/'whole')
     trick = make()
