@@ -8,7 +8,7 @@ Docs: https://learncb.github.io/learncb/profiling.html.md"""
 __all__ = ['ThroughputCallback', 'ProfilerCallback']
 
 # %% ../nbs/30_profiling.ipynb #ed297880
-import copy, importlib.util, time, warnings
+import copy, importlib.util, os, shutil, socket, time, warnings
 from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity
@@ -34,17 +34,17 @@ class ThroughputCallback(Callback):
 
     def before_fit(self): self.history,self._warned = [],False
 
-    def before_train(self): self._wait,self._items,self._batches,self._start = 0.,0,0,time.perf_counter()
+    def before_train(self): self._wait,self._items,self._n_batches,self._start = 0.,0,0,time.perf_counter()
     def before_fetch(self): self._fetch = time.perf_counter()
     def after_fetch(self): self._wait += time.perf_counter() - self._fetch
 
     def after_batch(self):
-        self._batches += 1
+        self._n_batches += 1
         self._items += find_bs(self.learn.yb or self.learn.xb)    # shapes only: no wait for the device
 
     def after_train(self):
         wall = max(time.perf_counter() - self._start, 1e-9)
-        row = {'epoch': self.learn.epoch, 'samples_per_s': self._items / wall, 'batches_per_s': self._batches / wall,
+        row = {'epoch': self.learn.epoch, 'samples_per_s': self._items / wall, 'batches_per_s': self._n_batches / wall,
                'data_wait': self._wait / wall}
         self.history.append(row)
         rec = getattr(self.learn, 'recorder', None)
@@ -84,7 +84,7 @@ class ProfilerCallback(Callback):
         self.folder.mkdir(parents=True, exist_ok=True)
         self.traces = []
         tb = _tensorboard_plugin() if self.tensorboard is None else self.tensorboard
-        self._tb = torch.profiler.tensorboard_trace_handler(str(self.folder/'tensorboard')) if tb else None
+        self._tb = self.folder/'tensorboard' if tb else None
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model_device(self.learn.model).type == 'cuda' else [])
         self.prof = torch.profiler.profile(activities=acts, record_shapes=self.record_shapes, with_stack=self.with_stack,
                                            schedule=torch.profiler.schedule(wait=self.wait, warmup=self.warmup,
@@ -98,9 +98,11 @@ class ProfilerCallback(Callback):
     def _ready(self, prof):
         self._last = prof
         path = self.folder/f'trace_{len(self.traces)}.json'
-        prof.export_chrome_trace(str(path))
+        prof.export_chrome_trace(str(path))       # a trace is saved once: TensorBoard's copy is a copy of the file
         self.traces.append(path)
-        if self._tb is not None: self._tb(prof)
+        if self._tb is not None:
+            self._tb.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, self._tb/f'{socket.gethostname()}_{os.getpid()}.{time.time_ns() // 1_000_000}.pt.trace.json')
 
     def after_fit(self):
         prof,self.prof = self.prof,None

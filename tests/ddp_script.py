@@ -26,7 +26,8 @@ p.add_argument('--strategy', default='ddp'); p.add_argument('--blocks', action='
 p.add_argument('--adam', action='store_true'); p.add_argument('--export', action='store_true')
 p.add_argument('--clip', action='store_true'); p.add_argument('--save-best', action='store_true')
 p.add_argument('--term-at', type=int, default=None); p.add_argument('--kill-once', default=None)
-p.add_argument('--auto', action='store_true')
+p.add_argument('--auto', action='store_true'); p.add_argument('--ema', action='store_true')
+p.add_argument('--prune-at', type=int, default=None)
 args = p.parse_args()
 out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
 torch.set_num_threads(1)
@@ -119,12 +120,23 @@ if args.nan_rank is not None: cbs.append(TerminateOnNaNCallback(check_every=2))
 if args.ckpt: cbs.append(CheckpointCallback(every_n_steps=1))
 if args.early: cbs.append(EarlyStoppingCallback(monitor='accuracy', patience=1))
 if args.count_writes: cbs += [SaveModelCallback(monitor='accuracy', fname='best'), CSVLogger()]
+if args.ema: cbs.append(EMACallback(0.9))
+if args.prune_at is not None:
+    import optuna
+    class FakeTrial:
+        "Rank 0's trial: its pruner says stop from epoch `prune_at` on"
+        def report(self, value, step): self.step = step
+        def should_prune(self): return self.step >= args.prune_at
+    cbs.append(OptunaPruningCallback(FakeTrial() if os.environ.get('RANK', '0') == '0' else None))   # the group is not up yet
 
 with learn.distrib_ctx(strategy=args.strategy, timeout=args.timeout):
     try: learn.fit(args.epochs, cbs=cbs, resume='auto' if args.auto else True if args.resume else None)
     except SignalStop:
         print(f'STOPPED RANK {rank_distrib()} AT {learn.train_iter}', flush=True)
         raise
+    except Exception as e:
+        if type(e).__name__ != 'TrialPruned': raise
+        print(f'PRUNED RANK {rank_distrib()} AT EPOCH {learn.epoch}', flush=True)
     preds, targs = learn.get_preds()
     rank, world = rank_distrib(), num_distrib()
     all_sizes = gather_objects(sizes)

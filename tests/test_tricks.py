@@ -54,3 +54,21 @@ def test_the_ema_is_in_the_checkpoint(tmp_path):
     saved = state['cbs']['ema']['ema']
     assert int(saved['n_averaged']) == ema.n_averaged == 6
     for k, v in ema.ema.state_dict().items(): assert torch.equal(saved[k], v), k
+
+def test_ema_under_ddp_equals_one_process(tmp_path):
+    from test_distributed import run, result
+    run(tmp_path/'one', '--bs', '16', '--ema', nproc=1)
+    run(tmp_path/'two', '--bs', '8', '--ema')
+    one, two = result(tmp_path/'one'), result(tmp_path/'two')
+    for k in one['model']: torch.testing.assert_close(two['model'][k], one['model'][k], atol=1e-6, rtol=1e-5)
+    # and the model holds the average, not the last weights: a run without EMA ends elsewhere
+    run(tmp_path/'plain', '--bs', '16', nproc=1)
+    plain = result(tmp_path/'plain')
+    assert any(not torch.allclose(plain['model'][k], one['model'][k]) for k in one['model'])
+
+def test_optuna_pruning_stops_every_rank_at_the_same_epoch(tmp_path):
+    pytest.importorskip('optuna')
+    from test_distributed import run
+    res = run(tmp_path, '--bs', '8', '--prune-at', '1', '--epochs', '4')
+    assert sorted(set(l for l in res.stdout.splitlines() if l.startswith('PRUNED'))) == \
+        ['PRUNED RANK 0 AT EPOCH 1', 'PRUNED RANK 1 AT EPOCH 1'], res.stdout[-2000:]
