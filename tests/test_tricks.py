@@ -24,8 +24,8 @@ def image_learner(path):
 
 def weights_and_extra(learn, trick):
     out = {k: v.clone() for k, v in learn.model.state_dict().items()}
-    if isinstance(trick, EMACallback): out.update({f'ema.{k}': v.clone() for k, v in trick.ema.state_dict().items()})
-    if isinstance(trick, SWACallback): out.update({f'swa.{k}': v.clone() for k, v in trick.swa.state_dict().items()})
+    if isinstance(trick, EMACallback): out.update({f'ema.{k}': v.clone() for k, v in trick.average.state_dict().items()})
+    if isinstance(trick, SWACallback): out.update({f'swa.{k}': v.clone() for k, v in trick.average.state_dict().items()})
     return out
 
 @pytest.mark.parametrize('make', [lambda: MixUp(0.4), lambda: CutMix(1.), lambda: EMACallback(0.9),
@@ -54,7 +54,7 @@ def test_the_ema_is_in_the_checkpoint(tmp_path):
     state = load_torch_file(checkpoints_in(tmp_path/'checkpoints')[-1])
     saved = state['cbs']['ema']['ema']
     assert int(saved['n_averaged']) == ema.n_averaged == 6
-    for k, v in ema.ema.state_dict().items(): assert torch.equal(saved[k], v), k
+    for k, v in ema.average.state_dict().items(): assert torch.equal(saved[k], v), k
 
 def test_ema_under_ddp_equals_one_process(tmp_path):
     from test_distributed import run, result
