@@ -25,7 +25,7 @@ class MixHandler(Callback):
     run_valid = False                   # validation, `get_preds` and `predict` see the data as it is
     def __init__(self, alpha=0.4):
         self.alpha = check_number(alpha, 'alpha', gt=0, finite=True, who=type(self).__name__)
-        self.lam,self.perm,self._yb_other = None,None,None
+        self.lam,self.perm,self._yb_other,self._beta = None,None,None,None
 
     def before_fit(self):
         if self.learn.loss_func is None:
@@ -35,7 +35,8 @@ class MixHandler(Callback):
 
     def draw_lambda(self):
         "λ drawn from Beta(`alpha`, `alpha`), taken as max(λ, 1-λ): the batch's own targets weigh the most"
-        lam = float(torch.distributions.Beta(self.alpha, self.alpha).sample())
+        if self._beta is None: self._beta = torch.distributions.Beta(float(self.alpha), float(self.alpha))  # made once
+        lam = float(self._beta.sample())            # on the CPU: no wait for the device
         return max(lam, 1 - lam)
 
     def before_batch(self):
