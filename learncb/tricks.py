@@ -110,13 +110,16 @@ class LabelSmoothingCrossEntropy(nn.CrossEntropyLoss):
     def __repr__(self): return f'LabelSmoothingCrossEntropy(eps={self.eps})'
 
 # %% ../nbs/29_tricks.ipynb #53165fc0
+def _weights(m):
+    "The parameters and buffers of module `m`, detached, in a fixed order"
+    return [t.detach() for t in (*m.parameters(), *m.buffers())]
+
 def _swap_weights(a, b):
     "Exchange the values of the parameters and buffers of modules `a` and `b` (same architecture)"
-    with torch.no_grad():
-        for x,y in zip([*a.parameters(), *a.buffers()], [*b.parameters(), *b.buffers()]):
-            tmp = x.detach().clone()
-            x.copy_(y)
-            y.copy_(tmp)
+    for x,y in zip(_weights(a), _weights(b)):
+        tmp = x.clone()
+        x.copy_(y)
+        y.copy_(tmp)
 
 class WeightAveraging(Callback):
     "Base of `EMACallback` and `SWACallback`: an `AveragedModel` of the learner's model (`average`), `swap`, `n_averaged`"
@@ -148,18 +151,36 @@ class EMACallback(WeightAveraging):
         if decay >= 1: raise ValueError(f"EMACallback: decay={decay!r} never moves the average: use a value just "
                                         f"below 1, such as 0.999 (the average then spans about 1000 steps)")
         super().__init__()
-        self.validate,self.replace_at_end,self._stepped = validate,replace_at_end,True
+        self.validate,self.replace_at_end,self._stepped,self._n = validate,replace_at_end,True,0
 
-    def before_fit(self): self._start(multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=True)
+    def before_fit(self):
+        self._start(multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=True)
+        pairs = list(zip(_weights(self.average.module), _weights(self._model)))      # per fit, not per step
+        self._floats = {}                  # floating tensors by (device, dtype): one `_foreach_lerp_` for each group
+        for a,m in pairs:
+            if not a.is_floating_point(): continue
+            avg,model = self._floats.setdefault((a.device, a.dtype), ([], []))
+            avg.append(a); model.append(m)
+        self._others,self._pairs,self._n = [(a, m) for a,m in pairs if not a.is_floating_point()],pairs,0
 
     def after_cancel_step(self): self._stepped = False
 
     def after_step(self):
-        if self._stepped: self.average.update_parameters(plain_model(self.learn.model))
+        if self._stepped: self._update()
         self._stepped = True
 
+    def _update(self):
+        "`AveragedModel.update_parameters` without its two host syncs a step (it reads `n_averaged` from the device)"
+        if self._n == 0:
+            for a,m in self._pairs: a.copy_(m)
+        else:
+            for avg,model in self._floats.values(): self.average.multi_avg_fn(avg, model, None)
+            for a,m in self._others: a.copy_(m)        # counters such as num_batches_tracked: the latest
+        self._n += 1
+        self.average.n_averaged.fill_(self._n)         # a kernel, no wait: the count is kept for checkpoints
+
     def before_validate(self):
-        if self.validate and self.learn.fitting and self.n_averaged and not self._swapped: self.swap()
+        if self.validate and self.learn.fitting and self._n and not self._swapped: self.swap()
 
     def after_validate(self):
         if self._swapped: self.swap()
@@ -176,7 +197,9 @@ class EMACallback(WeightAveraging):
 
     def load_state_dict(self, state):
         "Put back what `state_dict` returned"
-        if 'ema' in state: self.average.load_state_dict(state['ema'])
+        if 'ema' not in state: return
+        self.average.load_state_dict(state['ema'])
+        self._n = int(self.average.n_averaged)          # once, when a run resumes
 
 # %% ../nbs/29_tricks.ipynb #b0ec6b48
 class SWACallback(WeightAveraging):

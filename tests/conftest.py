@@ -22,6 +22,13 @@ class SyncCounter:
     def __exit__(self, *exc):
         for name, orig in self.saved.items(): setattr(torch.Tensor, name, orig)
 
+class CrashAt(Callback):
+    "Raises `RuntimeError(message)` after training batch `at` (after the checkpoint of that batch, if any, was written)"
+    order = 99
+    def __init__(self, at, message='the machine went away'): self.at,self.message = at,message
+    def after_batch(self):
+        if self.training and self.train_iter == self.at: raise RuntimeError(self.message)
+
 class FailAfterEpoch(Callback):
     "Raises `RuntimeError('boom')` at the end of epoch `at`: between batches, so the checkpoint it leaves is exact"
     order = 99

@@ -9,7 +9,7 @@ import pytest, torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 from learncb.all import *
-from conftest import synth_dls, synth_learner
+from conftest import synth_dls, synth_learner, CrashAt
 
 # ---------------------------------------------------------------- helpers
 
@@ -19,13 +19,6 @@ class CountBatches(Callback):
     def __init__(self): self.n = 0
     def before_batch(self):
         if self.training: self.n += 1
-
-class CrashAt(Callback):
-    "Raises after training batch `at` (after the checkpoint of that batch, if any, was written)"
-    order = 99
-    def __init__(self, at): self.at = at
-    def after_batch(self):
-        if self.training and self.train_iter == self.at: raise RuntimeError('the machine went away')
 
 def snapshot(learn):
     "What a failed load must leave as it was: weights, optimizer state, history, loop position, learn.state"

@@ -40,12 +40,11 @@ def test_reading_the_history_syncs_once():
         learn.recorder.losses; learn.recorder.smooth_loss; learn.recorder.values
     assert sum(c.counts.values()) == 0                  # already floats after the epoch
 
-def test_throughput_callback_does_not_sync_per_batch():
+@pytest.mark.parametrize('make', [ThroughputCallback, lambda: EMACallback(0.9)], ids=['throughput', 'ema'])
+def test_callbacks_that_do_not_sync_per_batch(make):
     def syncs(n_batches):
         learn = synth_learner(dls=synth_dls(n_train=16 * n_batches, n_valid=16 * 4), opt_func=torch.optim.SGD)
-        thr = ThroughputCallback()
-        with SyncCounter() as c: learn.fit(1, cbs=thr)
-        assert len(thr.history) == 1
+        with SyncCounter() as c: learn.fit(1, cbs=make())
         return c.counts
     few, many = syncs(100), syncs(300)
     assert few == many, f'100 batches: {dict(few)}, 300 batches: {dict(many)}'

@@ -7,7 +7,7 @@ import pytest, torch
 from torch import nn
 from learncb.all import *
 from learncb.schedule import *
-from conftest import synth_learner, synth_dls
+from conftest import synth_learner, synth_dls, CrashAt
 
 N_ITER = 4      # batches per epoch of conftest's synth_dls (64 items, bs 16)
 
@@ -349,20 +349,13 @@ def test_lr_scheduler_state_loaded_outside_a_fit_goes_to_the_next_scheduler():
     assert learn.recorder.lrs == approx(hand_lrs(step_lr, 8, range(8))[4:])
     assert LRSchedulerCallback(step_lr).state_dict() == {}
 
-class StopAfter(Callback):
-    "Kills the fit at the end of training batch `at`, after the checkpoint of that batch is written"
-    order = 99
-    def __init__(self, at): self.at = at
-    def after_batch(self):
-        if self.training and self.train_iter == self.at: raise RuntimeError('killed')
-
 @pytest.mark.parametrize('kind', ['one_cycle', 'torch_scheduler'])
 def test_interrupted_scheduled_run_resumes_exactly(kind, tmp_path):
     from learncb.checkpoint import CheckpointCallback
     def run(folder, stop_at=None, resume=None):
         learn = synth_learner(path=folder, opt_func=torch.optim.Adam)
         warmup = WarmupCallback(3, start_factor=0.1)
-        cbs = [warmup, CheckpointCallback(every_n_steps=1)] + ([StopAfter(stop_at)] if stop_at is not None else [])
+        cbs = [warmup, CheckpointCallback(every_n_steps=1)] + ([CrashAt(stop_at, 'killed')] if stop_at is not None else [])
         if kind == 'one_cycle':
             learn.fit_one_cycle(3, lr_max=0.05, cbs=cbs, resume=resume)
             sched_state = learn.param_scheduler.hps

@@ -5,13 +5,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from learncb.all import *
 from learncb.test_utils import synth_learner
-
-class FailAtBatch(Callback):
-    "Raises in `after_batch` of training batch `at` (after CheckpointCallback's, so the checkpoint it leaves is exact)"
-    order = 99
-    def __init__(self, at): self.at = at
-    def after_batch(self):
-        if self.training and self.train_iter == self.at: raise RuntimeError('boom')
+from conftest import CrashAt
 
 def image_learner(path):
     g = torch.Generator().manual_seed(0)
@@ -38,7 +32,7 @@ def test_a_resumed_run_with_a_trick_equals_an_uninterrupted_one(tmp_path, make):
 
     cut = image_learner(tmp_path/'cut')
     with pytest.raises(RuntimeError, match='boom'):
-        cut.fit(3, cbs=[make(), CheckpointCallback(every_n_steps=2), FailAtBatch(at=9)])     # in the middle of epoch 2
+        cut.fit(3, cbs=[make(), CheckpointCallback(every_n_steps=2), CrashAt(9, 'boom')])     # in the middle of epoch 2
     resumed = image_learner(tmp_path/'cut')
     trick = make()
     resumed.fit(3, cbs=[trick, CheckpointCallback(every_n_steps=2)], resume=True)
