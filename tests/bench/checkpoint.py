@@ -43,6 +43,11 @@ class WriteOnly(Callback):
             self.writer.submit(partial(atomic_write, self.data, Path(self.folder)/f'w{self.learn.train_iter % 300}.pt'))
     def after_fit(self): self.writer.wait(); self.writer.close()
 
+class SnapshotOnly(Callback):
+    "Every 100 training batches, takes the snapshot a checkpoint takes at the batch boundary, and writes nothing"
+    def after_batch(self):
+        if self.learn.training and self.learn.train_iter % 100 == 0: StateSnapshot(self.learn.state_dict())
+
 def main(short=False):
     torch.set_num_threads(1)
     n_batches, rounds, repeats = (100, 2, 10) if short else (600, 5, 50)
@@ -56,12 +61,18 @@ def main(short=False):
     with tempfile.TemporaryDirectory() as d:
         t = best_times({'plain': lambda: fit_with(train, valid, None, d),
                         'ckpt': lambda: fit_with(train, valid, CheckpointCallback(every_n_steps=100), d),
-                        'io': lambda: fit_with(train, valid, WriteOnly(size, d), d)}, rounds)
-    plain, ckpt, io_only = (t[k] / n_steps * 1e6 for k in ('plain', 'ckpt', 'io'))
+                        'io': lambda: fit_with(train, valid, WriteOnly(size, d), d),
+                        'snap': lambda: fit_with(train, valid, SnapshotOnly(), d)}, rounds)
+    plain, ckpt, io_only, snap = (t[k] / n_steps * 1e6 for k in ('plain', 'ckpt', 'io', 'snap'))
     print(f"loop benchmark, default cbs: {plain:.1f} us/step; with CheckpointCallback(every_n_steps=100): {ckpt:.1f} us/step "
           f"({ckpt - plain:+.1f} us/step, {ckpt / plain:.3f}x)")
     print(f"the file writes alone (same size and times, same writer thread, no state copied): {io_only:.1f} us/step "
           f"({io_only - plain:+.1f} us/step, {io_only / plain:.3f}x)")
+    print(f"the snapshot alone (state_dict + StateSnapshot at the same batches, nothing written): {snap:.1f} us/step "
+          f"({snap - plain:+.1f} us/step, {snap / plain:.3f}x)")
+    n_saves = n_epoch * (len(train) // 100 + 1)          # every 100 training batches, and at each epoch's end
+    print(f"the 1.02x budget: {0.02 * plain:.1f} us/step, {0.02 * plain * n_steps / n_saves / 1e3:.2f} ms per checkpoint "
+          f"({n_saves} checkpoints in {n_steps} steps); spent: {(ckpt - plain) * n_steps / n_saves / 1e3:.2f} ms per checkpoint")
 
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__)
