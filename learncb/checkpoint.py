@@ -469,6 +469,7 @@ class CheckpointCallback(Callback):
         self.last,self._old_handlers,self._stateful,self._loader_end,self._on_disk = None,{},False,None,[]
         self._caught,self._signal = None,None          # the signal this rank caught; the one the fit stops for
         self._exchange,self._writer,self._sharded_save,self._save_group = None,BackgroundWriter(),None,None
+        self._buffer = None                             # the last snapshot's bytes, reused by the next one
         self._pos = {'at': None, 'epoch': 0, 'iter': -1, 'dirty': False}   # the last complete point of the run
 
     @property
@@ -544,11 +545,17 @@ def save(self:CheckpointCallback):
         self._sharded_save = start_sharded(state, path, self._save_group)
         if self._save_group is None: self._finish_sharded()
     elif is_rank0():                         # copied now: training goes on changing the tensors
-        write = partial(StateSnapshot(state).write, path)
+        self._writer.wait()                  # the write before is done: a large state is copied into its memory again
+        snapshot = StateSnapshot(state, self._buffer)
+        self._buffer,write = _kept_buffer(snapshot),partial(snapshot.write, path)
         if self.background: self._writer.submit(partial(self._write_and_prune, write, path))  # the rest off the thread
         else: self._write_and_prune(write, path)
     self.last = path
     return path
+
+def _kept_buffer(snapshot, min_bytes=2**20):
+    "The memory of `snapshot` for the next one to copy into, if it is large: there, memory touched before is ~4x faster"
+    return snapshot.buffer if snapshot.data is not None and snapshot.data.numel() >= min_bytes else None
 
 @patch
 def _write_and_prune(self:CheckpointCallback, write, path):
@@ -638,7 +645,7 @@ def after_exception(self:CheckpointCallback):
         add_note(e, f"learncb: the checkpoint could not be written: {write_error}")
     finally:
         self._restore_signals()
-        self._writer.close()
+        self._writer.close(); self._buffer = None
 
 @patch
 def after_fit(self:CheckpointCallback):
@@ -649,7 +656,7 @@ def after_fit(self:CheckpointCallback):
             if self._exchange is not None: self._exchange.close()
     finally:
         self._restore_signals()
-        self._writer.close()                                    # its thread ends with the fit
+        self._writer.close(); self._buffer = None            # its thread ends with the fit
     signum,self._exchange = self._signal if self._signal is not None else self._caught,None
     if signum is not None and self.learn.exception is None:    # the signal came when no batch was left to finish
         self._signal = self._caught = None

@@ -151,23 +151,33 @@ def _plain(t):
     if t.requires_grad: t = t.detach()
     return t.resolve_conj().resolve_neg() if t.dtype.is_complex else t
 
-def _bytes_of(tensors):
-    "One uint8 CPU tensor holding the bytes of every tensor of `tensors`, one after another: a copy taken now"
-    if not tensors: return torch.zeros(0, dtype=torch.uint8)
+def _bytes_of(tensors, buffer=None):
+    "The bytes of every tensor of `tensors`, one after another, copied now into a uint8 CPU tensor; and the memory used"
     parts = [_plain(t).reshape(-1).view(torch.uint8) for t in tensors]
+    n = sum(p.numel() for p in parts)
+    if not _reusable(buffer, n): buffer = torch.empty(n + n // 8, dtype=torch.uint8)    # room for a history that grows
+    out = torch.empty(0, dtype=torch.uint8).set_(buffer.untyped_storage()[:n])  # n bytes of it, saved as n bytes
+    if not parts: return out,buffer
     device = parts[0].device
-    if all(p.device == device for p in parts): return torch.cat(parts).cpu()     # one copy (and one from a GPU)
-    return torch.cat([p.cpu() for p in parts])
+    if not all(p.device == device for p in parts): torch.cat([p.cpu() for p in parts], out=out)
+    elif device.type == 'cpu': torch.cat(parts, out=out)          # one copy
+    else: out.copy_(torch.cat(parts))                             # one copy on the device, one transfer
+    return out,buffer
+
+def _reusable(buffer, n):
+    "Whether `buffer`, an earlier snapshot's memory, can hold `n` bytes"
+    return isinstance(buffer, torch.Tensor) and buffer.dtype == torch.uint8 and buffer.device.type == 'cpu' and \
+           buffer.is_contiguous() and buffer.storage_offset() == 0 and buffer.numel() >= n
 
 class StateSnapshot:
     "A copy of `state` (a dict) taken now, in a form that is fast to make; `write` saves it later, from any thread"
-    def __init__(self, state):
+    def __init__(self, state, buffer=None):     # `buffer`: an earlier snapshot's, written: its memory is copied into again
         f = io.BytesIO()
         pickler = _SnapshotPickler(f)
         try:
             pickler.dump(state)
-            self.meta,self.data,self.fallback = f.getvalue(),_bytes_of(pickler.tensors),None
-        except _NotPackable: self.meta,self.data,self.fallback = None,None,serialized(with_checksum(state))
+            self.meta,(self.data,self.buffer),self.fallback = f.getvalue(),_bytes_of(pickler.tensors, buffer),None
+        except _NotPackable: self.meta,self.data,self.buffer,self.fallback = None,None,None,serialized(with_checksum(state))
 
     def write(self, path):
         "Write the snapshot to `path` atomically, with a checksum of all of it: `load_torch_file` reads it back"

@@ -79,3 +79,20 @@ def test_a_full_disk_in_the_writer_is_raised_in_the_training_thread(tmp_path, mo
     notes = ' '.join(getattr(e.value, '__notes__', []))
     assert 'checkpoint_00000002_batch.pt' in str(e.value) and 'the disk is full; it needs' in notes, (e.value, notes)
     assert [p.name for p in checkpoints_in(tmp_path/'checkpoints')] == ['checkpoint_00000001_batch.pt']   # kept
+
+def test_checkpoints_copy_into_the_memory_of_the_one_before_and_each_file_holds_its_own_state(tmp_path):
+    from torch import nn
+    from learncb.all import Callback, CheckpointCallback
+    from learncb.test_utils import synth_learner
+    ckpt = CheckpointCallback(every_n_steps=1, keep_last=1000, every_epoch=False)
+    seen = []
+    class Watch(Callback):                   # after each save: where its bytes went, and the weights it holds
+        order = ckpt.order + 1
+        def after_batch(self):
+            if self.learn.training: seen.append((ckpt._buffer, ckpt.last, self.learn.model[1].weight.detach().clone()))
+    learn = synth_learner(path=tmp_path, model=nn.Sequential(nn.Linear(2, 512), nn.Linear(512, 512), nn.Linear(512, 2)))
+    learn.fit(2, cbs=[ckpt, Watch()])                # 1 MB of weights: a state large enough to keep its memory
+    buffers = {id(b) for b,_,_ in seen}        # held here: a buffer made anew cannot take an earlier one's id
+    assert len(seen) > 4 and None not in [b for b,_,_ in seen] and len(buffers) < len(seen) / 2, (len(buffers), len(seen))  # mostly copied into again
+    for _,path,weight in seen: assert torch.equal(load_torch_file(path)['model']['1.weight'], weight), path
+    assert ckpt._buffer is None                  # let go with the fit

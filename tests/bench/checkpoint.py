@@ -30,6 +30,15 @@ def checkpoint_ms(n_batches, repeats):
     ms = lambda ts: statistics.median(ts) * 1e3
     return ms(times), min(times) * 1e3, size, ms(copies), ms(before)
 
+def big_snapshot_ms(mb, repeats):
+    "Median milliseconds to snapshot a state of `mb` MB into new memory, and into the memory of the snapshot before"
+    state = {'model': {f'w{i}': torch.randn(mb * 2**20 // 64) for i in range(16)}}
+    fresh,reused,buffer = [],[],None
+    for _ in range(repeats):
+        t = time.perf_counter(); StateSnapshot(state); fresh.append(time.perf_counter() - t)
+        t = time.perf_counter(); buffer = StateSnapshot(state, buffer).buffer; reused.append(time.perf_counter() - t)
+    return statistics.median(fresh[1:]) * 1e3, statistics.median(reused[1:]) * 1e3
+
 def fit_with(train, valid, cbs, path):
     "One fit in a fresh folder under `path`: each run writes its own checkpoints, as a user's runs should"
     learn = bench_learner(train, valid, tempfile.mkdtemp(dir=path))
@@ -55,6 +64,10 @@ def main(short=False):
     print(f"one checkpoint of the loop benchmark's learner ({size / 1024:.0f} KiB, with fsync): median {med:.2f} ms, best {best:.2f} ms")
     print(f"its cost on the training thread (state_dict + StateSnapshot): median {copy:.2f} ms "
           f"(state_dict + torch.save + with_checksum, as before snapshots: {before:.2f} ms)")
+    mb = 16 if short else 256
+    fresh, reused = big_snapshot_ms(mb, 3 if short else 6)
+    print(f"the snapshot of a {mb} MB state: {fresh:.0f} ms into new memory, {reused:.0f} ms into the memory of the one before "
+          f"(as CheckpointCallback does)")
     train, valid = make_data(n_batches)
     n_epoch = 2 if n_batches > 100 else 1
     n_steps = n_epoch * (len(train) + len(valid))
