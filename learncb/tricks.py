@@ -139,7 +139,8 @@ class WeightAveraging(Callback):
 
     def swap(self):
         "Exchange the model's weights and the average: the model then holds the average (call again to go back)"
-        if self._model is None: raise RuntimeError(f"{type(self).__name__}.swap: there is no average before a fit")
+        if self._model is None: raise RuntimeError(f"{type(self).__name__}.swap: there is no average yet: it is made when a "
+                                                 f"fit with this callback starts (learn.fit(n, cbs=this_callback))")
         _swap_weights(self._model, self.average.module)       # the fit's model: it works after the fit too
         self._swapped = not self._swapped
 
@@ -210,6 +211,7 @@ class SWACallback(WeightAveraging):
         check_int(start_epoch, 'start_epoch', ge=0, who='SWACallback')
         check_int(anneal_epochs, 'anneal_epochs', ge=0, who='SWACallback')
         check_choice(anneal_strategy, 'anneal_strategy', ('cos', 'linear'), who='SWACallback')
+        check_number(swa_lr, 'swa_lr', ge=0, finite=True, per_group=True, who='SWACallback', hint='the lr to anneal to, such as 0.05')
         self.start_epoch,self.swa_lr,self.anneal_epochs,self.anneal_strategy = start_epoch,swa_lr,anneal_epochs,anneal_strategy
         super().__init__()
         self.update_bn,self.replace_at_end = update_bn,replace_at_end

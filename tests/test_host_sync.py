@@ -40,11 +40,15 @@ def test_reading_the_history_syncs_once():
         learn.recorder.losses; learn.recorder.smooth_loss; learn.recorder.values
     assert sum(c.counts.values()) == 0                  # already floats after the epoch
 
-@pytest.mark.parametrize('make', [ThroughputCallback, lambda: EMACallback(0.9)], ids=['throughput', 'ema'])
-def test_callbacks_that_do_not_sync_per_batch(make):
+@pytest.mark.parametrize('make,did_its_work', [(ThroughputCallback, lambda cb, n: len(cb.history) == 1),
+                                               (lambda: EMACallback(0.9), lambda cb, n: cb.n_averaged == n)],
+                         ids=['throughput', 'ema'])
+def test_callbacks_that_do_not_sync_per_batch(make, did_its_work):
     def syncs(n_batches):
         learn = synth_learner(dls=synth_dls(n_train=16 * n_batches, n_valid=16 * 4), opt_func=torch.optim.SGD)
-        with SyncCounter() as c: learn.fit(1, cbs=make())
+        cb = make()
+        with SyncCounter() as c: learn.fit(1, cbs=cb)
+        assert did_its_work(cb, n_batches)              # the count below is of a callback that ran
         return c.counts
     few, many = syncs(100), syncs(300)
     assert few == many, f'100 batches: {dict(few)}, 300 batches: {dict(many)}'

@@ -37,8 +37,7 @@ class OptunaPruningCallback(TrackerCallback):
             value = float('nan') if self.value is None else self.value
             self.trial.report(value, step=self.learn.epoch)
             prune = float(self.trial.should_prune())
-        if num_distrib() > 1: prune = float(sum_across_ranks(torch.tensor([prune]))[0])   # rank 0's word, to all
-        if prune:
+        if float(sum_across_ranks(torch.tensor([prune]))[0]):        # rank 0's word, to all ranks
             self.pruned_at = self.learn.epoch
             self.learn.stop_fit(f"Optuna pruned the trial at epoch {self.learn.epoch} ({self.monitor_name}="
                                 f"{self.value})")
