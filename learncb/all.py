@@ -4,6 +4,10 @@ from .core import *
 from .utils import *
 from .files import *
 from .checks import *
+from .diagnose import *
+from .dispatch import *
+from .optim import *
+from .weights import *
 from .learner import *
 from .metrics import *
 from .recorder import *

@@ -117,14 +117,13 @@ def _opt_param_names(learn):
 @patch
 def state_dict(self:Learner):
     "Everything a run depends on: model, optimizer, gradients, loop position, random generators, data order, callbacks"
-    dl,stop = self.dls.train,self.stop_reason
+    dl = self.dls.train
     sampler = _sampler_of(dl)
     return {'format': 'learncb-checkpoint', 'version': 2,
             'model': plain_model(self.model).state_dict(),
             'opt': None if self.opt is None else self.opt.state_dict(), 'opt_params': _opt_param_names(self),
             'grads': {n: p.grad for n,p in plain_model(self.model).named_parameters() if p.grad is not None},
-            'loop': {'epoch': self.epoch, 'iter': self.iter, 'train_iter': self.train_iter, 'pct_train': self.pct_train,
-                     'n_epoch': self.n_epoch, 'stop_reason': None if stop is None else str(stop)},
+            'loop': self.loop_state(),
             'rng': rng_state(), 'world_size': num_distrib(),
             'data': None if sampler is None else sampler.state_dict(),
             'loader': dl.state_dict() if _has_state(dl) else None,
@@ -438,7 +437,6 @@ def resume_cbs(learn, resume):
              [CheckpointCallback(path=path.parent, **state.get('checkpointing', {}))]
     return [ResumeCallback(state, path), *saving]
 
-defaults.resume_cbs = resume_cbs          # what learn.fit(resume=...) calls
 
 def _make_train_resumable(learn, seed):
     "Give the learner's training dataloader a resumable order if it can have one (else say why not)"
@@ -526,139 +524,127 @@ class CheckpointCallback(Callback):
         if self._stop_asked(wait=True): self._stop_now()
         elif self.every_epoch: self.save()
 
-# %% ../nbs/16_checkpoint.ipynb #f7b9ccb4
-@patch
-def save(self:CheckpointCallback):
-    "Write a checkpoint as of the run's last complete point (a training batch or an epoch), then remove old ones"
-    learn,pos = self.learn,self._pos
-    state = learn.state_dict()
-    state['loop'].update(epoch=pos['epoch'], iter=pos['iter'])
-    state.update(at=pos['at'], exact=not pos['dirty'], checkpointing=dict(every_n_steps=self.every_n_steps,
-                 every_epoch=self.every_epoch, keep_last=self.keep_last, on_exception=self.on_exception))
-    end = self._loader_end
-    if end is not None and end[0] == pos['epoch'] and (pos['at'] == 'epoch_end' or pos['iter'] == end[1]):
-        state.update(loader=end[2], loader_drain=pos['at'] == 'epoch_end')
-    sharded = is_sharded(learn.model)
-    path = self.folder/f"checkpoint_{learn.train_iter:08d}_{pos['at']}{'' if sharded else '.pt'}"
-    if sharded:                              # copied to the CPU now; written by DCP's thread (every rank its shards)
-        self._finish_sharded()
-        self._sharded_save = start_sharded(state, path, self._save_group)
-        if self._save_group is None: self._finish_sharded()
-    elif is_rank0():                         # copied now: training goes on changing the tensors
-        self._writer.wait()                  # the write before is done: a large state is copied into its memory again
-        snapshot = StateSnapshot(state, self._buffer)
-        self._buffer,write = _kept_buffer(snapshot),partial(snapshot.write, path)
-        if self.background: self._writer.submit(partial(self._write_and_prune, write, path))  # the rest off the thread
-        else: self._write_and_prune(write, path)
-    self.last = path
-    return path
+    def after_exception(self):
+        learn,e = self.learn,self.learn.exception
+        self._exchange,self._sharded_save = None,None   # another rank may be gone: nothing more to wait for together
+        try:
+            if isinstance(e, (KeyboardInterrupt, SignalStop)) and (self._signal or self._caught): return   # held: saved
+            self._writer.wait()
+            if not self.on_exception or self._pos['at'] is None or num_distrib() > 1: return
+            if learn.training and (learn.epoch, learn.iter) != (self._pos['epoch'], self._pos['iter']):
+                self._pos['dirty'] = True      # a batch had begun since the last complete point
+            path = self.save()
+            self._writer.wait()
+            add_note(e, f"learncb: the run is saved in {path}" +
+                      (' (after an error in the middle of a batch: resuming from it is not exact)'
+                       if self._pos['dirty'] else ''))
+        except Exception as write_error:
+            add_note(e, f"learncb: the checkpoint could not be written: {write_error}")
+        finally:
+            self._restore_signals()
+            self._writer.close(); self._buffer = None
 
+    def after_fit(self):
+        try:
+            if self.learn.exception is None:
+                self._writer.wait()                                 # the last checkpoint is on disk when the fit ends
+                self._finish_sharded()
+                if self._exchange is not None: self._exchange.close()
+        finally:
+            self._restore_signals()
+            self._writer.close(); self._buffer = None            # its thread ends with the fit
+        signum,self._exchange = self._signal if self._signal is not None else self._caught,None
+        if signum is not None and self.learn.exception is None:    # the signal came when no batch was left to finish
+            self._signal = self._caught = None
+            if signum == signal.SIGINT: raise KeyboardInterrupt("interrupted at the end of the fit")
+            raise SignalStop(signum, self.last)
+
+    def _catch_signals(self):
+        "Hold Ctrl-C (with `on_exception`) and the `signals` until the end of the batch, so that the checkpoint then is exact"
+        if threading.current_thread() is not threading.main_thread(): return
+        def hold(signum, frame):
+            if self.learn is None or not self.learn.fitting:       # the fit is over: give the signal back, and pass it on
+                self._restore_signals()
+                return signal.raise_signal(signum)
+            self._caught = signum                                  # this rank's; `_signal`: the one the fit stops for
+            signal.signal(signum, self._old_handlers[signum])      # a second one acts at once
+        held = ([signal.SIGINT] if self.on_exception else []) + self._signums
+        before = {s: signal.signal(s, hold) for s in held}
+        self._old_handlers = {s: signal.SIG_DFL if h is None else h for s,h in before.items()}   # None: set outside Python
+
+    def _restore_signals(self):
+        "Give back the handlers found before the fit"
+        for s,handler in self._old_handlers.items(): signal.signal(s, handler)
+        self._old_handlers = {}
+
+    def _stop_asked(self, wait=False):
+        "Whether a signal caught on this rank (or, in a distributed run, on any rank) asks the fit to stop now"
+        if self._exchange is None: self._signal = self._caught
+        elif self._signal is None: self._signal = self._exchange.agreed(self._caught, wait=wait)   # every rank at once
+        return self._signal is not None
+
+    def _stop_now(self):
+        "Save the run, wait for the file, and end the fit: `KeyboardInterrupt` for Ctrl-C, else `SignalStop`"
+        path = self.save()
+        self._writer.wait()
+        self._finish_sharded()
+        self._restore_signals()
+        if self._signal == signal.SIGINT: raise KeyboardInterrupt(
+            f"interrupted; the run is saved in {path}: continue it with learn.fit(..., resume=True)")
+        e = SignalStop(self._signal, path)
+        if is_rank0(): print(f"learncb: {e}", file=sys.stderr, flush=True)
+        raise e
+
+    def save(self):
+        "Write a checkpoint as of the run's last complete point (a training batch or an epoch), then remove old ones"
+        learn,pos = self.learn,self._pos
+        state = learn.state_dict()
+        state['loop'].update(epoch=pos['epoch'], iter=pos['iter'])
+        state.update(at=pos['at'], exact=not pos['dirty'], checkpointing=dict(every_n_steps=self.every_n_steps,
+                     every_epoch=self.every_epoch, keep_last=self.keep_last, on_exception=self.on_exception))
+        end = self._loader_end
+        if end is not None and end[0] == pos['epoch'] and (pos['at'] == 'epoch_end' or pos['iter'] == end[1]):
+            state.update(loader=end[2], loader_drain=pos['at'] == 'epoch_end')
+        sharded = is_sharded(learn.model)
+        path = self.folder/f"checkpoint_{learn.train_iter:08d}_{pos['at']}{'' if sharded else '.pt'}"
+        if sharded:                              # copied to the CPU now; written by DCP's thread (every rank its shards)
+            self._finish_sharded()
+            self._sharded_save = start_sharded(state, path, self._save_group)
+            if self._save_group is None: self._finish_sharded()
+        elif is_rank0():                         # copied now: training goes on changing the tensors
+            self._writer.wait()                  # the write before is done: a large state is copied into its memory again
+            snapshot = StateSnapshot(state, self._buffer)
+            self._buffer,write = _kept_buffer(snapshot),partial(snapshot.write, path)
+            if self.background: self._writer.submit(partial(self._write_and_prune, write, path))  # the rest off the thread
+            else: self._write_and_prune(write, path)
+        self.last = path
+        return path
+
+    def _write_and_prune(self, write, path):
+        "Write a checkpoint to `path` with `write()`, then remove the checkpoints older than it beyond `keep_last`"
+        write()
+        self._prune(path)
+
+    def _finish_sharded(self):
+        "Wait for the sharded checkpoint in flight, if any, write its marker (it counts from then on), prune the old ones"
+        save,self._sharded_save = self._sharded_save,None
+        if save is None: return
+        finish_sharded(save)
+        self._prune(save.folder)
+
+    def _prune(self, path):
+        "Remove the checkpoints older than `path` beyond `keep_last` (rank 0)"
+        if not is_rank0(): return
+        key = _ckpt_key(path)
+        on_disk = sorted({*self._on_disk, path}, key=_ckpt_key)   # kept in memory: listing the folder costs ~0.3 ms a save
+        older = [p for p in on_disk if _ckpt_key(p) < key]
+        gone = older[:max(0, len(older) - self.keep_last + 1)]
+        for old in gone:
+            if old.is_dir(): shutil.rmtree(old, ignore_errors=True)
+            else: old.unlink(missing_ok=True)
+        self._on_disk = [p for p in on_disk if p not in gone]
+
+# %% ../nbs/16_checkpoint.ipynb #f7b9ccb4
 def _kept_buffer(snapshot, min_bytes=2**20):
     "The memory of `snapshot` for the next one to copy into, if it is large: there, memory touched before is ~4x faster"
     return snapshot.buffer if snapshot.data is not None and snapshot.data.numel() >= min_bytes else None
-
-@patch
-def _write_and_prune(self:CheckpointCallback, write, path):
-    "Write a checkpoint to `path` with `write()`, then remove the checkpoints older than it beyond `keep_last`"
-    write()
-    self._prune(path)
-
-@patch
-def _finish_sharded(self:CheckpointCallback):
-    "Wait for the sharded checkpoint in flight, if any, write its marker (it counts from then on), prune the old ones"
-    save,self._sharded_save = self._sharded_save,None
-    if save is None: return
-    finish_sharded(save)
-    self._prune(save.folder)
-
-@patch
-def _prune(self:CheckpointCallback, path):
-    "Remove the checkpoints older than `path` beyond `keep_last` (rank 0)"
-    if not is_rank0(): return
-    key = _ckpt_key(path)
-    on_disk = sorted({*self._on_disk, path}, key=_ckpt_key)   # kept in memory: listing the folder costs ~0.3 ms a save
-    older = [p for p in on_disk if _ckpt_key(p) < key]
-    gone = older[:max(0, len(older) - self.keep_last + 1)]
-    for old in gone:
-        if old.is_dir(): shutil.rmtree(old, ignore_errors=True)
-        else: old.unlink(missing_ok=True)
-    self._on_disk = [p for p in on_disk if p not in gone]
-
-# %% ../nbs/16_checkpoint.ipynb #30b278de
-@patch
-def _catch_signals(self:CheckpointCallback):
-    "Hold Ctrl-C (with `on_exception`) and the `signals` until the end of the batch, so that the checkpoint then is exact"
-    if threading.current_thread() is not threading.main_thread(): return
-    def hold(signum, frame):
-        if self.learn is None or not self.learn.fitting:       # the fit is over: give the signal back, and pass it on
-            self._restore_signals()
-            return signal.raise_signal(signum)
-        self._caught = signum                                  # this rank's; `_signal`: the one the fit stops for
-        signal.signal(signum, self._old_handlers[signum])      # a second one acts at once
-    held = ([signal.SIGINT] if self.on_exception else []) + self._signums
-    before = {s: signal.signal(s, hold) for s in held}
-    self._old_handlers = {s: signal.SIG_DFL if h is None else h for s,h in before.items()}   # None: set outside Python
-
-@patch
-def _restore_signals(self:CheckpointCallback):
-    "Give back the handlers found before the fit"
-    for s,handler in self._old_handlers.items(): signal.signal(s, handler)
-    self._old_handlers = {}
-
-@patch
-def _stop_asked(self:CheckpointCallback, wait=False):
-    "Whether a signal caught on this rank (or, in a distributed run, on any rank) asks the fit to stop now"
-    if self._exchange is None: self._signal = self._caught
-    elif self._signal is None: self._signal = self._exchange.agreed(self._caught, wait=wait)   # every rank at once
-    return self._signal is not None
-
-@patch
-def _stop_now(self:CheckpointCallback):
-    "Save the run, wait for the file, and end the fit: `KeyboardInterrupt` for Ctrl-C, else `SignalStop`"
-    path = self.save()
-    self._writer.wait()
-    self._finish_sharded()
-    self._restore_signals()
-    if self._signal == signal.SIGINT: raise KeyboardInterrupt(
-        f"interrupted; the run is saved in {path}: continue it with learn.fit(..., resume=True)")
-    e = SignalStop(self._signal, path)
-    if is_rank0(): print(f"learncb: {e}", file=sys.stderr, flush=True)
-    raise e
-
-# %% ../nbs/16_checkpoint.ipynb #e37b2923
-@patch
-def after_exception(self:CheckpointCallback):
-    learn,e = self.learn,self.learn.exception
-    self._exchange,self._sharded_save = None,None   # another rank may be gone: nothing more to wait for together
-    try:
-        if isinstance(e, (KeyboardInterrupt, SignalStop)) and (self._signal or self._caught): return   # held: saved
-        self._writer.wait()
-        if not self.on_exception or self._pos['at'] is None or num_distrib() > 1: return
-        if learn.training and (learn.epoch, learn.iter) != (self._pos['epoch'], self._pos['iter']):
-            self._pos['dirty'] = True      # a batch had begun since the last complete point
-        path = self.save()
-        self._writer.wait()
-        add_note(e, f"learncb: the run is saved in {path}" +
-                  (' (after an error in the middle of a batch: resuming from it is not exact)'
-                   if self._pos['dirty'] else ''))
-    except Exception as write_error:
-        add_note(e, f"learncb: the checkpoint could not be written: {write_error}")
-    finally:
-        self._restore_signals()
-        self._writer.close(); self._buffer = None
-
-@patch
-def after_fit(self:CheckpointCallback):
-    try:
-        if self.learn.exception is None:
-            self._writer.wait()                                 # the last checkpoint is on disk when the fit ends
-            self._finish_sharded()
-            if self._exchange is not None: self._exchange.close()
-    finally:
-        self._restore_signals()
-        self._writer.close(); self._buffer = None            # its thread ends with the fit
-    signum,self._exchange = self._signal if self._signal is not None else self._caught,None
-    if signum is not None and self.learn.exception is None:    # the signal came when no batch was left to finish
-        self._signal = self._caught = None
-        if signum == signal.SIGINT: raise KeyboardInterrupt("interrupted at the end of the fit")
-        raise SignalStop(signum, self.last)

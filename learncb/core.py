@@ -9,7 +9,7 @@ __all__ = ['loop_outline', 'batch_events', 'stage_events', 'foreign_events', 'ev
            'CancelBackward', 'CancelTrain', 'CancelValid', 'CancelEpoch', 'CancelFit', 'closest_event', 'did_you_mean',
            'CancelException', 'CancelBatchException', 'CancelStepException', 'CancelBackwardException',
            'CancelTrainException', 'CancelValidException', 'CancelEpochException', 'CancelFitException', 'snake_name',
-           'name_is_own', 'check_order', 'Callback']
+           'name_is_own', 'check_order', 'Order', 'Callback']
 
 # %% ../nbs/00_core.ipynb #fdd1603a
 import difflib, functools, operator, re, warnings
@@ -54,7 +54,10 @@ End Epoch Loop
 after_cancel_fit
 after_exception
 after_fit
-End Fit'''.splitlines()
+End Fit
+Start Validation Aside (learn.validate() or learn.get_preds(): the Valid stage above, alone)
+after_validate_exception
+End Validation Aside'''.splitlines()
 
 # %% ../nbs/00_core.ipynb #4bee7991
 def _is_event(line): return line.isidentifier()
@@ -217,12 +220,54 @@ def check_order(cb, order):
         if not isinstance(order, bool): return operator.index(order)
     except TypeError: pass
     raise TypeError(f"{cb!r}: order must be an int, not {order!r} (callbacks run in increasing order: "
-                    f"TrainEvalCallback is -10, Recorder 50, trackers 60; the default is 0)")
+                    f"TrainEvalCallback is -10, Recorder 50, trackers 60; the default is 0; Order names them, "
+                    f"e.g. order = Order.RECORDER + 1)")
+
+# %% ../nbs/00_core.ipynb #958cccb6
+class Order:
+    "Named places in the order callbacks run in (lower first; equal orders keep the order callbacks were added in)"
+    FIRST = -100          # sees every event before any other callback (test_utils.EventLog)
+    SETUP = -20           # sets the fit up before anyone reads it: DDP/FSDP wrapping, device moves, the profiler
+    COMPILE = -15         # compiles or hooks the model the fit will run
+    TRAIN_EVAL = -10      # TrainEvalCallback: the counters, train or eval mode
+    WARMUP = -5           # before the schedules: warm-up, throughput timing
+    DEFAULT = 0           # schedules, lr_find, and a callback that does not say
+    ACCUMULATE = 5        # GradientAccumulation: cancels steps before the others see them
+    MIXED_PRECISION = 10  # MixedPrecision: scales the loss and unscales the gradients
+    CLIP = 20             # GradientClip: after the gradients are unscaled
+    EVALUATE = 40         # EvaluateCallback: adds columns before the Recorder writes the row
+    RECORDER = 50         # Recorder: losses, metrics, the epoch's row
+    NAN_GUARD = 55        # TerminateOnNaNCallback: reads the loss the Recorder saw
+    TRACKER = 60          # monitors (early stopping, save best): read the Recorder's row
+    PROGRESS = 60         # ProgressCallback: draws the row
+    LOGGER = 70           # loggers and experiment trackers: write what the Recorder and the bars have
+    AVERAGING = 80        # EMA and SWA: average the weights after every step that changed them
+    LATE = 90             # ChannelsLast: after the others have made their changes to the model
+    CHECKPOINT = 95       # CheckpointCallback: saves what every callback before it has set
+    SANITY = 100          # SanityCheckCallback: sees the setup the other callbacks' before_fit made
+    LAST = 200            # resuming, Optuna: after every other callback's before_fit (or after_fit)
+    FINAL = 10_000        # the ranks' agreement of a distributed fit
 
 # %% ../nbs/00_core.ipynb #acc45a64
 class Callback:
     "Base class of callbacks: methods named like events run when the learner fires those events"
-    order,run,run_train,run_valid,remove_on_fetch,remove_on_lr_find,learn,_name = 0,True,True,True,False,False,None,None
+    order = Order.DEFAULT
+    "Where it runs among the callbacks: lower first (see `Order`); equal orders keep the order they were added in"
+    run = True
+    "`False`: it sits out the rest of this fit (set back to `True` when the fit ends)"
+    run_train = True
+    "Whether it takes part in the batch events of a training phase"
+    run_valid = True
+    "Whether it takes part in the batch events of a validation phase"
+    rank0_only = False
+    "`True`: in a distributed run only rank 0 runs it (it draws or logs)"
+    removable_in_fit = True
+    "`False`: `learn.remove_cb` refuses it during a fit, since the loop or other callbacks read it until the end"
+    remove_on_fetch = False
+    "`True`: set aside while `FetchPredsCallback` runs its own `get_preds`"
+    remove_on_lr_find = False
+    "`True`: left out of `learn.lr_find` (it would act on the diverging loss)"
+    learn,_name = None,None
     _state_attrs = ()   # attributes saved in checkpoints by the default `state_dict`
 
     def __init__(self, **handlers):

@@ -240,42 +240,38 @@ class FSDPCallback(DistributedCallback):
         for _ in range(self._extra_forwards if learn.xb is not None else 0):
             learn._call_with_keywords() if learn._kw else learn.model(*learn.xb)
 
-# %% ../nbs/23_distributed.ipynb #c3655090
-@patch
-def _precision(self:FSDPCallback):
-    "The learner's `MixedPrecision` callback, told that the model casts itself: FSDP's `MixedPrecisionPolicy` does"
-    mp = next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)
-    if mp is None: return None
-    if mp.dtype == torch.float16: raise ValueError(
-        "MixedPrecision('fp16') under FSDP: learncb maps MixedPrecision to FSDP's MixedPrecisionPolicy, which has no "
-        "gradient scaler here; use MixedPrecision('bf16') (MixedPrecision() is bf16 under FSDP)")
-    mp.in_model = True
-    return mp
+    def _precision(self):
+        "The learner's `MixedPrecision` callback, told that the model casts itself: FSDP's `MixedPrecisionPolicy` does"
+        mp = next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)
+        if mp is None: return None
+        if mp.dtype == torch.float16: raise ValueError(
+            "MixedPrecision('fp16') under FSDP: learncb maps MixedPrecision to FSDP's MixedPrecisionPolicy, which has no "
+            "gradient scaler here; use MixedPrecision('bf16') (MixedPrecision() is bf16 under FSDP)")
+        mp.in_model = True
+        return mp
 
-@patch
-def _policy(self:FSDPCallback):
-    "FSDP's `MixedPrecisionPolicy` for a `MixedPrecision` callback: weights in bf16, gradients reduced and outputs in fp32"
-    if self._mp is None: return None
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    def _policy(self):
+        "FSDP's `MixedPrecisionPolicy` for a `MixedPrecision` callback: weights in bf16, gradients reduced and outputs in fp32"
+        if self._mp is None: return None
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
 
-@patch
-def _unwrap(self:FSDPCallback):
-    "Gather the trained weights and optimizer state back into the plain model and its optimizer (not after an error)"
-    learn,sharded,opt = self.learn,self.learn.model,self.learn.opt
-    if not hasattr(self, '_plain'): return      # `before_fit` did not get to shard it
-    self._plain.to(learn.device)
-    if learn.exception is None:                 # gathering is a collective: only when every rank came here
-        _rank0_buffers(sharded)
-        _gather_into(sharded, self._plain)
-        self._plain_opt.load_state_dict(whole_state(opt.state_dict(), rank0=False))
-    else:
-        self._plain_opt.load_state_dict(self._plain_opt_state)
-        add_note(learn.exception, "learncb: the FSDP fit ended with an error, so its weights were not gathered: "
-                 "learn.model has the weights it had before the fit; the run's progress is in its last checkpoint")
-    learn.model,learn.opt,learn._opt_made = self._plain,self._plain_opt,self._made
-    if self._mp is not None: self._mp.in_model = False
-    del self._plain
+    def _unwrap(self):
+        "Gather the trained weights and optimizer state back into the plain model and its optimizer (not after an error)"
+        learn,sharded,opt = self.learn,self.learn.model,self.learn.opt
+        if not hasattr(self, '_plain'): return      # `before_fit` did not get to shard it
+        self._plain.to(learn.device)
+        if learn.exception is None:                 # gathering is a collective: only when every rank came here
+            _rank0_buffers(sharded)
+            _gather_into(sharded, self._plain)
+            self._plain_opt.load_state_dict(whole_state(opt.state_dict(), rank0=False))
+        else:
+            self._plain_opt.load_state_dict(self._plain_opt_state)
+            add_note(learn.exception, "learncb: the FSDP fit ended with an error, so its weights were not gathered: "
+                     "learn.model has the weights it had before the fit; the run's progress is in its last checkpoint")
+        learn.model,learn.opt,learn._opt_made = self._plain,self._plain_opt,self._made
+        if self._mp is not None: self._mp.in_model = False
+        del self._plain
 
 # %% ../nbs/23_distributed.ipynb #6dafeda1
 def launched_world():

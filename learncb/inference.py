@@ -18,6 +18,7 @@ from fastcore.basics import patch
 from .core import *
 from .utils import *
 from .learner import *
+from .diagnose import describe_value
 from .files import *
 from .checks import *
 from .preds import *

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 from fastcore.basics import patch
 from .utils import *
 from .learner import *
+from .diagnose import describe_value
 from .preds import *
 
 # %% ../nbs/20_interpret.ipynb #fa97934e
@@ -61,16 +62,58 @@ class Interpretation:
         "`(inputs, preds, targs, decoded, losses)` of the items at `idxs` (an index, a slice, a list or a tensor)"
         return tuple(_index(o, idxs) for o in (self.inputs, self.preds, self.targs, self.decoded, self.losses))
 
-# %% ../nbs/20_interpret.ipynb #66a84d34
-@patch
-def top_losses(self:Interpretation, k=None, largest=True):
-    "`(losses, indices)` of the `k` largest losses (the smallest with `largest=False`), sorted; `k=None`: all items"
-    n = len(self.losses)
-    k = check_int(k, 'k', ge=0, allow_none=True, who='top_losses',
-                  hint='how many losses to return, or None for all of them')
-    if k is None: k = n
-    if k > n: raise ValueError(f"top_losses: k={k} but there are only {n} items: pass k <= {n}, or k=None for all")
-    return self.losses.topk(k, largest=largest)
+    def plot_top_losses(self, k, largest=True, nrows=None, ncols=None, figsize=None, **kwargs):
+        "Show the `k` items of the largest losses, titled `predicted/actual / loss / probability`; a table if not images"
+        k = check_int(k, 'k', ge=1, who='plot_top_losses', hint='how many items to show')
+        x = self._first_input()
+        rows = self._loss_rows(*self.top_losses(k, largest))
+        layout = _image_layout(x.shape[1:])
+        if layout is None:
+            _print_table(['index', 'predicted', 'actual', 'loss', 'probability', 'input'],
+                         [[str(i), p, a, f'{l:.2f}', '-' if pr is None else f'{pr:.2f}', _short(x[i])]
+                          for i,p,a,l,pr in rows])
+            return None
+        head = 'Prediction/Actual/Loss' + ('' if rows[0][4] is None else '/Probability')
+        fig,axs = _grid(len(rows), nrows, ncols, figsize, head)
+        for ax,(i,p,a,l,pr) in zip(axs, rows):
+            _show_image(ax, _as_image(x[i], layout), **kwargs)
+            ax.set_title(_title(p, a, l, pr), fontsize=9)
+        fig.tight_layout()
+        return fig
+
+    def _name(self, v):
+        "A target or a decoded prediction `v`, as text"
+        if not isinstance(v, torch.Tensor): return '-' if v is None else str(v)
+        return _fmt(v.item() if v.numel() == 1 else v.tolist())
+
+    def _probability(self, i):
+        "The probability of the predicted class of item `i` (the largest), or `None` when `preds` are not one per class"
+        p = self.preds
+        return p[i].max().item() if isinstance(p, torch.Tensor) and p.ndim == 2 else None
+
+    def _first_input(self):
+        x = self.inputs[0] if isinstance(self.inputs, (tuple, list)) else self.inputs
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"plot_top_losses shows the inputs, but this {type(self).__name__} has {describe_value(x)}: "
+                             f"build it with from_learner, which keeps them, or pass the inputs as a tensor")
+        return x
+
+    def _loss_rows(self, losses, idxs):
+        "`[index, predicted, actual, loss, probability]` for each item: the columns of `plot_top_losses`"
+        rows = []
+        for l,i in zip(losses.tolist(), idxs.tolist()):
+            prob = self._probability(i)
+            rows.append([i, self._name(_index(self.decoded, i)), self._name(_index(self.targs, i)), l, prob])
+        return rows
+
+    def top_losses(self, k=None, largest=True):
+        "`(losses, indices)` of the `k` largest losses (the smallest with `largest=False`), sorted; `k=None`: all items"
+        n = len(self.losses)
+        k = check_int(k, 'k', ge=0, allow_none=True, who='top_losses',
+                      hint='how many losses to return, or None for all of them')
+        if k is None: k = n
+        if k > n: raise ValueError(f"top_losses: k={k} but there are only {n} items: pass k <= {n}, or k=None for all")
+        return self.losses.topk(k, largest=largest)
 
 # %% ../nbs/20_interpret.ipynb #491907ca
 def _image_layout(shape):
@@ -121,62 +164,12 @@ def _print_table(header, rows):
     for r in [header, *rows]:
         print('  '.join([f'{s:>{w}}' for s,w in zip(r[:-1], ws)] + [r[-1]]))
 
-# %% ../nbs/20_interpret.ipynb #d3490b18
-@patch
-def _name(self:Interpretation, v):
-    "A target or a decoded prediction `v`, as text"
-    if not isinstance(v, torch.Tensor): return '-' if v is None else str(v)
-    return _fmt(v.item() if v.numel() == 1 else v.tolist())
-
-@patch
-def _probability(self:Interpretation, i):
-    "The probability of the predicted class of item `i` (the largest), or `None` when `preds` are not one per class"
-    p = self.preds
-    return p[i].max().item() if isinstance(p, torch.Tensor) and p.ndim == 2 else None
-
-@patch
-def _first_input(self:Interpretation):
-    x = self.inputs[0] if isinstance(self.inputs, (tuple, list)) else self.inputs
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"plot_top_losses shows the inputs, but this {type(self).__name__} has {describe_value(x)}: "
-                         f"build it with from_learner, which keeps them, or pass the inputs as a tensor")
-    return x
-
-@patch
-def _loss_rows(self:Interpretation, losses, idxs):
-    "`[index, predicted, actual, loss, probability]` for each item: the columns of `plot_top_losses`"
-    rows = []
-    for l,i in zip(losses.tolist(), idxs.tolist()):
-        prob = self._probability(i)
-        rows.append([i, self._name(_index(self.decoded, i)), self._name(_index(self.targs, i)), l, prob])
-    return rows
-
 # %% ../nbs/20_interpret.ipynb #40fd25d8
 def _title(p, a, l, prob): return f'{p}/{a} / {l:.2f}' + ('' if prob is None else f' / {prob:.2f}')
 
 def _show_image(ax, img, **kwargs):
     "`imshow` of `img` on `ax`, in grey when it has one channel and no `cmap` was given"
     ax.imshow(img, **({'cmap': 'gray', **kwargs} if img.ndim == 2 else kwargs))
-
-@patch
-def plot_top_losses(self:Interpretation, k, largest=True, nrows=None, ncols=None, figsize=None, **kwargs):
-    "Show the `k` items of the largest losses, titled `predicted/actual / loss / probability`; a table if not images"
-    k = check_int(k, 'k', ge=1, who='plot_top_losses', hint='how many items to show')
-    x = self._first_input()
-    rows = self._loss_rows(*self.top_losses(k, largest))
-    layout = _image_layout(x.shape[1:])
-    if layout is None:
-        _print_table(['index', 'predicted', 'actual', 'loss', 'probability', 'input'],
-                     [[str(i), p, a, f'{l:.2f}', '-' if pr is None else f'{pr:.2f}', _short(x[i])]
-                      for i,p,a,l,pr in rows])
-        return None
-    head = 'Prediction/Actual/Loss' + ('' if rows[0][4] is None else '/Probability')
-    fig,axs = _grid(len(rows), nrows, ncols, figsize, head)
-    for ax,(i,p,a,l,pr) in zip(axs, rows):
-        _show_image(ax, _as_image(x[i], layout), **kwargs)
-        ax.set_title(_title(p, a, l, pr), fontsize=9)
-    fig.tight_layout()
-    return fig
 
 # %% ../nbs/20_interpret.ipynb #9b59def4
 def _check_classes(preds, targs, losses, who):
@@ -223,12 +216,54 @@ class ClassificationInterpretation(Interpretation):
 
     def _name(self, v): return str(self.vocab[int(v)])
 
-# %% ../nbs/20_interpret.ipynb #35878165
-@patch
-def confusion_matrix(self:ClassificationInterpretation):
-    "Counts of the items of each actual class (rows) predicted as each class (columns): `(n_classes, n_classes)`"
-    c = self.n_classes
-    return torch.bincount(self.targs.long() * c + self.decoded.long(), minlength=c * c).view(c, c)
+    def print_classification_report(self, digits=2):
+        "Print precision, recall, F1 and support of each class, the accuracy and the averages, with `digits` decimals"
+        check_int(digits, 'digits', ge=0, who='print_classification_report')
+        print('\n'.join(_report_lines(self.classification_report(), [str(v) for v in self.vocab], digits)))
+
+    def classification_report(self):
+        "Precision, recall, F1 and support of each class, accuracy, macro and weighted averages, as a dict of floats"
+        cm = self.confusion_matrix().double()
+        tp,support = cm.diag(),cm.sum(1)
+        precision,recall = _ratio(tp, cm.sum(0)),_ratio(tp, support)
+        f1 = _ratio(2 * precision * recall, precision + recall)
+        n,w = int(support.sum()),support / support.sum().clamp_min(1)
+        res = {str(v): _scores(p, r, f, int(s)) for v,p,r,f,s in zip(self.vocab, precision.tolist(), recall.tolist(),
+                                                                      f1.tolist(), support.tolist())}
+        res['accuracy'] = tp.sum().item() / max(n, 1)
+        res['macro avg'] = _scores(precision.mean().item(), recall.mean().item(), f1.mean().item(), n)
+        res['weighted avg'] = _scores((precision * w).sum().item(), (recall * w).sum().item(), (f1 * w).sum().item(), n)
+        return res
+
+    def most_confused(self, min_val=1):
+        "`(actual, predicted, count)` of the cells off the diagonal of the confusion matrix with `count >= min_val`, sorted"
+        check_number(min_val, 'min_val', who='most_confused', hint='the smallest count of mistakes to list')
+        cm = self.confusion_matrix()
+        cm.fill_diagonal_(0)
+        rows,cols = torch.nonzero((cm >= min_val) & (cm > 0), as_tuple=True)
+        res = [(self.vocab[i], self.vocab[j], cm[i, j].item()) for i,j in zip(rows.tolist(), cols.tolist())]
+        return sorted(res, key=lambda o: o[2], reverse=True)
+
+    def plot_confusion_matrix(self, normalize=False, title='Confusion matrix', cmap='Blues',
+                              norm_dec=2, plot_txt=True, figsize=None, ax=None):
+        "Plot the confusion matrix (rows: actual, columns: predicted), each row divided by its total with `normalize`"
+        import matplotlib.pyplot as plt
+        cm = self.confusion_matrix()
+        if normalize: cm = _normalized(cm)
+        if new_fig := ax is None: _,ax = plt.subplots(figsize=figsize or (3 + self.n_classes / 2,) * 2)
+        ax.imshow(cm.numpy(), interpolation='nearest', cmap=cmap)
+        ticks = range(self.n_classes)
+        ax.set_xticks(ticks, [str(v) for v in self.vocab], rotation=90)
+        ax.set_yticks(ticks, [str(v) for v in self.vocab])
+        ax.set_title(title); ax.set_xlabel('Predicted'); ax.set_ylabel('Actual'); ax.grid(False)
+        if plot_txt: _write_cells(ax, cm, normalize, norm_dec)
+        if new_fig: ax.figure.tight_layout()
+        return ax
+
+    def confusion_matrix(self):
+        "Counts of the items of each actual class (rows) predicted as each class (columns): `(n_classes, n_classes)`"
+        c = self.n_classes
+        return torch.bincount(self.targs.long() * c + self.decoded.long(), minlength=c * c).view(c, c)
 
 # %% ../nbs/20_interpret.ipynb #65dff3f3
 def _normalized(cm):
@@ -243,53 +278,10 @@ def _write_cells(ax, cm, normalize, norm_dec):
         ax.text(j, i, f'{v:.{norm_dec}f}' if normalize else f'{v}', ha='center', va='center',
                 color='white' if v > thresh else 'black')
 
-@patch
-def plot_confusion_matrix(self:ClassificationInterpretation, normalize=False, title='Confusion matrix', cmap='Blues',
-                          norm_dec=2, plot_txt=True, figsize=None, ax=None):
-    "Plot the confusion matrix (rows: actual, columns: predicted), each row divided by its total with `normalize`"
-    import matplotlib.pyplot as plt
-    cm = self.confusion_matrix()
-    if normalize: cm = _normalized(cm)
-    if new_fig := ax is None: _,ax = plt.subplots(figsize=figsize or (3 + self.n_classes / 2,) * 2)
-    ax.imshow(cm.numpy(), interpolation='nearest', cmap=cmap)
-    ticks = range(self.n_classes)
-    ax.set_xticks(ticks, [str(v) for v in self.vocab], rotation=90)
-    ax.set_yticks(ticks, [str(v) for v in self.vocab])
-    ax.set_title(title); ax.set_xlabel('Predicted'); ax.set_ylabel('Actual'); ax.grid(False)
-    if plot_txt: _write_cells(ax, cm, normalize, norm_dec)
-    if new_fig: ax.figure.tight_layout()
-    return ax
-
-# %% ../nbs/20_interpret.ipynb #be39bfd9
-@patch
-def most_confused(self:ClassificationInterpretation, min_val=1):
-    "`(actual, predicted, count)` of the cells off the diagonal of the confusion matrix with `count >= min_val`, sorted"
-    check_number(min_val, 'min_val', who='most_confused', hint='the smallest count of mistakes to list')
-    cm = self.confusion_matrix()
-    cm.fill_diagonal_(0)
-    rows,cols = torch.nonzero((cm >= min_val) & (cm > 0), as_tuple=True)
-    res = [(self.vocab[i], self.vocab[j], cm[i, j].item()) for i,j in zip(rows.tolist(), cols.tolist())]
-    return sorted(res, key=lambda o: o[2], reverse=True)
-
 # %% ../nbs/20_interpret.ipynb #ce675b09
 def _ratio(a, b): return torch.where(b > 0, a / b.clamp_min(1e-12), torch.zeros_like(a))
 
 def _scores(p, r, f1, n): return {'precision': p, 'recall': r, 'f1-score': f1, 'support': n}
-
-@patch
-def classification_report(self:ClassificationInterpretation):
-    "Precision, recall, F1 and support of each class, accuracy, macro and weighted averages, as a dict of floats"
-    cm = self.confusion_matrix().double()
-    tp,support = cm.diag(),cm.sum(1)
-    precision,recall = _ratio(tp, cm.sum(0)),_ratio(tp, support)
-    f1 = _ratio(2 * precision * recall, precision + recall)
-    n,w = int(support.sum()),support / support.sum().clamp_min(1)
-    res = {str(v): _scores(p, r, f, int(s)) for v,p,r,f,s in zip(self.vocab, precision.tolist(), recall.tolist(),
-                                                                  f1.tolist(), support.tolist())}
-    res['accuracy'] = tp.sum().item() / max(n, 1)
-    res['macro avg'] = _scores(precision.mean().item(), recall.mean().item(), f1.mean().item(), n)
-    res['weighted avg'] = _scores((precision * w).sum().item(), (recall * w).sum().item(), (f1 * w).sum().item(), n)
-    return res
 
 # %% ../nbs/20_interpret.ipynb #c92b2db3
 def _report_lines(rep, names, digits):
@@ -301,9 +293,3 @@ def _report_lines(rep, names, digits):
     acc = f"{'accuracy':>{w}} " + ' ' * 20 + f"{rep['accuracy']:>10.{digits}f}{rep['macro avg']['support']:>10}"
     return [' ' * (w + 1) + ''.join(f'{c:>10}' for c in cols), '', *(row(n, rep[n]) for n in names), '', acc,
             row('macro avg', rep['macro avg']), row('weighted avg', rep['weighted avg'])]
-
-@patch
-def print_classification_report(self:ClassificationInterpretation, digits=2):
-    "Print precision, recall, F1 and support of each class, the accuracy and the averages, with `digits` decimals"
-    check_int(digits, 'digits', ge=0, who='print_classification_report')
-    print('\n'.join(_report_lines(self.classification_report(), [str(v) for v in self.vocab], digits)))

@@ -137,7 +137,7 @@ class LearnerSnapshot:
         self.modes = [m.training for m in model.modules()]
         self.opt = learn.opt
         self.opt_state = None if learn.opt is None else copy.deepcopy(learn.opt.state_dict())
-        self.counters,self.training = {k: getattr(learn, k) for k in fit_attrs + phase_attrs},learn.training
+        self.counters,self.training = {k: getattr(learn, k) for k in (*fit_attrs, *phase_attrs)},learn.training
         self.rng,self.dl_rng = rng_state(),[(g, g.get_state()) for g in dl_generators(learn.dls.train)]
 
     def restore(self):

@@ -10,12 +10,11 @@ __all__ = ['can_draw_bars', 'ProgressCallback']
 # %% ../nbs/06_progress.ipynb #701b94c0
 import sys, time
 from contextlib import contextmanager
-from fastcore.basics import patch, noop
+from fastcore.basics import noop
 from fastcore.imports import IN_NOTEBOOK
 from fastprogress.fastprogress import master_bar, progress_bar
 from .core import *
 from .utils import *
-from .learner import *
 from .recorder import *
 
 # %% ../nbs/06_progress.ipynb #3406031d
@@ -27,7 +26,7 @@ def can_draw_bars():
 # %% ../nbs/06_progress.ipynb #d2f342ed
 class ProgressCallback(Callback):
     "Progress bars for epochs and batches (the smoothed loss as comment) and the metrics table, with fastprogress"
-    order,remove_on_fetch,rank0_only = 60,True,True     # in a distributed run, rank 0 alone draws
+    order,remove_on_fetch,rank0_only = Order.PROGRESS,True,True     # in a distributed run, rank 0 alone draws
     refresh_every = 0.25   # seconds between bar updates: reading the loss for the comment costs a host sync
     mbar = pbar = _old_logger = None
 
@@ -83,16 +82,7 @@ class ProgressCallback(Callback):
             if self._old_logger is not None: self.learn.logger,self._old_logger = self._old_logger,None
     after_exception = after_fit = _close
 
-    def _validation_failed(self):
+    def after_validate_exception(self):
         "A `validate` or `get_preds` failed: close its bar"
         pbar,self.pbar = self.pbar,None
         if pbar is not None and pbar.last_v is not None: pbar.on_iter_end()
-
-# %% ../nbs/06_progress.ipynb #29511386
-@patch
-@contextmanager
-def no_bar(self:Learner):
-    "Context manager: train without progress bars (the metrics table is printed as plain lines)"
-    with self.removed_cbs([cb for cb in self.cbs if isinstance(cb, ProgressCallback)]): yield self
-
-defaults.add_callback(ProgressCallback)

@@ -11,17 +11,16 @@ __all__ = ['Recorder']
 import copy, math, time, warnings
 import torch
 from torch import nn
-from fastcore.basics import patch
 from fastprogress.fastprogress import format_time
 from .core import *
 from .utils import *
-from .learner import *
+from .diagnose import describe_value
 from .metrics import *
 
 # %% ../nbs/04_recorder.ipynb #bbe1a783
 class Recorder(Callback):
     "Records losses, learning rates and metrics (of the training set too if `train_metrics`): `losses`, `values`..."
-    order,removable_in_fit = 50,False      # other callbacks read `learn.recorder` until the fit ends
+    order,removable_in_fit = Order.RECORDER,False      # other callbacks read `learn.recorder` until the fit ends
     _state_attrs = ('iters', 'values', '_pending_bs', '_smooth', '_count', '_train_sum', '_train_n', '_epoch_valid',
                     '_extra', 'last_valid', '_train_cols', '_train_bs')
                     # not `_header_logged`: a resumed fit prints a new table, header first
@@ -287,6 +286,27 @@ class Recorder(Callback):
             ax.plot(hps[k]); ax.set_title(k); ax.set_xlabel('training batch')
         return axs[0]
 
+    def after_exception(self):
+        "Drop what the failed batch left half-recorded, so that `after_fit` and the history can still be read"
+        keep = [(l,bs) for l,bs in zip(self._pending, self._pending_bs) if isinstance(l, torch.Tensor) and l.numel() == 1]
+        self._pending,self._pending_bs,self._on_device = [l for l,_ in keep],[bs for _,bs in keep],None
+        del self.lrs[len(self._losses) + len(self._pending):]
+
+    def after_validate_exception(self):
+        "A `validate` or `get_preds` failed: put back the accumulators of the validations it had interrupted"
+        while self._valid_stack and self._valid_stack[-1][0] > self.learn.validating_aside: self._pop_valid()
+
+    def _warn_not_finite(self, train):
+        "Warn, once per fit, that the mean training loss of this epoch is NaN or infinite"
+        if self._warned_nan: return
+        self._warned_nan = True
+        epoch_lrs = self.lrs[self.iters[-1] if self.iters else 0:]
+        lr = f" (it went up to {max(epoch_lrs):g} in this epoch)" if epoch_lrs else ''
+        warnings.warn(f"the training loss of epoch {self.learn.epoch} is {train}: the training diverged, or the data or "
+                      f"the loss gives NaN. Try a lower learning rate{lr}, check the data, and add "
+                      f"TerminateOnNaNCallback() to stop a fit at the first batch whose loss is not finite (this warning "
+                      f"is given once per fit)", RuntimeWarning, stacklevel=2)
+
 # %% ../nbs/04_recorder.ipynb #bc55d3be
 def _fmt(v): return '' if v is None else f'{v:.6f}'
 
@@ -302,14 +322,6 @@ def _phase_values(metrics, cols, bss):
     plain = [c for c,k in zip(cols, kinds) if k == 'column']
     means = iter(weighted_means(plain, bss, names=names) if plain else [])
     return [next(means) if k == 'column' else metric_value(m) for (_,m),k in zip(metrics, kinds)]
-
-@patch(as_prop=True)
-def smooth_loss(self:Learner):
-    "The smoothed training loss, a tensor on the device (no host sync), kept by the `Recorder`; `None` without one"
-    rec = getattr(self, 'recorder', None)
-    return rec.smooth_loss_tensor() if isinstance(rec, Recorder) else None
-
-defaults.add_callback(Recorder)
 
 # %% ../nbs/04_recorder.ipynb #44022341
 def _batch_losses(pending):
@@ -333,28 +345,3 @@ def _explain_metric_error(e, name, learn):
         add_note(e, f"learncb: the model returns {describe_value(pred)}, not a tensor, and metric {name!r} takes the "
                     f"tensor of predictions: make the model return it, or give the metric the part it needs, e.g. "
                     f"def my_{name}(pred, *yb): return {name}({pick}, *yb)")
-
-# %% ../nbs/04_recorder.ipynb #54e6be4c
-@patch
-def after_exception(self:Recorder):
-    "Drop what the failed batch left half-recorded, so that `after_fit` and the history can still be read"
-    keep = [(l,bs) for l,bs in zip(self._pending, self._pending_bs) if isinstance(l, torch.Tensor) and l.numel() == 1]
-    self._pending,self._pending_bs,self._on_device = [l for l,_ in keep],[bs for _,bs in keep],None
-    del self.lrs[len(self._losses) + len(self._pending):]
-
-@patch
-def _validation_failed(self:Recorder):
-    "A `validate` or `get_preds` failed: put back the accumulators of the validations it had interrupted"
-    while self._valid_stack and self._valid_stack[-1][0] > self.learn.validating_aside: self._pop_valid()
-
-@patch
-def _warn_not_finite(self:Recorder, train):
-    "Warn, once per fit, that the mean training loss of this epoch is NaN or infinite"
-    if self._warned_nan: return
-    self._warned_nan = True
-    epoch_lrs = self.lrs[self.iters[-1] if self.iters else 0:]
-    lr = f" (it went up to {max(epoch_lrs):g} in this epoch)" if epoch_lrs else ''
-    warnings.warn(f"the training loss of epoch {self.learn.epoch} is {train}: the training diverged, or the data or "
-                  f"the loss gives NaN. Try a lower learning rate{lr}, check the data, and add "
-                  f"TerminateOnNaNCallback() to stop a fit at the first batch whose loss is not finite (this warning "
-                  f"is given once per fit)", RuntimeWarning, stacklevel=2)

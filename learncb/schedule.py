@@ -17,6 +17,7 @@ from fastcore.basics import patch
 from .core import *
 from .utils import *
 from .learner import *
+from .optim import spread_lr
 from .recorder import *
 
 # %% ../nbs/11_schedule.ipynb #4be0a57e

@@ -17,6 +17,7 @@ from fastcore.basics import patch
 from .core import *
 from .utils import *
 from .learner import *
+from .diagnose import describe_value
 from .preds import *
 
 # %% ../nbs/29_tricks.ipynb #934551d5

@@ -1,32 +1,60 @@
-"The package's shape: no import cycle among learncb's modules, and the learner module free of file formats"
-import ast
+"""The package's shape: its layers and what may import what, no import cycle, `Learner` readable as classes (no
+`@patch` onto a class of the same module, no reading of frame locals), no module over 700 lines, and a learner that
+needs no other import than its own module."""
+import ast, subprocess, sys, textwrap
 from pathlib import Path
 import learncb
 
 PKG = Path(learncb.__file__).parent
 
+# What every fit uses: the loop and the parts `Learner` is built from. Nothing here imports (at its top) a module of
+# the layers above: schedules, checkpoints, distributed strategies, inference, integrations.
+loop_layer = {f'learncb.{m}' for m in ('core', 'utils', 'files', 'checks', 'diagnose', 'dispatch', 'optim', 'weights',
+                                       'metrics', 'recorder', 'progress', 'preds', 'learner')}
+# Imports made inside a function, when the feature is asked for: these alone run against the layers
+lazy_allowed = {('learncb.learner', 'learncb.checkpoint'),        # fit(resume=...) imports the checkpoint layer
+                ('learncb.preds', 'learncb.distributed'),         # get_preds in a distributed run gathers the ranks'
+                ('learncb.checks', 'learncb.metrics')}            # a metric given by name: suggest the import
+
 def module_name(path):
     return '.'.join(('learncb', *path.relative_to(PKG).with_suffix('').parts)).removesuffix('.__init__')
 
-def imported(path):
-    "The learncb modules that `path` imports, at its top or inside functions (`importlib.import_module` too)"
-    name, found = module_name(path), set()
-    package = name if path.name == '__init__.py' else name.rpartition('.')[0]
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            base = node.module or ''
-            if node.level:
-                parts = package.split('.')[:len(package.split('.')) - node.level + 1]
-                base = '.'.join(parts + ([base] if base else []))
-            found |= {base} | {f'{base}.{a.name}' for a in node.names}
-        elif isinstance(node, ast.Import): found |= {a.name for a in node.names}
-        elif (isinstance(node, ast.Call) and getattr(node.func, 'attr', None) == 'import_module' and node.args
-              and isinstance(node.args[0], ast.Constant)): found.add(node.args[0].value)
-    return found
+def modules():
+    return {module_name(p): p for p in PKG.rglob('*.py') if p.name not in ('_modidx.py', 'all.py')}
+
+def _resolve(node, name, is_init):
+    "The module names an import node names (`from .x import y` gives `learncb.x` and `learncb.x.y`)"
+    if isinstance(node, ast.Import): return {a.name for a in node.names}
+    if isinstance(node, ast.Call): return {node.args[0].value}
+    base = node.module or ''
+    if node.level:
+        package = name if is_init else name.rpartition('.')[0]
+        parts = package.split('.')[:len(package.split('.')) - node.level + 1]
+        base = '.'.join(parts + ([base] if base else []))
+    return {base} | {f'{base}.{a.name}' for a in node.names}
+
+def _is_import(node):
+    return isinstance(node, (ast.Import, ast.ImportFrom)) or (
+        isinstance(node, ast.Call) and getattr(node.func, 'attr', None) == 'import_module' and node.args
+        and isinstance(node.args[0], ast.Constant))
+
+def imported(path, known):
+    "`(top, lazy)`: the learncb modules `path` imports at its top level, and those it imports inside functions"
+    name,top,lazy = module_name(path),set(),set()
+    def visit(node, inside):
+        for child in ast.iter_child_nodes(node):
+            now = inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if _is_import(child):
+                (lazy if now else top).update(m for m in _resolve(child, name, path.name == '__init__.py')
+                                             if m in known and m != name)
+            visit(child, now)
+    visit(ast.parse(path.read_text()), False)
+    return top,lazy
 
 def import_graph():
-    modules = {module_name(p): p for p in PKG.rglob('*.py') if p.name not in ('_modidx.py', 'all.py')}
-    return {m: sorted(i for i in imported(p) if i in modules and i != m) for m, p in modules.items()}
+    "`module -> (top-level imports, imports inside functions)` over learncb's modules"
+    mods = modules()
+    return {m: imported(p, mods) for m,p in mods.items()}
 
 def find_cycle(graph):
     "A list of modules that import each other in a circle, or `None`"
@@ -41,18 +69,93 @@ def find_cycle(graph):
         if m not in state and (cycle := visit(m)): return cycle
 
 def test_no_import_cycle():
-    graph = import_graph()
-    assert graph['learncb.checkpoint'] and 'learncb.learner' in graph['learncb.checkpoint']    # the graph is read
+    graph = {m: sorted(top) for m,(top,_) in import_graph().items()}
+    assert 'learncb.learner' in graph['learncb.checkpoint'] and 'learncb.recorder' in graph['learncb.learner']
     assert find_cycle(graph) is None, f'import cycle: {" -> ".join(find_cycle(graph))}'
 
 def test_cycle_finder_finds_one():
     assert find_cycle({'a': ['b'], 'b': ['c'], 'c': ['a']}) == ['a', 'b', 'c', 'a']
     assert find_cycle({'a': ['b'], 'b': [], 'c': ['a']}) is None
 
-def test_learner_holds_no_file_format():
-    "Writing, checksums and safe loading live in `learncb.files`, below the learner and the checkpoints"
-    src = (PKG/'learner.py').read_text()
-    for word in ('torch.save(', 'torch.load(', 'hashlib', 'os.replace', 'fsync'): assert word not in src, word
+def test_loop_layer_imports_nothing_above_it():
     graph = import_graph()
-    assert 'learncb.files' in graph['learncb.learner'] and 'learncb.files' in graph['learncb.checkpoint']
-    assert not {'learncb.learner', 'learncb.checkpoint'} & set(graph['learncb.files'])
+    assert loop_layer <= set(graph), loop_layer - set(graph)
+    above = {m: sorted(top - loop_layer) for m,(top,_) in graph.items() if m in loop_layer and top - loop_layer}
+    assert not above, f'modules of the loop layer import modules above it at their top: {above}'
+
+def test_lazy_imports_are_the_known_ones():
+    lazy = {(m, n) for m,(_,lz) in import_graph().items() for n in lz if n != 'learncb'}
+    assert lazy == lazy_allowed, f'imports inside functions changed: new {lazy - lazy_allowed}, gone {lazy_allowed - lazy}'
+
+def test_learner_holds_no_file_format():
+    "Writing, checksums and safe loading live in `learncb.files`, below the learner, its weights and the checkpoints"
+    for mod in ('learner.py', 'weights.py', 'dispatch.py', 'optim.py'):
+        src = (PKG/mod).read_text()
+        for word in ('torch.save(', 'torch.load(', 'hashlib', 'os.replace', 'fsync'): assert word not in src, (mod, word)
+    graph = import_graph()
+    assert 'learncb.files' in graph['learncb.weights'][0] and 'learncb.files' in graph['learncb.checkpoint'][0]
+    assert not {'learncb.learner', 'learncb.checkpoint'} & graph['learncb.files'][0]
+
+def _is_patch(d):
+    f = d.func if isinstance(d, ast.Call) else d
+    return isinstance(f, ast.Name) and f.id == 'patch'
+
+def patched_onto_own_class(src):
+    "`(function, class)` for each `@patch` function of `src` whose class `src` itself defines"
+    tree = ast.parse(src)
+    own = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    found = []
+    for fn in ast.walk(tree):
+        if not (isinstance(fn, ast.FunctionDef) and any(_is_patch(d) for d in fn.decorator_list)): continue
+        ann = fn.args.args[0].annotation if fn.args.args else None
+        classes = {c.strip() for c in ast.unparse(ann).strip('()').split('|')} if ann is not None else set()
+        found += [(fn.name, c) for c in sorted(classes & own)]
+    return found
+
+def test_patch_finds_a_class_of_the_same_module():
+    src = textwrap.dedent('''
+        class A: pass
+        class B: pass
+        @patch
+        def f(self:A): pass
+        @patch(as_prop=True)
+        def g(self:(A|B)): pass
+        @patch
+        def h(self:Learner): pass''')
+    assert patched_onto_own_class(src) == [('f', 'A'), ('g', 'A'), ('g', 'B')]
+
+def test_no_patch_onto_a_class_of_the_same_module():
+    found = {module_name(p): hits for p in PKG.rglob('*.py') if (hits := patched_onto_own_class(p.read_text()))}
+    assert not found, f'@patch onto a class defined in the same module (put the method in the class): {found}'
+
+def test_no_frame_locals():
+    "Error notes come from what the loop records, not from reading the variables of traceback frames"
+    assert not [p.name for p in PKG.rglob('*.py') if 'f_locals' in p.read_text()]
+
+def test_module_sizes():
+    sizes = {module_name(p): len(p.read_text().splitlines()) for p in PKG.rglob('*.py') if p.name != '_modidx.py'}
+    assert sizes['learncb.learner'] < 700
+    assert not {m: n for m,n in sizes.items() if n > 700}, {m: n for m,n in sizes.items() if n > 700}
+
+learner_alone = '''
+import sys, tempfile, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from learncb.learner import Learner, DataLoaders
+torch.manual_seed(0)
+x = torch.randn(64, 2); y = (x.sum(1) > 0).long()
+dl = DataLoader(TensorDataset(x, y), batch_size=16)
+with tempfile.TemporaryDirectory() as d:
+    learn = Learner(DataLoaders(dl, dl), nn.Linear(2, 2), nn.CrossEntropyLoss(), path=d)
+    names = [type(cb).__name__ for cb in learn.cbs]
+    with learn.no_bar(), learn.no_logging(): learn.fit(2, resume='auto')     # no checkpoint yet: a fresh start
+    assert len(learn.recorder.values) == 2, learn.recorder.values
+    assert not any(m.startswith(('learncb.schedule', 'learncb.all')) for m in sys.modules)
+    print(names)
+'''
+
+def test_learner_module_alone_gives_the_whole_learner():
+    "`from learncb.learner import Learner` in a fresh process: the default callbacks, and `resume='auto'` works"
+    res = subprocess.run([sys.executable, '-c', learner_alone], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1] == "['TrainEvalCallback', 'Recorder', 'ProgressCallback']"

@@ -52,67 +52,58 @@ class MLflowCallback(ExperimentTrackerCallback):
         "Whether the run goes to the SQLite file in `learn.path` this callback chose"
         return self.tracking_uri is None and not os.environ.get('MLFLOW_TRACKING_URI')
 
+    def log_params(self, params):
+        Param = _mlflow('entities').Param
+        ps = [Param(k, str(v)[:6000]) for k,v in params.items()]       # MLflow keeps 6000 characters of a value
+        for i in range(0, len(ps), 100): self.client.log_batch(self.run_id, params=ps[i:i + 100])
+
+    def log_rows(self, rows):
+        Metric = _mlflow('entities').Metric
+        now = int(time.time() * 1000)
+        ms = [Metric(k, float(v), now, step) for step,values in rows for k,v in values.items()]
+        for i in range(0, len(ms), 1000): self.client.log_batch(self.run_id, metrics=ms[i:i + 1000])   # MLflow's limit
+
+    def run_steps(self):
+        history = self.client.get_metric_history
+        return {k: max(m.step for m in history(self.run_id, k)) for k in self.client.get_run(self.run_id).data.metrics}
+
+    def log_file(self, path): self.client.log_artifact(self.run_id, str(path), artifact_path='model')
+
+    def close_run(self, status): self.client.set_terminated(self.run_id, status=_mlflow_status[status])
+
+    def open_run(self, ref):
+        if self._own_store(): Path(self.learn.path).mkdir(parents=True, exist_ok=True)
+        self._uri = self.uri
+        with _quiet('mlflow.store.db.utils', 'alembic'):
+            self.client = _mlflow('tracking').MlflowClient(tracking_uri=self._uri)
+            if ref is not None: return self._reopen(ref)
+            self.experiment_id = self._experiment()
+            return self.client.create_run(self.experiment_id, run_name=self.run_name, tags=self.tags).info.run_id
+
+    def _experiment(self):
+        "The id of the experiment `experiment_name`, made if it does not exist"
+        exp = self.client.get_experiment_by_name(self.experiment_name)
+        if exp is None:
+            where = self.artifact_location
+            if where is None and self._own_store(): where = (Path(self.learn.path)/'mlartifacts').resolve().as_uri()
+            where = None if where is None else str(where)
+            return self.client.create_experiment(self.experiment_name, artifact_location=where)
+        if exp.lifecycle_stage == 'deleted': raise ValueError(
+            f"the MLflow experiment {self.experiment_name!r} of {self._uri} is deleted: restore it "
+            f"(MlflowClient().restore_experiment({exp.experiment_id!r})) or pass another experiment_name")
+        return exp.experiment_id
+
+    def _reopen(self, ref):
+        "Open the run `ref` of a checkpoint again, or say that this tracking URI does not have it"
+        try: run = self.client.get_run(ref)
+        except _mlflow('exceptions').MlflowException as e:
+            raise ValueError(f"the checkpoint's MLflow run {ref} is not in {self._uri}: resume with the tracking_uri of "
+                             f"the fit that made it") from e
+        self.client.update_run(ref, status='RUNNING')
+        self.experiment_id = run.info.experiment_id
+        return ref
+
 # %% ../../nbs/25_mlflow.ipynb #680ef022
 def _mlflow(module):
     "The submodule `mlflow.<module>`, or an `ImportError` that says how to install MLflow if it cannot be imported"
     return import_optional(f'mlflow.{module}', 'mlflow', 'mlflow', 'MLflowCallback')
-
-@patch
-def open_run(self:MLflowCallback, ref):
-    if self._own_store(): Path(self.learn.path).mkdir(parents=True, exist_ok=True)
-    self._uri = self.uri
-    with _quiet('mlflow.store.db.utils', 'alembic'):
-        self.client = _mlflow('tracking').MlflowClient(tracking_uri=self._uri)
-        if ref is not None: return self._reopen(ref)
-        self.experiment_id = self._experiment()
-        return self.client.create_run(self.experiment_id, run_name=self.run_name, tags=self.tags).info.run_id
-
-@patch
-def _experiment(self:MLflowCallback):
-    "The id of the experiment `experiment_name`, made if it does not exist"
-    exp = self.client.get_experiment_by_name(self.experiment_name)
-    if exp is None:
-        where = self.artifact_location
-        if where is None and self._own_store(): where = (Path(self.learn.path)/'mlartifacts').resolve().as_uri()
-        where = None if where is None else str(where)
-        return self.client.create_experiment(self.experiment_name, artifact_location=where)
-    if exp.lifecycle_stage == 'deleted': raise ValueError(
-        f"the MLflow experiment {self.experiment_name!r} of {self._uri} is deleted: restore it "
-        f"(MlflowClient().restore_experiment({exp.experiment_id!r})) or pass another experiment_name")
-    return exp.experiment_id
-
-@patch
-def _reopen(self:MLflowCallback, ref):
-    "Open the run `ref` of a checkpoint again, or say that this tracking URI does not have it"
-    try: run = self.client.get_run(ref)
-    except _mlflow('exceptions').MlflowException as e:
-        raise ValueError(f"the checkpoint's MLflow run {ref} is not in {self._uri}: resume with the tracking_uri of "
-                         f"the fit that made it") from e
-    self.client.update_run(ref, status='RUNNING')
-    self.experiment_id = run.info.experiment_id
-    return ref
-
-# %% ../../nbs/25_mlflow.ipynb #bb4efddf
-@patch
-def log_params(self:MLflowCallback, params):
-    Param = _mlflow('entities').Param
-    ps = [Param(k, str(v)[:6000]) for k,v in params.items()]       # MLflow keeps 6000 characters of a value
-    for i in range(0, len(ps), 100): self.client.log_batch(self.run_id, params=ps[i:i + 100])
-
-@patch
-def log_rows(self:MLflowCallback, rows):
-    Metric = _mlflow('entities').Metric
-    now = int(time.time() * 1000)
-    ms = [Metric(k, float(v), now, step) for step,values in rows for k,v in values.items()]
-    for i in range(0, len(ms), 1000): self.client.log_batch(self.run_id, metrics=ms[i:i + 1000])   # MLflow's limit
-
-@patch
-def run_steps(self:MLflowCallback):
-    history = self.client.get_metric_history
-    return {k: max(m.step for m in history(self.run_id, k)) for k in self.client.get_run(self.run_id).data.metrics}
-
-@patch
-def log_file(self:MLflowCallback, path): self.client.log_artifact(self.run_id, str(path), artifact_path='model')
-
-@patch
-def close_run(self:MLflowCallback, status): self.client.set_terminated(self.run_id, status=_mlflow_status[status])

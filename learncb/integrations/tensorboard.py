@@ -110,153 +110,128 @@ class ExperimentTrackerCallback(Callback):
         "Name of the callback on the learner: `learn.tensorboard`, `learn.mlflow`, `learn.wandb`"
         return self._name or self._default_name
 
-# %% ../../nbs/24_tensorboard.ipynb #0de51432
-@patch
-def open_run(self:ExperimentTrackerCallback, ref):
-    "Open a new run of the tracker (`ref` is `None`) or run `ref` again (a resumed fit); return the run's reference"
-    raise NotImplementedError(f"{type(self).__name__} must define open_run(ref)")
-
-@patch
-def log_params(self:ExperimentTrackerCallback, params):
-    "Write the hyper-parameters `params` (a dict of numbers and strings) to the open run"
-    raise NotImplementedError(f"{type(self).__name__} must define log_params(params)")
-
-@patch
-def log_rows(self:ExperimentTrackerCallback, rows):
-    "Write `rows`, a list of `(step, {name: value})` in increasing steps, to the open run"
-    raise NotImplementedError(f"{type(self).__name__} must define log_rows(rows)")
-
-@patch
-def log_file(self:ExperimentTrackerCallback, path):
-    "Store the file `path` (the model) with the open run; by default a tracker cannot"
-    raise NotImplementedError(f"{type(self).__name__} cannot store files: pass log_model=False")
-
-@patch
-def run_steps(self:ExperimentTrackerCallback):
-    "`{name: last step}` of the values the open run holds, read back from the tracker (`{}`: it cannot say)"
-    return {}
-
-@patch
-def close_run(self:ExperimentTrackerCallback, status):
-    "End the open run; `status` is how the fit ended: `'finished'`, `'failed'` or `'killed'`"
-
-# %% ../../nbs/24_tensorboard.ipynb #dac944d7
-@patch
-def before_fit(self:ExperimentTrackerCallback):
-    if self._is_open: self._close('failed')            # left open by a fit that could not end it
-    self._run_ref,self._resumed,self._last = None,False,{}
-    self._losses,self._lrs,self._steps = [],[],[]
-    self._to_log = {**fit_hparams(self.learn), **self.hparams}
-    if self.learn.resume_from is None: self._open()     # resuming: the checkpoint's run, once its state is loaded
-
-@patch
-def after_loss(self:ExperimentTrackerCallback):
-    learn = self.learn
-    if not learn.training or learn.loss is None: return
-    self._losses.append(learn.loss.detach())
-    self._lrs.append([g['lr'] for g in learn.opt.param_groups])
-    self._steps.append(learn.train_iter + 1)           # the batch's number: train_iter once it is done
-
-@patch
-def after_batch(self:ExperimentTrackerCallback):
-    if not self._is_open: self._open()
-    if len(self._steps) >= self.log_every: self.flush()
-
-@patch
-def after_train(self:ExperimentTrackerCallback): self.flush()
-
-@patch
-def after_epoch(self:ExperimentTrackerCallback):
-    self.flush()
-    rec = getattr(self.learn, 'recorder', None)
-    if not isinstance(rec, Recorder) or not rec.values: return
-    row = _numbers(rec.value_names, rec.values[-1])
-    if row: self._write([(self.learn.train_iter, row)])
-
-@patch
-def after_fit(self:ExperimentTrackerCallback):
-    status = _fit_status(self.learn.exception)
-    try:
+    def state_dict(self):
+        "For checkpoints: the run's reference and the last step of each value written (buffered values are written first)"
         if self._steps: self.flush()
-        if self.log_model and status == 'finished' and self._is_open: self.log_file(self.model_file())
-    finally:
-        if self._is_open: self._close(status)
+        return {'run': self._run_ref, 'last': dict(self._last)}
 
-# %% ../../nbs/24_tensorboard.ipynb #dcfb9f01
-@patch
-def flush(self:ExperimentTrackerCallback):
-    "Write the buffered batch losses and lrs, each at its own step, after one host sync for all of them"
-    if not self._steps: return
-    losses,lrs,steps = _batch_losses(self._losses),self._lrs,self._steps
-    self._losses,self._lrs,self._steps = [],[],[]
-    self._write([(s, {'batch/loss': loss, **_lr_values(lr)}) for s,loss,lr in zip(steps, losses, lrs)])
+    def load_state_dict(self, state):
+        "Continue the run of a checkpoint: reopened at the next write, which leaves out the steps it already holds"
+        run = state.get('run')
+        if self._is_open and run != self._run_ref: self._close('finished')
+        self._run_ref,self._last,self._resumed = run,dict(state.get('last') or {}),run is not None
 
-@patch
-def _write(self:ExperimentTrackerCallback, rows):
-    "Write `rows` to the run (opened if needed), leaving out each value at a step its name already has"
-    self._open()
-    kept,last = [],self._last
-    for step,values in rows:
-        new = {k: v for k,v in values.items() if step > last.get(k, -1)}
-        if not new: continue
-        kept.append((step, new))
-        last.update(dict.fromkeys(new, step))
-    if kept:
-        with self._package_errors(): self.log_rows(kept)
+    def model_file(self):
+        "The model file `log_model` stores: the one `SaveModelCallback` saved, else the final weights saved now"
+        saved = [cb.saved for cb in self.learn.cbs if isinstance(cb, SaveModelCallback) and cb.saved]
+        if saved and Path(saved[-1]).exists(): return Path(saved[-1])
+        safe = re.sub(r'[^\w.-]+', '_', str(self.run_id))
+        return self.learn.save(f'model_{safe}', with_opt=False)
 
-@patch
-def _open(self:ExperimentTrackerCallback):
-    "Open the run once: a new one with the hyper-parameters, or the resumed one knowing the steps it holds"
-    if self._is_open: return
-    with self._package_errors():
-        self._run_ref = self.open_run(self._run_ref)
-        self._is_open = True
-        if self._resumed:
-            for k,step in self.run_steps().items(): self._last[k] = max(self._last.get(k, -1), step)
-        elif self._to_log: self.log_params(self._to_log)
-    self._to_log = None
+    @property
+    def run_id(self):
+        "The reference of the tracker's run (set when it opens, kept after the fit): MLflow's and W&B's run id"
+        return self._run_ref
 
-@patch
-@contextmanager
-def _package_errors(self:ExperimentTrackerCallback):
-    "A part of the tracker's package that cannot be imported (the package imports it late) ends in the install hint"
-    try: yield
-    except ImportError as e:
-        if self.package is None or isinstance(e, _MissingPackage): raise
-        raise _missing(self.package, self.extra, type(self).__name__, e) from e
+    def flush(self):
+        "Write the buffered batch losses and lrs, each at its own step, after one host sync for all of them"
+        if not self._steps: return
+        losses,lrs,steps = _batch_losses(self._losses),self._lrs,self._steps
+        self._losses,self._lrs,self._steps = [],[],[]
+        self._write([(s, {'batch/loss': loss, **_lr_values(lr)}) for s,loss,lr in zip(steps, losses, lrs)])
 
-@patch
-def _close(self:ExperimentTrackerCallback, status):
-    self._is_open = False
-    with self._package_errors(): self.close_run(status)
+    def _write(self, rows):
+        "Write `rows` to the run (opened if needed), leaving out each value at a step its name already has"
+        self._open()
+        kept,last = [],self._last
+        for step,values in rows:
+            new = {k: v for k,v in values.items() if step > last.get(k, -1)}
+            if not new: continue
+            kept.append((step, new))
+            last.update(dict.fromkeys(new, step))
+        if kept:
+            with self._package_errors(): self.log_rows(kept)
 
-# %% ../../nbs/24_tensorboard.ipynb #d57433a6
-@patch
-def model_file(self:ExperimentTrackerCallback):
-    "The model file `log_model` stores: the one `SaveModelCallback` saved, else the final weights saved now"
-    saved = [cb.saved for cb in self.learn.cbs if isinstance(cb, SaveModelCallback) and cb.saved]
-    if saved and Path(saved[-1]).exists(): return Path(saved[-1])
-    safe = re.sub(r'[^\w.-]+', '_', str(self.run_id))
-    return self.learn.save(f'model_{safe}', with_opt=False)
+    def _open(self):
+        "Open the run once: a new one with the hyper-parameters, or the resumed one knowing the steps it holds"
+        if self._is_open: return
+        with self._package_errors():
+            self._run_ref = self.open_run(self._run_ref)
+            self._is_open = True
+            if self._resumed:
+                for k,step in self.run_steps().items(): self._last[k] = max(self._last.get(k, -1), step)
+            elif self._to_log: self.log_params(self._to_log)
+        self._to_log = None
 
-@patch(as_prop=True)
-def run_id(self:ExperimentTrackerCallback):
-    "The reference of the tracker's run (set when it opens, kept after the fit): MLflow's and W&B's run id"
-    return self._run_ref
+    @contextmanager
+    def _package_errors(self):
+        "A part of the tracker's package that cannot be imported (the package imports it late) ends in the install hint"
+        try: yield
+        except ImportError as e:
+            if self.package is None or isinstance(e, _MissingPackage): raise
+            raise _missing(self.package, self.extra, type(self).__name__, e) from e
 
-# %% ../../nbs/24_tensorboard.ipynb #08e1da1e
-@patch
-def state_dict(self:ExperimentTrackerCallback):
-    "For checkpoints: the run's reference and the last step of each value written (buffered values are written first)"
-    if self._steps: self.flush()
-    return {'run': self._run_ref, 'last': dict(self._last)}
+    def _close(self, status):
+        self._is_open = False
+        with self._package_errors(): self.close_run(status)
 
-@patch
-def load_state_dict(self:ExperimentTrackerCallback, state):
-    "Continue the run of a checkpoint: reopened at the next write, which leaves out the steps it already holds"
-    run = state.get('run')
-    if self._is_open and run != self._run_ref: self._close('finished')
-    self._run_ref,self._last,self._resumed = run,dict(state.get('last') or {}),run is not None
+    def before_fit(self):
+        if self._is_open: self._close('failed')            # left open by a fit that could not end it
+        self._run_ref,self._resumed,self._last = None,False,{}
+        self._losses,self._lrs,self._steps = [],[],[]
+        self._to_log = {**fit_hparams(self.learn), **self.hparams}
+        if self.learn.resume_from is None: self._open()     # resuming: the checkpoint's run, once its state is loaded
+
+    def after_loss(self):
+        learn = self.learn
+        if not learn.training or learn.loss is None: return
+        self._losses.append(learn.loss.detach())
+        self._lrs.append([g['lr'] for g in learn.opt.param_groups])
+        self._steps.append(learn.train_iter + 1)           # the batch's number: train_iter once it is done
+
+    def after_batch(self):
+        if not self._is_open: self._open()
+        if len(self._steps) >= self.log_every: self.flush()
+
+    def after_train(self): self.flush()
+
+    def after_epoch(self):
+        self.flush()
+        rec = getattr(self.learn, 'recorder', None)
+        if not isinstance(rec, Recorder) or not rec.values: return
+        row = _numbers(rec.value_names, rec.values[-1])
+        if row: self._write([(self.learn.train_iter, row)])
+
+    def after_fit(self):
+        status = _fit_status(self.learn.exception)
+        try:
+            if self._steps: self.flush()
+            if self.log_model and status == 'finished' and self._is_open: self.log_file(self.model_file())
+        finally:
+            if self._is_open: self._close(status)
+
+    def open_run(self, ref):
+        "Open a new run of the tracker (`ref` is `None`) or run `ref` again (a resumed fit); return the run's reference"
+        raise NotImplementedError(f"{type(self).__name__} must define open_run(ref)")
+
+    def log_params(self, params):
+        "Write the hyper-parameters `params` (a dict of numbers and strings) to the open run"
+        raise NotImplementedError(f"{type(self).__name__} must define log_params(params)")
+
+    def log_rows(self, rows):
+        "Write `rows`, a list of `(step, {name: value})` in increasing steps, to the open run"
+        raise NotImplementedError(f"{type(self).__name__} must define log_rows(rows)")
+
+    def log_file(self, path):
+        "Store the file `path` (the model) with the open run; by default a tracker cannot"
+        raise NotImplementedError(f"{type(self).__name__} cannot store files: pass log_model=False")
+
+    def run_steps(self):
+        "`{name: last step}` of the values the open run holds, read back from the tracker (`{}`: it cannot say)"
+        return {}
+
+    def close_run(self, status):
+        "End the open run; `status` is how the fit ended: `'finished'`, `'failed'` or `'killed'`"
 
 # %% ../../nbs/24_tensorboard.ipynb #79c99325
 def _free_folder(root, name):

@@ -29,53 +29,46 @@ class WandbCallback(ExperimentTrackerCallback):
         "The folder of the run's files (`None` before it opens): `<dir>/wandb/run-...` (`offline-run-...` offline)"
         return None if self.wandb_run is None else Path(self.wandb_run.dir).parent
 
-# %% ../../nbs/26_wandb.ipynb #ac57ca05
-@patch
-def open_run(self:WandbCallback, ref):
-    wandb = import_optional('wandb', 'wandb', 'wandb', 'WandbCallback')
-    folder = Path(self.init_kwargs.get('dir') or self.learn.path)
-    folder.mkdir(parents=True, exist_ok=True)
-    kw = {'project': self.project, 'name': self.run_name, 'reinit': 'create_new', **self.init_kwargs,
-          'dir': str(folder)}
-    if ref is not None: kw.update(id=ref, resume='allow')
-    self.wandb_run = wandb.init(**kw)
-    return self.wandb_run.id
+    def open_run(self, ref):
+        wandb = import_optional('wandb', 'wandb', 'wandb', 'WandbCallback')
+        folder = Path(self.init_kwargs.get('dir') or self.learn.path)
+        folder.mkdir(parents=True, exist_ok=True)
+        kw = {'project': self.project, 'name': self.run_name, 'reinit': 'create_new', **self.init_kwargs,
+              'dir': str(folder)}
+        if ref is not None: kw.update(id=ref, resume='allow')
+        self.wandb_run = wandb.init(**kw)
+        return self.wandb_run.id
 
-@patch
-def log_params(self:WandbCallback, params): self.wandb_run.config.update(params, allow_val_change=True)
+    def log_params(self, params): self.wandb_run.config.update(params, allow_val_change=True)
 
-@patch
-def log_rows(self:WandbCallback, rows):
-    for step,values in rows: self.wandb_run.log(values, step=step)
+    def log_rows(self, rows):
+        for step,values in rows: self.wandb_run.log(values, step=step)
 
-@patch
-def log_file(self:WandbCallback, path):
-    wandb = import_optional('wandb', 'wandb', 'wandb', 'WandbCallback')
-    art = wandb.Artifact(f'model-{self.wandb_run.id}', type='model')
-    art.add_file(str(path))
-    self.wandb_run.log_artifact(art)
+    def log_file(self, path):
+        wandb = import_optional('wandb', 'wandb', 'wandb', 'WandbCallback')
+        art = wandb.Artifact(f'model-{self.wandb_run.id}', type='model')
+        art.add_file(str(path))
+        self.wandb_run.log_artifact(art)
 
-@patch
-def run_steps(self:WandbCallback):
-    "Offline, the last step of each value in the run's earlier folders; online, `{}`: W&B ignores lower steps itself"
-    run = self.wandb_run
-    if not getattr(run, 'offline', False): return {}
-    last = {}
-    own = re.compile(rf'offline-run-\d{{8}}_\d{{6}}-{re.escape(run.id)}(-\d+)?')     # -1, -2: more in one second
-    for folder in self.run_dir.parent.glob('offline-run-*'):
-        if folder == self.run_dir or not own.fullmatch(folder.name): continue
-        try: rows = read_offline_run(folder)['history']
-        except Exception as e:       # W&B's file format changed: rely on the checkpoint's steps alone
-            warnings.warn(f"WandbCallback cannot read the earlier offline folder {folder} of run {run.id} ({e}): "
-                          f"values written after the checkpoint may be written twice")
-            continue
-        for row in rows:
-            for k in row:
-                if not k.startswith('_'): last[k] = max(last.get(k, -1), row['_step'])
-    return last
+    def run_steps(self):
+        "Offline, the last step of each value in the run's earlier folders; online, `{}`: W&B ignores lower steps itself"
+        run = self.wandb_run
+        if not getattr(run, 'offline', False): return {}
+        last = {}
+        own = re.compile(rf'offline-run-\d{{8}}_\d{{6}}-{re.escape(run.id)}(-\d+)?')     # -1, -2: more in one second
+        for folder in self.run_dir.parent.glob('offline-run-*'):
+            if folder == self.run_dir or not own.fullmatch(folder.name): continue
+            try: rows = read_offline_run(folder)['history']
+            except Exception as e:       # W&B's file format changed: rely on the checkpoint's steps alone
+                warnings.warn(f"WandbCallback cannot read the earlier offline folder {folder} of run {run.id} ({e}): "
+                              f"values written after the checkpoint may be written twice")
+                continue
+            for row in rows:
+                for k in row:
+                    if not k.startswith('_'): last[k] = max(last.get(k, -1), row['_step'])
+        return last
 
-@patch
-def close_run(self:WandbCallback, status): self.wandb_run.finish(exit_code=0 if status == 'finished' else 1)
+    def close_run(self, status): self.wandb_run.finish(exit_code=0 if status == 'finished' else 1)
 
 # %% ../../nbs/26_wandb.ipynb #478662d6
 def _wandb_records(path, block=32768):
