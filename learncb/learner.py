@@ -7,7 +7,7 @@ Docs: https://learncb.github.io/learncb/learner.html.md"""
 # %% auto #0
 __all__ = ['fit_attrs', 'phase_attrs', 'DataLoaders', 'to_dls', 'print_row', 'TrainEvalCallback', 'defaults', 'Learner']
 
-# %% ../nbs/02_learner.ipynb #90e5ba4d
+# %% ../nbs/02_learner.ipynb #e404e5a0
 import inspect, itertools, threading, warnings
 from collections import namedtuple
 from collections.abc import Mapping
@@ -28,7 +28,7 @@ from .recorder import *
 from .progress import *
 from .preds import *
 
-# %% ../nbs/02_learner.ipynb #9f431dde
+# %% ../nbs/02_learner.ipynb #5f8e8608
 class DataLoaders:
     "The training and validation dataloaders of a learner; `valid` may be `None`"
     def __init__(self, train, valid=None):
@@ -49,7 +49,7 @@ def print_row(row):
     "The default `learn.logger`: print a row of the epoch table with aligned columns"
     print('  '.join(f'{s:<10}' for s in row).rstrip())
 
-# %% ../nbs/02_learner.ipynb #193c9cb2
+# %% ../nbs/02_learner.ipynb #8da61131
 class TrainEvalCallback(Callback):
     "Keeps the training counters (`train_iter`, `pct_train`) and puts the model in train or eval mode"
     order,run_valid,_pct_step = Order.TRAIN_EVAL,False,0.    # its batch handler counts training batches only
@@ -79,7 +79,7 @@ class defaults:
         "Add `cb_cls` to the default callbacks, replacing a class of the same name (so reloading a module is safe)"
         cls.callbacks = [c for c in cls.callbacks if c.__name__ != cb_cls.__name__] + [cb_cls]
 
-# %% ../nbs/02_learner.ipynb #8b946685
+# %% ../nbs/02_learner.ipynb #bf3a9ba1
 # The loop's attributes, with their values before any fit: where a fit is, and what the current phase and batch hold
 fit_attrs = {'epoch': 0, 'n_epoch': 1, 'train_iter': 0, 'pct_train': 0.}
 phase_attrs = {'dl': None, 'iter': 0, 'n_iter': 0, 'batch': None, 'xb': None, 'yb': None, 'pred': None, 'loss': None,
@@ -111,7 +111,7 @@ def _resuming_cbs(learn, resume):
     from learncb.checkpoint import resume_cbs      # imported when asked: the loop knows where to start, no more
     return resume_cbs(learn, resume)
 
-# %% ../nbs/02_learner.ipynb #8d076ad8
+# %% ../nbs/02_learner.ipynb #6f97df10
 class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost):
     "Trains `model` on `dls` with `loss_func` and `opt_func`; every stage of the loop fires events for callbacks"
     label_key,pred_key,loss_key = 'labels','logits','loss'     # the entries of dict batches and dict outputs

@@ -35,8 +35,13 @@ def test_exported_names_documented(mod_name):
         assert name in shown, f'learncb.{mod_name}.{name} has no show_doc in nbs/{MODULES[mod_name]}.ipynb'
 
 def test_learner_methods_documented():
+    "Every public method of `Learner`, its own or of a host it is built from (`CallbackHost`, ...), is shown"
     code = '\n'.join(notebook_code(nb) for nb in MODULES.values())
-    for name, obj in vars(Learner).items():
-        if name.startswith('_') or not (inspect.isroutine(obj) or isinstance(obj, property)): continue
-        assert own_doc(obj), f'Learner.{name} has no docstring'
-        if inspect.isroutine(obj): assert f'show_doc(Learner.{name})' in code, f'Learner.{name} has no show_doc'
+    hosts = [c for c in Learner.__mro__ if c is not object]
+    assert len(hosts) >= 5, hosts                     # Learner and the hosts of callbacks, optimizer, weights, preds
+    for cls in hosts:
+        for name, obj in vars(cls).items():
+            if name.startswith('_') or not (inspect.isroutine(obj) or isinstance(obj, property)): continue
+            assert own_doc(obj), f'{cls.__name__}.{name} has no docstring'
+            if inspect.isroutine(obj): assert f'show_doc({cls.__name__}.{name})' in code or \
+                f'show_doc(Learner.{name})' in code, f'{cls.__name__}.{name} has no show_doc'
