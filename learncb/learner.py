@@ -108,7 +108,7 @@ def _empty_dl(what): return (f"the {what} dataloader is empty (len 0): check tha
 def _resuming_cbs(learn, resume):
     "The callbacks that resume from checkpoint `resume` (a path, or `True` for the newest): none if `resume` is not set"
     if resume is None or resume is False: return []
-    from learncb.checkpoint import resume_cbs      # imported when asked: the loop knows where to start, no more
+    from learncb.checkpoint.callback import resume_cbs      # imported when asked: the loop knows where to start, no more
     return resume_cbs(learn, resume)
 
 # %% ../nbs/02_learner.ipynb #6f97df10

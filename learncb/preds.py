@@ -231,7 +231,7 @@ def _recorders_off(learn):
 def _over_ranks(dl):
     "`(dl, None)` in one process; in a distributed run, this rank's share of `dl` in order, and the module that gathers"
     if num_distrib() == 1: return dl,None
-    from . import distributed          # every rank predicts its share; the results are gathered in dataset order
+    from learncb.distributed import context as distributed   # every rank predicts its share, gathered in order
     return distributed.shard_in_order(getattr(dl, 'unsharded', dl)),distributed
 
 @contextmanager
@@ -266,7 +266,7 @@ class FetchPredsCallback(Callback):
 
     def after_validate(self):
         learn = self.learn
-        skip = [cb for cb in learn.cbs if getattr(cb, 'remove_on_fetch', False)] + self.removed
+        skip = [cb for cb in learn.cbs if cb.remove_on_fetch] + self.removed
         with learn.removed_cbs(skip):
             self.preds = learn.get_preds(ds_idx=self.ds_idx, dl=self.fetch_dl, with_input=self.with_input,
                                          with_decoded=self.with_decoded, reorder=self.reorder)

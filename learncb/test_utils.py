@@ -62,7 +62,7 @@ def _writes_down(e):
 
 class EventLog(Callback):
     "Writes down every event it sees in `log` (but the fetch events if `fetch=False`); runs first (order -100)"
-    order = -100
+    order = Order.FIRST
     def __init__(self, fetch=True):
         super().__init__(**{e: _writes_down(e) for e in event if fetch or e not in ('before_fetch', 'after_fetch')})
         self.log = []

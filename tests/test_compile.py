@@ -28,7 +28,7 @@ def test_compiled_fit_equals_eager_and_files_have_plain_keys(tmp_path):
     fresh.load(compiled.save('w'))
     for a, b in zip(fresh.model.parameters(), compiled.model.parameters()): assert torch.equal(a, b)
     fname = compiled.export('exported.pt')
-    from learncb.inference import load_learner
+    from learncb.inference.export import load_learner
     x = compiled.dls.valid.dataset.tensors[0]
     assert torch.equal(load_learner(fname).get_preds(dl=compiled.test_dl(x))[0], compiled.get_preds(dl=compiled.test_dl(x))[0])
 

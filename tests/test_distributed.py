@@ -96,7 +96,7 @@ def _train_in_each_process(out):
         if rank_distrib() == 0: torch.save({'world': num_distrib(), 'values': learn.recorder.values}, Path(out)/'r.pt')
 
 def test_launch_from_a_notebook_forks_a_run(tmp_path):
-    from learncb.distributed import launch
+    from learncb.distributed.context import launch
     import multiprocessing as mp
     p = mp.get_context('spawn').Process(target=launch, args=(_train_in_each_process, tmp_path), kwargs={'nprocs': 2})
     p.start(); p.join(120)                 # in a fresh process, as a kernel is: fork from there

@@ -3,7 +3,7 @@ import copy
 import pytest, torch
 from torch import nn
 from learncb.all import *
-from learncb.evaluation import *
+from learncb.callbacks.evaluation import *
 from conftest import synth_learner, synth_dls, EventLog
 from learncb.test_utils import synth_dl
 
@@ -138,7 +138,7 @@ def test_evaluate_columns_can_be_monitored_by_a_tracker():
     assert seen == [v[4] for v in learn.recorder.values] and None not in seen
 
 def test_a_real_tracker_monitors_an_evaluate_column():
-    from learncb.tracker import TrackerCallback
+    from learncb.callbacks.monitors import TrackerCallback
     tracker = TrackerCallback('extra_loss')
     learn = synth_learner(metrics=accuracy, cbs=[EvaluateCallback(extra_dl(), every=2), tracker])
     with pytest.warns(UserWarning, match='extra_loss has no value at epoch 0'): learn.fit(4)

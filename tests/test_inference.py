@@ -7,7 +7,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 import learncb
 from learncb.all import *
-from learncb.inference import *
+from learncb.inference.export import *
 from learncb.test_utils import synth_dls, synth_learner
 
 ROOT = Path(learncb.__file__).resolve().parent.parent      # the checkout whose learncb these tests import
@@ -95,7 +95,7 @@ try:
     import mymodels
     sys.exit('mymodels should not be importable here')
 except ImportError: pass
-from learncb.inference import load_learner
+from learncb.inference.export import load_learner
 learn = load_learner(sys.argv[1])
 x = torch.load(sys.argv[2], weights_only=True)
 preds,targs = learn.get_preds(dl=learn.test_dl(x))

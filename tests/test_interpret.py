@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 from learncb.all import *
-from learncb.interpret import *
+from learncb.inference.interpret import *
 from learncb.demo import digits_dls, digits_model
 from learncb.test_utils import synth_learner
 

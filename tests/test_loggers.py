@@ -2,9 +2,9 @@
 import csv, itertools
 from types import SimpleNamespace
 import pytest, torch
-import learncb.loggers
+import learncb.callbacks.loggers
 from learncb.all import *
-from learncb.loggers import *
+from learncb.callbacks.loggers import *
 from conftest import synth_learner, synth_dls
 
 def fit_printing(capsys, learn, *args, **kwargs):
@@ -243,7 +243,7 @@ def test_timer_without_validation_and_outside_a_fit(capsys):
 def clock(monkeypatch):
     "A fake clock for the loggers: each reading is one second after the previous one"
     ticks = itertools.count()
-    monkeypatch.setattr(learncb.loggers, 'time', SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    monkeypatch.setattr(learncb.callbacks.loggers, 'time', SimpleNamespace(perf_counter=lambda: float(next(ticks))))
 
 def test_timer_phases_are_measured_between_the_right_events(clock):
     "With a clock that ticks once per reading, each phase's time counts the readings between its two events"
@@ -268,10 +268,10 @@ def test_timer_sync_cuda_synchronizes_at_every_boundary(monkeypatch):
     "On CUDA (faked here after the batch mover is set up), sync_cuda=True synchronizes at every phase boundary"
     syncs = []
     monkeypatch.setattr(torch.cuda, 'synchronize', lambda *a: syncs.append(1))
-    import learncb.loggers
-    real = learncb.loggers.model_device
-    def fake_cuda(self): learncb.loggers.model_device = lambda *a: torch.device('cuda')
-    def undo(self): learncb.loggers.model_device = real
+    import learncb.callbacks.loggers
+    real = learncb.callbacks.loggers.model_device
+    def fake_cuda(self): learncb.callbacks.loggers.model_device = lambda *a: torch.device('cuda')
+    def undo(self): learncb.callbacks.loggers.model_device = real
     fake = [Callback(before_fit=fake_cuda, order=69), Callback(before_fit=undo, order=71)]
     for sync_cuda, n in ((False, 0), (True, 4 * 9 + 3 + 2)):
         syncs.clear()

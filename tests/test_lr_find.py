@@ -4,7 +4,7 @@ import matplotlib
 matplotlib.use('Agg')
 import pytest, torch
 from learncb.all import *
-from learncb.lr_find import *
+from learncb.callbacks.lr_find import *
 from conftest import synth_learner, synth_dls
 
 def approx(v): return pytest.approx(v, rel=1e-9, abs=1e-15)

@@ -4,7 +4,7 @@ does not leave the others waiting. Every process is bounded by a timeout."""
 import re, signal, subprocess, sys
 from pathlib import Path
 import pytest, torch
-from learncb.checkpoint import checkpoints_in
+from learncb.checkpoint.callback import checkpoints_in
 from learncb.files import load_torch_file
 from test_resume import run_script, assert_same_run, reference
 from test_distributed import free_port, run, result

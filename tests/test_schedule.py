@@ -6,7 +6,7 @@ matplotlib.use('Agg')
 import pytest, torch
 from torch import nn
 from learncb.all import *
-from learncb.schedule import *
+from learncb.callbacks.schedule import *
 from conftest import synth_learner, synth_dls, CrashAt
 
 N_ITER = 4      # batches per epoch of conftest's synth_dls (64 items, bs 16)
@@ -351,7 +351,7 @@ def test_lr_scheduler_state_loaded_outside_a_fit_goes_to_the_next_scheduler():
 
 @pytest.mark.parametrize('kind', ['one_cycle', 'torch_scheduler'])
 def test_interrupted_scheduled_run_resumes_exactly(kind, tmp_path):
-    from learncb.checkpoint import CheckpointCallback
+    from learncb.checkpoint.callback import CheckpointCallback
     def run(folder, stop_at=None, resume=None):
         learn = synth_learner(path=folder, opt_func=torch.optim.Adam)
         warmup = WarmupCallback(3, start_factor=0.1)

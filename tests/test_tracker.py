@@ -2,7 +2,7 @@
 import warnings
 import pytest, torch
 from learncb.all import *
-from learncb.tracker import *
+from learncb.callbacks.monitors import *
 from conftest import synth_learner
 
 def scripted(values):

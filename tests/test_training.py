@@ -3,7 +3,7 @@ import pytest, torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from learncb.all import *
-from learncb.training import *
+from learncb.callbacks.training import *
 from conftest import synth_learner, synth_dls, EventLog, SyncCounter
 
 class CountingSGD(torch.optim.SGD):

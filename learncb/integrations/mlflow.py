@@ -14,7 +14,7 @@ from pathlib import Path
 from fastcore.basics import patch
 from ..core import *
 from ..utils import *
-from .tensorboard import ExperimentTrackerCallback, import_optional
+from .tracking import ExperimentTrackerCallback, import_optional
 
 # %% ../../nbs/25_mlflow.ipynb #fbb3afd6
 @contextmanager

@@ -11,13 +11,13 @@ __all__ = ['OptunaPruningCallback']
 import torch
 from ..core import *
 from ..utils import *
-from ..tracker import TrackerCallback
-from .tensorboard import import_optional
+from ..callbacks.monitors import TrackerCallback
+from .tracking import import_optional
 
 # %% ../../nbs/32_optuna.ipynb #dcab71a1
 class OptunaPruningCallback(TrackerCallback):
     "Reports `monitor` to an Optuna `trial` each epoch; when the trial should be pruned, ends the fit and raises `TrialPruned`"
-    order = 200                       # last: every other callback has finished its `after_fit` when it raises
+    order = Order.LAST                       # last: every other callback has finished its `after_fit` when it raises
     def __init__(self, trial, monitor='valid_loss', greater_is_better=None):
         super().__init__(monitor=monitor, greater_is_better=greater_is_better)
         self.trial,self.pruned_at = trial,None

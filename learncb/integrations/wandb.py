@@ -13,7 +13,7 @@ from pathlib import Path
 from fastcore.basics import patch
 from ..core import *
 from ..utils import *
-from .tensorboard import ExperimentTrackerCallback, import_optional
+from .tracking import ExperimentTrackerCallback, import_optional
 
 # %% ../../nbs/26_wandb.ipynb #72f387ff
 class WandbCallback(ExperimentTrackerCallback):
