@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from .core import *
 from .utils import *
+from .distributed.ranks import *
 from .checks import *
 from .diagnose import note_where
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 from .core import *
 from .utils import *
+from .distributed.ranks import *
 from .diagnose import *
 from .recorder import *
 

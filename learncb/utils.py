@@ -8,8 +8,7 @@ Docs: https://learncb.github.io/learncb/utils.html.md"""
 __all__ = ['default_device', 'model_device', 'plain_model', 'to_device', 'tensors_of', 'find_bs', 'n_batches', 'listify',
            'add_note', 'is_number', 'ArgTypeError', 'arg_error', 'check_number', 'check_lr', 'check_wd', 'check_int',
            'check_fraction', 'check_choice', 'numbers_tensor', 'rng_state', 'set_rng_state', 'rng_kept',
-           'dl_generators', 'num_distrib', 'rank_distrib', 'is_rank0', 'sum_across_ranks', 'gather_objects',
-           'is_sharded', 'whole_state', 'shard_like', 'opt_state_like', 'short_list']
+           'dl_generators', 'short_list']
 
 # %% ../nbs/01_utils.ipynb #4d5f189c
 import functools, math, operator, os, random
@@ -201,88 +200,6 @@ def dl_generators(dl):
     objs = (dl, getattr(dl, 'sampler', None), bs, getattr(bs, 'sampler', None))
     gens = [g for o in objs if isinstance(g := getattr(o, 'generator', None), torch.Generator)]
     return list({id(g): g for g in gens}.values())
-
-# %% ../nbs/01_utils.ipynb #18332865
-def _group_running():
-    import torch.distributed as dist
-    return dist.is_available() and dist.is_initialized()
-
-def num_distrib():
-    "The number of processes of the running distributed process group (1 without one)"
-    if not _group_running(): return 1
-    import torch.distributed as dist
-    return dist.get_world_size()
-
-def rank_distrib():
-    "The rank of this process in the running process group (0 without one)"
-    if not _group_running(): return 0
-    import torch.distributed as dist
-    return dist.get_rank()
-
-def is_rank0():
-    "Whether this process is the one that prints, draws and writes files: rank 0, or the only process"
-    return rank_distrib() == 0
-
-def _collective_device():
-    "Where tensors must be for the process group's collectives: the current CUDA device for NCCL, else the CPU"
-    import torch.distributed as dist
-    return torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
-
-def sum_across_ranks(t):
-    "`t` summed over all ranks (a new tensor on `t`'s device; `t` itself without a process group)"
-    if num_distrib() == 1: return t
-    import torch.distributed as dist
-    out = t.detach().to(_collective_device(), copy=True)
-    dist.all_reduce(out)
-    return out.to(t.device)
-
-def gather_objects(o):
-    "The list of every rank's `o`, in rank order (`[o]` without a process group)"
-    if num_distrib() == 1: return [o]
-    import torch.distributed as dist
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, o)
-    return out
-
-# %% ../nbs/01_utils.ipynb #ef045f5f
-@functools.cache
-def _dtensor_class():
-    "torch's DTensor class, or `None` where torch is built without torch.distributed"
-    import torch.distributed as dist
-    if not dist.is_available(): return None
-    from torch.distributed.tensor import DTensor
-    return DTensor
-
-def is_sharded(t):
-    "Whether `t` is a tensor sharded over the ranks (a `DTensor`, as FSDP2 makes parameters), or a module FSDP shards"
-    cls = _dtensor_class()
-    if cls is None: return False
-    if isinstance(t, torch.nn.Module):
-        from torch.distributed.fsdp import FSDPModule
-        return any(isinstance(m, FSDPModule) for m in t.modules())
-    return isinstance(t, cls)
-
-def whole_state(o, rank0=True):
-    "`o` (a tensor, or dicts and lists of them) with sharded tensors gathered whole, on the CPU; `None` off rank 0 if `rank0`"
-    if isinstance(o, dict): return {k: whole_state(v, rank0) for k,v in o.items()}
-    if isinstance(o, (list, tuple)): return type(o)(whole_state(v, rank0) for v in o)
-    if not is_sharded(o): return o
-    t = o.full_tensor()                   # a collective: every rank takes part
-    return None if rank0 and not is_rank0() else t.cpu()
-
-def shard_like(t, like):
-    "This rank's shard of whole tensor `t`, laid out as sharded `like` (`t` itself when `like` is not sharded)"
-    if not is_sharded(like) or is_sharded(t) or not isinstance(t, torch.Tensor) or t.shape != like.shape: return t
-    from torch.distributed.tensor import distribute_tensor
-    return distribute_tensor(t.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
-
-def opt_state_like(state, opt):
-    "Optimizer `state` (from `state_dict`) with its whole per-parameter tensors cut to fit `opt`'s sharded parameters"
-    params = [p for g in opt.param_groups for p in g['params']]
-    if not any(is_sharded(p) for p in params): return state
-    per_param = {i: {k: shard_like(v, params[i]) if i < len(params) else v for k,v in s.items()}
-                 for i,s in state['state'].items()}
-    return {**state, 'state': per_param}
 
 # %% ../nbs/01_utils.ipynb #c2236a6e
 def short_list(items, n=8):

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from fastcore.basics import noop
 from .utils import *
+from .distributed.ranks import *
 from .files import *
 from .checks import *
 

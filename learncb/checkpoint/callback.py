@@ -17,6 +17,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from fastcore.basics import noop, patch
 from ..core import *
 from ..utils import *
+from ..distributed.ranks import *
 from ..learner import *
 from ..files import *
 from .sharded import *

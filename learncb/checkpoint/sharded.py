@@ -12,6 +12,7 @@ import hashlib, shutil, warnings
 from pathlib import Path
 import torch
 from ..utils import *
+from ..distributed.ranks import *
 from ..files import *
 
 # %% ../../nbs/16a_sharded.ipynb #5703cf2e

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 from fastcore.basics import noop, patch
 from ..core import *
 from ..utils import *
+from .ranks import *
 from ..learner import *
 from ..checkpoint.callback import ResumableSampler
 from ..callbacks.training import MixedPrecision
