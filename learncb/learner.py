@@ -129,6 +129,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost):
         if not meta_tensors(self.model): self.model.to(self.device)     # a model on `meta` is refused by `fit`
         self.opt,self.state,self.logger,self.exception,self.cbs = None,AttrDict(),print_row,None,[]
         self.fitting,self.validating_aside,self.stop_reason,self.resume_from = False,0,None,None
+        self.strategy = None                          # how fits run over several processes (`distrib_ctx` sets it)
         self._running,self._opt_made = None,None      # who runs a fit or validation now; the model `opt` was made for
         self._removed_in_fit = []                     # callbacks removed during this fit: `learn` is cleared at its end
         for k,v in {**fit_attrs, **phase_attrs}.items(): setattr(self, k, v)

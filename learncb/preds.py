@@ -181,7 +181,7 @@ class PredsHost:
     def validate(self, ds_idx=1, dl=None, cbs=None):
         "Loss and metrics on `dl` (or `dls[ds_idx]`): `[valid_loss, *metrics]`"
         if dl is None: dl = self.dl_for(ds_idx)
-        dl,_ = _over_ranks(dl)
+        dl,_ = _over_ranks(self, dl)
         with self.added_cbs(cbs), self.no_logging(), self._validation_aside(): self.run_validation(dl)
         rec = getattr(self, 'recorder', None)
         return rec.last_valid if isinstance(rec, Recorder) else None
@@ -201,7 +201,7 @@ class PredsHost:
         "Predictions and targets on `dl` (or `dls[ds_idx]`): `(inputs?, preds, targs, decoded?, losses?)`"
         if dl is None: dl = self.dl_for(ds_idx)
         if reorder: dl = in_order(dl)
-        dl,ranks = _over_ranks(dl)
+        dl,strategy = _over_ranks(self, dl)
         gather = GatherPredsCallback(with_input=with_input, with_loss=with_loss, save_preds=save_preds,
                                      save_targs=save_targs, with_preds=with_preds, with_targs=with_targs,
                                      concat_dim=concat_dim, pickle_protocol=pickle_protocol)
@@ -210,7 +210,7 @@ class PredsHost:
                 with self.loss_not_reduced(), _noting_reduction(): self.run_validation(dl)
             else: self.run_validation(dl)
         res = gather.all_tensors()
-        if ranks is not None: res = ranks.gather_in_order(res, len(dl.unsharded.dataset))
+        if strategy is not None: res = strategy.gather_in_order(res, len(strategy.user_dl(dl).dataset))
         i = 1 if with_input else 0
         if with_preds and res[i] is not None:
             res[i] = _apply_to_preds(act or activation_of(self.loss_func), res[i], 'act', 'the activation')
@@ -229,11 +229,14 @@ def _recorders_off(learn):
         for r in recs: r.run = True
 
 # %% ../nbs/05_preds.ipynb #3b9b010e
-def _over_ranks(dl):
-    "`(dl, None)` in one process; in a distributed run, this rank's share of `dl` in order, and the module that gathers"
+def _over_ranks(learn, dl):
+    "`(dl, None)` in one process; in a distributed run, this rank's share of `dl` in order, and the strategy that gathers"
     if num_distrib() == 1: return dl,None
-    from learncb.distributed import context as distributed   # every rank predicts its share, gathered in order
-    return distributed.shard_in_order(getattr(dl, 'unsharded', dl)),distributed
+    strategy = learn.strategy
+    if strategy is None:            # a process group started without `distrib_ctx`: every rank predicts its share
+        from learncb.distributed.strategy import Strategy
+        strategy = Strategy()
+    return strategy.shard_valid(strategy.user_dl(dl)),strategy
 
 @contextmanager
 def _noting_reduction():

@@ -89,10 +89,10 @@ def test_checkpoints_copy_into_the_memory_of_the_one_before_and_each_file_holds_
     class Watch(Callback):                   # after each save: where its bytes went, and the weights it holds
         order = ckpt.order + 1
         def after_batch(self):
-            if self.learn.training: seen.append((ckpt._buffer, ckpt.last, self.learn.model[1].weight.detach().clone()))
+            if self.learn.training: seen.append((ckpt._store._buffer, ckpt.last, self.learn.model[1].weight.detach().clone()))
     learn = synth_learner(path=tmp_path, model=nn.Sequential(nn.Linear(2, 512), nn.Linear(512, 512), nn.Linear(512, 2)))
     learn.fit(2, cbs=[ckpt, Watch()])                # 1 MB of weights: a state large enough to keep its memory
     buffers = {id(b) for b,_,_ in seen}        # held here: a buffer made anew cannot take an earlier one's id
     assert len(seen) > 4 and None not in [b for b,_,_ in seen] and len(buffers) < len(seen) / 2, (len(buffers), len(seen))  # mostly copied into again
     for _,path,weight in seen: assert torch.equal(load_torch_file(path)['model']['1.weight'], weight), path
-    assert ckpt._buffer is None                  # let go with the fit
+    assert ckpt._store is None                   # let go with the fit, and the memory with it

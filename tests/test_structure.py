@@ -13,7 +13,7 @@ loop_layer = {f'learncb.{m}' for m in ('core', 'utils', 'files', 'checks', 'diag
                                        'metrics', 'recorder', 'progress', 'preds', 'learner', 'distributed.ranks')}
 # Imports made inside a function, when the feature is asked for: these alone run against the layers
 lazy_allowed = {('learncb.learner', 'learncb.checkpoint.callback'),        # fit(resume=...) imports the checkpoint layer
-                ('learncb.preds', 'learncb.distributed.context'),         # get_preds in a distributed run gathers the ranks'
+                ('learncb.preds', 'learncb.distributed.strategy'),        # get_preds in a distributed run gathers the ranks'
                 ('learncb.checks', 'learncb.metrics')}            # a metric given by name: suggest the import
 
 def module_name(path):
