@@ -22,10 +22,16 @@ from .callbacks.loggers import *
 from .callbacks.evaluation import *
 from .checkpoint.sharded import *
 from .checkpoint.preemption import *
+from .checkpoint.sampler import *
+from .checkpoint.store import *
+from .checkpoint.state import *
 from .checkpoint.callback import *
 from .inference.interpret import *
 from .inference.summary import *
 from .inference.export import *
+from .distributed.strategy import *
+from .distributed.ddp import *
+from .distributed.fsdp import *
 from .distributed.context import *
 from .callbacks.compiling import *
 from .callbacks.tricks import *

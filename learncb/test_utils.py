@@ -42,7 +42,7 @@ def _no_table(row):
     "A `learn.logger` that drops the rows of the epoch table; not `noop`, so callbacks' messages still print"
 
 def _is_progress(cb):
-    "Is `cb` a progress bar? By class name, as `defaults.add_callback` does: a notebook may have redefined the class"
+    "Is `cb` a progress bar? By class name: a notebook may have redefined the class"
     return type(cb).__name__ == ProgressCallback.__name__
 
 def synth_learner(cbs=None, dls=None, model=None, progress=False, default_cbs=True, seed=0, logger=None, **kwargs):

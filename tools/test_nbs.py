@@ -1,9 +1,9 @@
 """Run each notebook of `nbs/` with `nbdev-test`, every one in a process of its own, `-j` at a time (default 2).
 
 `nbdev-test nbs` runs several notebooks one after the other in each of its worker processes, and a notebook's export
-cells redefine the library's classes in that process (`defaults.add_callback(Recorder)` registers the notebook's
-`Recorder`): the next notebook in the same process then mixes two `Recorder` classes and fails or passes by the luck
-of which worker it lands on. A process per notebook makes each notebook's result its own."""
+cells redefine the library's classes in that process (a page's `Recorder`, put among `defaults.callbacks` by its tests):
+the next notebook in the same process then mixes two `Recorder` classes and fails or passes by the luck of which worker
+it lands on. A process per notebook makes each notebook's result its own."""
 import argparse, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path

@@ -10,6 +10,7 @@ __all__ = ['checkpoint_name', 'is_checkpoint_name', 'checkpoint_key', 'Checkpoin
 
 # %% ../../nbs/16d_store.ipynb #13df9dad
 import re, shutil
+from abc import ABC, abstractmethod
 from functools import partial
 from pathlib import Path
 import torch
@@ -36,26 +37,26 @@ def checkpoint_key(ref):
     return int(m[1]),m[2] == 'epoch_end'
 
 # %% ../../nbs/16d_store.ipynb #908218d7
-class CheckpointStore:
+class CheckpointStore(ABC):
     "Where a run's checkpoints are kept: save one, read it back, list them (newest first), remove one"
     collective = False
     "Whether every rank writes its own part (a sharded model): `save` and its `finish` then run on every rank together"
 
+    @abstractmethod
     def save(self, state, name):
         "Take what checkpoint `state` needs now; returns `finish()`, which writes it and returns its reference"
-        raise NotImplementedError(f"{type(self).__name__}.save")
 
+    @abstractmethod
     def read(self, ref):
         "The state of checkpoint `ref`; `CorruptFileError` if it is damaged or incomplete"
-        raise NotImplementedError(f"{type(self).__name__}.read")
 
+    @abstractmethod
     def list(self):
         "The references of the checkpoints in the store, newest first"
-        raise NotImplementedError(f"{type(self).__name__}.list")
 
+    @abstractmethod
     def remove(self, ref):
         "Remove checkpoint `ref`"
-        raise NotImplementedError(f"{type(self).__name__}.remove")
 
     def ref(self, name):
         "The reference checkpoint `name` has once written (its name, unless the store says otherwise)"
