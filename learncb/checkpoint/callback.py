@@ -1,4 +1,4 @@
-"""Save a run's whole state in one file, atomically, and resume from any batch to the weights of an uninterrupted run.
+"""`CheckpointCallback` and `fit(resume=...)`: a run's whole state saved as it trains, into a store, and resumed from any batch to the weights of an uninterrupted run.
 
 Docs: https://learncb.github.io/learncb/checkpoint.html.md"""
 

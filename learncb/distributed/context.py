@@ -1,4 +1,4 @@
-"""DDP with torchrun or from a notebook: the same callbacks, numbers that agree, one rank that speaks, exact resume.
+"""`distrib_ctx` and `launch`: fits over every process torchrun (or a notebook) started, with DDP, FSDP or a strategy of your own; the same callbacks, numbers that agree, one rank that speaks, exact resume.
 
 Docs: https://learncb.github.io/learncb/distributed.html.md"""
 
