@@ -181,3 +181,38 @@ def test_learner_module_alone_gives_the_whole_learner(tmp_path):
     assert whole.returncode == 0, whole.stderr[-3000:]
     a, b = (torch.load(tmp_path/d/'weights.pt') for d in ('run', 'whole'))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+def test_only_the_strategies_ask_whether_a_model_is_sharded():
+    "A strategy says whether the state is sharded (`learn.strategy.sharded`): no module outside `distributed/` asks"
+    asking = [module_name(p) for p in PKG.rglob('*.py') if p.name != '_modidx.py' and 'distributed' not in p.parts
+              and 'is_sharded(' in p.read_text()]
+    assert not asking, asking
+    assert not [module_name(p) for p in PKG.rglob('*.py') if p.name != '_modidx.py' and 'unsharded' in p.read_text()]
+
+def test_file_or_folder_is_decided_by_the_stores():
+    "Whether a checkpoint is a file or a folder is the stores' business: the callback and the state never look"
+    for mod in ('callback', 'state'):
+        src = (PKG/'checkpoint'/f'{mod}.py').read_text()
+        for word in ('is_dir()', "'folder' in", 'rmtree', 'unlink(', 'read_sharded', 'save_sharded', 'start_sharded'):
+            assert word not in src, (mod, word)
+
+# What each folder may import at its top, beside the loop layer and its own folder
+folder_may_import = {
+    'callbacks': {'checkpoint'},                         # the profiler puts the learner back with its state_dict
+    'checkpoint': set(),
+    'inference': {'callbacks'},
+    'distributed': {'checkpoint', 'callbacks'},          # the strategies' stores and resumable order; FSDP's precision
+    'integrations': {'callbacks'},                       # trackers save the model as SaveModelCallback does
+}
+
+def _folder(m): return m.split('.')[1] if m.count('.') >= 2 else None
+
+def test_folders_import_only_what_their_layer_may():
+    graph,bad = import_graph(),{}
+    for m,(top,_) in graph.items():
+        f = _folder(m)
+        if f is None or m in loop_layer: continue
+        allowed = folder_may_import[f] | {f}
+        if (wrong := sorted(n for n in top - loop_layer if _folder(n) not in allowed)): bad[m] = wrong
+    assert set(folder_may_import) == {_folder(m) for m in graph} - {None}      # every folder has its rule
+    assert not bad, f'imports across layers that the layering does not allow: {bad}'
