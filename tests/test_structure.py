@@ -216,3 +216,13 @@ def test_folders_import_only_what_their_layer_may():
         if (wrong := sorted(n for n in top - loop_layer if _folder(n) not in allowed)): bad[m] = wrong
     assert set(folder_may_import) == {_folder(m) for m in graph} - {None}      # every folder has its rule
     assert not bad, f'imports across layers that the layering does not allow: {bad}'
+
+def test_no_private_name_is_imported_across_modules():
+    "A module takes only public names from another (`from .checks import _is_optimizer` was one that was not)"
+    found = []
+    for p in PKG.rglob('*.py'):
+        if p.name == '_modidx.py': continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or '').startswith('learncb')):
+                found += [f'{module_name(p)}: {a.name}' for a in node.names if a.name.startswith('_')]
+    assert not found, found
