@@ -11,8 +11,6 @@ __all__ = ['check_event_name', 'overrides_call', 'as_callback', 'CallbackHost', 
 import sys, warnings
 from contextlib import contextmanager
 from types import MethodType
-import torch
-from torch import nn
 from .core import *
 from .utils import *
 from .distributed.ranks import *

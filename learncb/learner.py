@@ -8,14 +8,13 @@ Docs: https://learncb.github.io/learncb/learner.html.md"""
 __all__ = ['fit_attrs', 'phase_attrs', 'DataLoaders', 'to_dls', 'print_row', 'TrainEvalCallback', 'defaults', 'Learner']
 
 # %% ../nbs/02_learner.ipynb #e404e5a0
-import inspect, itertools, threading, warnings
+import inspect, itertools, threading
 from collections import namedtuple
 from collections.abc import Mapping
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 import torch
-from torch import nn
 from fastcore.basics import AttrDict, noop
 from .core import *
 from .utils import *

@@ -10,11 +10,12 @@ __all__ = ['n_samples', 'Gatherer', 'GatherPredsCallback', 'loss_kind', 'activat
 
 # %% ../nbs/05_preds.ipynb #e2d7f6e9
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 import torch
 from torch import nn
 import torch.nn.functional as F
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 from .core import *
 from .utils import *
 from .distributed.ranks import *
@@ -170,9 +171,7 @@ def in_order(dl):
     "`dl` itself, or a copy that reads its dataset in order without dropping the last batch"
     if not isinstance(dl, DataLoader) or not isinstance(dl.batch_sampler, BatchSampler): return dl
     if not isinstance(dl.sampler, RandomSampler) and not dl.drop_last: return dl
-    return DataLoader(dl.dataset, batch_size=dl.batch_size, shuffle=False, drop_last=False, num_workers=dl.num_workers,
-                      collate_fn=dl.collate_fn, pin_memory=dl.pin_memory, timeout=dl.timeout,
-                      worker_init_fn=dl.worker_init_fn)
+    return rebuild_dataloader(dl, SequentialSampler(dl.dataset), drop_last=False)
 
 # %% ../nbs/05_preds.ipynb #b99025bb
 class PredsHost:
@@ -201,7 +200,7 @@ class PredsHost:
         "Predictions and targets on `dl` (or `dls[ds_idx]`): `(inputs?, preds, targs, decoded?, losses?)`"
         if dl is None: dl = self.dl_for(ds_idx)
         if reorder: dl = in_order(dl)
-        dl,strategy = _over_ranks(self, dl)
+        dl,collect = _over_ranks(self, dl)
         gather = GatherPredsCallback(with_input=with_input, with_loss=with_loss, save_preds=save_preds,
                                      save_targs=save_targs, with_preds=with_preds, with_targs=with_targs,
                                      concat_dim=concat_dim, pickle_protocol=pickle_protocol)
@@ -210,7 +209,7 @@ class PredsHost:
                 with self.loss_not_reduced(), _noting_reduction(): self.run_validation(dl)
             else: self.run_validation(dl)
         res = gather.all_tensors()
-        if strategy is not None: res = strategy.gather_in_order(res, len(strategy.user_dl(dl).dataset))
+        if collect is not None: res = collect(res)
         i = 1 if with_input else 0
         if with_preds and res[i] is not None:
             res[i] = _apply_to_preds(act or activation_of(self.loss_func), res[i], 'act', 'the activation')
@@ -230,13 +229,13 @@ def _recorders_off(learn):
 
 # %% ../nbs/05_preds.ipynb #3b9b010e
 def _over_ranks(learn, dl):
-    "`(dl, None)` in one process; in a distributed run, this rank's share of `dl` in order, and the strategy that gathers"
+    "`(dl, None)` in one process; in a distributed run this rank's share of `dl` in order, and `collect(res)` of the shares"
     if num_distrib() == 1: return dl,None
-    strategy = learn.strategy
-    if strategy is None:            # a process group started without `distrib_ctx`: every rank predicts its share
-        from learncb.distributed.strategy import Strategy
-        strategy = Strategy()
-    return strategy.shard_valid(strategy.user_dl(dl)),strategy
+    strategy = learn.strategy               # `None`: a process group started without `distrib_ctx`, shared out in order
+    user = dl if strategy is None else strategy.user_dl(dl)
+    share = shard_in_order(user) if strategy is None else strategy.shard_valid(user)
+    gather = gather_in_order if strategy is None else strategy.gather_in_order
+    return share,partial(gather, n=len(user.dataset))
 
 @contextmanager
 def _noting_reduction():

@@ -9,7 +9,6 @@ __all__ = ['can_draw_bars', 'ProgressCallback']
 
 # %% ../nbs/06_progress.ipynb #701b94c0
 import sys, time
-from contextlib import contextmanager
 from fastcore.basics import noop
 from fastcore.imports import IN_NOTEBOOK
 from fastprogress.fastprogress import master_bar, progress_bar

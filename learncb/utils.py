@@ -8,10 +8,10 @@ Docs: https://learncb.github.io/learncb/utils.html.md"""
 __all__ = ['default_device', 'model_device', 'plain_model', 'to_device', 'tensors_of', 'find_bs', 'n_batches', 'listify',
            'add_note', 'is_number', 'ArgTypeError', 'arg_error', 'check_number', 'check_lr', 'check_wd', 'check_int',
            'check_fraction', 'check_choice', 'numbers_tensor', 'rng_state', 'set_rng_state', 'rng_kept',
-           'dl_generators', 'short_list']
+           'dl_generators', 'rebuild_dataloader', 'short_list']
 
 # %% ../nbs/01_utils.ipynb #4d5f189c
-import functools, math, operator, os, random
+import math, operator, os, random
 from array import array
 from contextlib import contextmanager
 from numbers import Real
@@ -200,6 +200,15 @@ def dl_generators(dl):
     objs = (dl, getattr(dl, 'sampler', None), bs, getattr(bs, 'sampler', None))
     gens = [g for o in objs if isinstance(g := getattr(o, 'generator', None), torch.Generator)]
     return list({id(g): g for g in gens}.values())
+
+def rebuild_dataloader(dl, sampler, generator=None, drop_last=None):
+    "A `DataLoader` like `dl` (its dataset, batches, workers, collate function) that draws its indices from `sampler`"
+    from torch.utils.data import DataLoader
+    extra = dict(prefetch_factor=dl.prefetch_factor, persistent_workers=dl.persistent_workers) if dl.num_workers else {}
+    return DataLoader(dl.dataset, batch_size=dl.batch_size, sampler=sampler, num_workers=dl.num_workers,
+                      collate_fn=dl.collate_fn, pin_memory=dl.pin_memory, timeout=dl.timeout,
+                      drop_last=dl.drop_last if drop_last is None else drop_last, worker_init_fn=dl.worker_init_fn,
+                      multiprocessing_context=dl.multiprocessing_context, generator=generator, **extra)
 
 # %% ../nbs/01_utils.ipynb #c2236a6e
 def short_list(items, n=8):

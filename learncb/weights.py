@@ -10,7 +10,6 @@ __all__ = ['WeightsHost']
 # %% ../nbs/02c_weights.ipynb #0720f291
 import os
 from pathlib import Path
-import torch
 from fastcore.basics import noop
 from .utils import *
 from .distributed.ranks import *

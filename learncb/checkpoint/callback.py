@@ -16,7 +16,6 @@ from torch.utils.data import DataLoader
 from ..core import *
 from ..utils import *
 from ..distributed.ranks import *
-from ..learner import *
 from ..files import *
 from .preemption import *
 from .sampler import *
@@ -163,7 +162,6 @@ def _check_same_run(learn, state, path):
     if n_epoch != learn.n_epoch:
         raise ValueError(f"{path} was taken in a fit of {n_epoch} epochs, but this fit has {learn.n_epoch}: resume "
                          f"the same run with learn.fit({n_epoch}, resume=...)")
-    dl = learn.dls.train
     saved,now = state.get('data_shape') or {},data_shape(user_train_dl(learn))
     if state.get('world_size', 1) != num_distrib():        # each process has its own batches: the global batch counts
         _check_global_batch(saved.get('batch_size'), state.get('world_size', 1), now['batch_size'], path)

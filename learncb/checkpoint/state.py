@@ -11,7 +11,6 @@ __all__ = ['data_shape', 'user_train_dl', 'check_format', 'default_store', 'read
 import warnings
 from functools import partial
 from pathlib import Path
-import torch
 from fastcore.basics import noop, patch
 from ..core import *
 from ..utils import *

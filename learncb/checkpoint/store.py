@@ -13,7 +13,6 @@ import re, shutil
 from abc import ABC, abstractmethod
 from functools import partial
 from pathlib import Path
-import torch
 from ..utils import *
 from ..distributed.ranks import *
 from ..files import *

@@ -52,7 +52,7 @@ def distrib_ctx(self:Learner, strategy='ddp', shard=None, backend=None, timeout=
     if getattr(strategy, 'device_ids', 'auto') == 'auto': self._to_rank_device(move=not strategy.sharded)
     before,self.strategy = self.strategy,strategy
     try:
-        with self.added_cbs([DistributedCallback(strategy), RankAgreement()]): yield self
+        with self.added_cbs([DistributedCallback(strategy), RankAgreement(strategy)]): yield self
         if started: dist.barrier()          # every rank done before the group ends (not after an error: no waiting)
     finally:
         self.strategy = before

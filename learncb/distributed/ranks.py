@@ -6,11 +6,13 @@ Docs: https://learncb.github.io/learncb/ranks.html.md"""
 
 # %% auto #0
 __all__ = ['num_distrib', 'rank_distrib', 'is_rank0', 'sum_across_ranks', 'gather_objects', 'is_sharded', 'whole_state',
-           'shard_like', 'opt_state_like']
+           'shard_like', 'opt_state_like', 'ShardSampler', 'check_shardable', 'shard_in_order', 'gather_in_order']
 
 # %% ../../nbs/01c_ranks.ipynb #14980140
 import functools
 import torch
+from torch.utils.data import DataLoader, IterableDataset, Sampler
+from ..utils import *
 
 # %% ../../nbs/01c_ranks.ipynb #5ccaca79
 def _group_running():
@@ -93,3 +95,35 @@ def opt_state_like(state, opt):
     per_param = {i: {k: shard_like(v, params[i]) if i < len(params) else v for k,v in s.items()}
                  for i,s in state['state'].items()}
     return {**state, 'state': per_param}
+
+# %% ../../nbs/01c_ranks.ipynb #e0a6a4f4
+class ShardSampler(Sampler):
+    "The indices `rank, rank + world, ...` of `n` items, in order: no item twice, shares differ by at most one"
+    def __init__(self, n, rank, world): self.n,self.rank,self.world = n,rank,world
+    def __len__(self): return len(range(self.rank, self.n, self.world))
+    def __iter__(self): return iter(range(self.rank, self.n, self.world))
+
+def check_shardable(dl, what):
+    "Raise unless `dl` can be shared out over the ranks: a torch `DataLoader` with a batch size, over a sized dataset"
+    if isinstance(dl, DataLoader) and not isinstance(dl.dataset, IterableDataset) and dl.batch_size is not None: return
+    raise TypeError(f"distributed training shards the {what} dataloader by giving each rank its own sampler, so it "
+                    f"must be a torch DataLoader with a batch_size over a dataset with __len__, not {dl!r}; give it "
+                    f"one, or shard an IterableDataset yourself (torch.utils.data.get_worker_info and rank_distrib())")
+
+def shard_in_order(dl, rank=None, world=None):
+    "`dl` for this rank, to validate or predict: the items `rank, rank + world, ...` in order"
+    check_shardable(dl, 'validation')
+    rank,world = rank_distrib() if rank is None else rank,num_distrib() if world is None else world
+    if len(dl.dataset) < world: raise ValueError(
+        f"the dataloader has {len(dl.dataset)} items for {world} processes: each needs at least one to validate or "
+        f"predict on; use more items, or validate in one process")
+    return rebuild_dataloader(dl, ShardSampler(len(dl.dataset), rank, world))
+
+def gather_in_order(o, n):
+    "Every rank's share of `n` items (tensors, tuples of them, `None`), gathered in dataset order on every rank"
+    if isinstance(o, (tuple, list)): return type(o)(gather_in_order(t, n) for t in o)
+    parts = gather_objects(o)
+    if o is None or num_distrib() == 1: return o
+    out = parts[0].new_empty((n, *parts[0].shape[1:]))
+    for r,part in enumerate(parts): out[r::len(parts)] = part
+    return out

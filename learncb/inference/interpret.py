@@ -11,7 +11,6 @@ __all__ = ['Interpretation', 'ClassificationInterpretation']
 import math
 import torch
 from torch.nn import functional as F
-from fastcore.basics import patch
 from ..utils import *
 from ..learner import *
 from ..diagnose import describe_value

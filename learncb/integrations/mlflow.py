@@ -11,7 +11,6 @@ __all__ = ['MLflowCallback']
 import logging, os, time
 from contextlib import contextmanager
 from pathlib import Path
-from fastcore.basics import patch
 from ..core import *
 from ..utils import *
 from .tracking import ExperimentTrackerCallback, import_optional

@@ -8,11 +8,10 @@ Docs: https://learncb.github.io/learncb/tracking.html.md"""
 __all__ = ['check_installed', 'import_optional', 'fit_hparams', 'ExperimentTrackerCallback']
 
 # %% ../../nbs/24_tracking.ipynb #eafda558
-import importlib, importlib.util, numbers, re, time
+import importlib, importlib.util, numbers, re
 from contextlib import contextmanager
 from pathlib import Path
 import torch
-from fastcore.basics import patch
 from ..core import *
 from ..utils import *
 from ..learner import *

@@ -10,7 +10,6 @@ __all__ = ['WandbCallback', 'read_offline_run']
 # %% ../../nbs/26_wandb.ipynb #eaf1e893
 import json, re, struct, warnings
 from pathlib import Path
-from fastcore.basics import patch
 from ..core import *
 from ..utils import *
 from .tracking import ExperimentTrackerCallback, import_optional
