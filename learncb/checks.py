@@ -9,7 +9,7 @@ __all__ = ['check_model', 'check_loss_func', 'is_optimizer', 'check_opt_func', '
            'check_dataloader', 'meta_tensors', 'check_materialized']
 
 # %% ../nbs/01b_checks.ipynb #3c2a9e8e
-import importlib, itertools
+import importlib, itertools, warnings
 from collections.abc import Iterator
 import torch
 from torch.utils.data import Dataset, IterableDataset
@@ -75,9 +75,14 @@ def check_metrics(metrics):
     for m in metrics: _check_metric(m)
     return metrics
 
-def default_lr(opt_func):
-    "The lr a `Learner` uses when given none: the `lr` of `opt_func` if it is a partial that sets one, else 1e-3"
-    return getattr(opt_func, 'keywords', {}).get('lr', 1e-3)
+def default_lr(opt_func, lr=None):
+    "The lr a `Learner` uses: the `lr` of `opt_func` if it is a partial that sets one (as in fastai), else `lr`, else 1e-3"
+    given = getattr(opt_func, 'keywords', {}).get('lr')
+    if given is None: return 1e-3 if lr is None else lr
+    if lr is not None and lr != given:
+        warnings.warn(f"Learner(lr={lr!r}) and the opt_func's lr={given!r}: the opt_func's is used, as in fastai; "
+                      f"give the lr in one place (fit(lr=...) still overrides both)")
+    return given
 
 def check_splitter(splitter):
     "`splitter` if it is `None` or a function `splitter(model)` returning a list of parameter lists"

@@ -338,4 +338,8 @@ class Callback:
         "Restore what `state_dict` returned"
         for k,v in state.items(): object.__setattr__(self, k, v)
 
+    def rank_state(self, states, rank):
+        "The state to load on `rank` when a run resumes on another number of processes, from every saved rank's `states`"
+        return states[rank] if rank < len(states) else states[0]
+
     def __repr__(self): return type(self).__name__ if self._name is None else f'{type(self).__name__}({self._name!r})'

@@ -56,7 +56,10 @@ class TrainEvalCallback(Callback):
     def before_fit(self):
         self.learn.train_iter,self.learn.pct_train = 0,0.
     def before_train(self):
+        "Train mode, and the epoch given to the sampler that has `set_epoch` (a `DistributedSampler`: each epoch its order)"
         self.learn.model.train()
+        for s in _samplers(self.learn.dl):
+            if callable(getattr(s, 'set_epoch', None)): s.set_epoch(self.learn.epoch)
         n_iter = self.learn.n_iter
         self._pct_step = 1. / (n_iter * self.learn.n_epoch) if n_iter else 0.
     def after_batch(self):
@@ -64,6 +67,10 @@ class TrainEvalCallback(Callback):
         learn.train_iter += 1
         learn.pct_train += self._pct_step
     def before_validate(self): self.learn.model.eval()
+
+def _samplers(dl):
+    "The sampler of `dl` and its batch sampler's (either may be the one that orders it)"
+    return getattr(dl, 'sampler', None),getattr(getattr(dl, 'batch_sampler', None), 'sampler', None)
 
 def _given(cb_cls, cbs):
     "Whether `cbs` holds `cb_cls` or one of its instances: that one is used instead of the default"
@@ -119,7 +126,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost):
                  vocab=None, train_bn=True):
         self.dls,self.model = to_dls(dls),check_model(model)
         self.loss_func,self.opt_func = check_loss_func(loss_func, allow_none=True),check_opt_func(opt_func)
-        self.lr = check_lr(default_lr(opt_func) if lr is None else lr, who='Learner')
+        self.lr = check_lr(default_lr(opt_func, lr), who='Learner')
         self.wd = check_wd(wd, who='Learner')
         self.splitter,self._vocab,self.frozen_idx,self.train_bn = check_splitter(splitter),vocab,0,bool(train_bn)
         self.n_inp,self.model_dir,self.path = n_inp,model_dir,Path(path)

@@ -123,6 +123,16 @@ class Recorder(Callback):
         state.pop('_header_logged', None)      # written by older versions: the header belongs to the fit that prints
         super().load_state_dict(state)
 
+    def rank_state(self, states, rank):
+        "On another number of processes, the epoch's partial sums of every saved rank on rank 0, none on the others"
+        state,first = dict(super().rank_state(states, rank)),rank == 0
+        state['_train_sum'] = sum(s['_train_sum'] for s in states) if first else 0.
+        state['_train_n'] = sum(s['_train_n'] for s in states) if first else 0
+        state['_train_bs'] = [bs for s in states for bs in s['_train_bs']] if first else []
+        cols = zip(*(s['_train_cols'] for s in states))
+        state['_train_cols'] = [[v for c in col for v in c] if first else [] for col in cols]
+        return state
+
     def _flush(self):
         "Turn pending device losses into floats (one host sync), extending the smoothed history and the epoch sum"
         if not self._pending: return

@@ -48,7 +48,7 @@ def _is_progress(cb):
 def synth_learner(cbs=None, dls=None, model=None, progress=False, default_cbs=True, seed=0, logger=None, **kwargs):
     "A CPU `Learner` of `model` (`nn.Linear(2, 2)`) on `dls` (`synth_dls()`), lr 0.1, quiet, seeded with `seed`"
     torch.manual_seed(seed)
-    kwargs.setdefault('lr', 0.1)
+    if 'lr' not in getattr(kwargs.get('opt_func'), 'keywords', {}): kwargs.setdefault('lr', 0.1)
     learn = Learner(synth_dls() if dls is None else dls, nn.Linear(2, 2) if model is None else model,
                     nn.CrossEntropyLoss(), cbs=cbs, default_cbs=default_cbs, device='cpu', **kwargs)
     if not progress: learn.remove_cbs([cb for cb in learn.cbs if _is_progress(cb)])

@@ -1,14 +1,14 @@
 """A small training run for tests/test_distributed.py, launched with torchrun (2 processes, gloo) or alone.
 
 python tests/ddp_script.py OUT [--bs B] [--epochs E] [--shuffle] [--ckpt] [--resume] [--kill-at K] [--fail-rank R]
-                               [--early] [--count-writes] [--n-valid N] [--dropout P] [--device D]
+                               [--early] [--count-writes] [--n-valid N] [--dropout P] [--device D] [--dist-order]
 Rank 0 saves the result in OUT/result.pt: final weights, optimizer state, recorder losses and values, get_preds."""
 import argparse, builtins, os, signal, sys, tempfile, time
 from collections import Counter
 from pathlib import Path
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from functools import partial
 from learncb.all import *
 
@@ -27,7 +27,7 @@ p.add_argument('--adam', action='store_true'); p.add_argument('--export', action
 p.add_argument('--clip', action='store_true'); p.add_argument('--save-best', action='store_true')
 p.add_argument('--term-at', type=int, default=None); p.add_argument('--kill-once', default=None)
 p.add_argument('--auto', action='store_true'); p.add_argument('--ema', action='store_true')
-p.add_argument('--prune-at', type=int, default=None)
+p.add_argument('--prune-at', type=int, default=None); p.add_argument('--dist-order', action='store_true')
 args = p.parse_args()
 out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
 torch.set_num_threads(1)
@@ -46,7 +46,10 @@ if args.count_writes:                   # count the files this process writes, t
 g = torch.Generator().manual_seed(0)
 x = torch.randn(64 + args.n_valid, 4, generator=g)
 y = (x[:, 0] + x[:, 1] * x[:, 2] > 0).long() + (x[:, 3] > 1).long()
-train = DataLoader(TensorDataset(x[:64], y[:64]), batch_size=args.bs, shuffle=args.shuffle)
+train_ds = TensorDataset(x[:64], y[:64])
+if args.dist_order and int(os.environ.get('WORLD_SIZE', '1')) == 1:     # one process, in the order of a distributed run
+    train = DataLoader(train_ds, batch_size=args.bs, sampler=DistributedSampler(train_ds, 1, 0, shuffle=args.shuffle))
+else: train = DataLoader(train_ds, batch_size=args.bs, shuffle=args.shuffle)
 valid = DataLoader(TensorDataset(x[64:], y[64:]), batch_size=4)
 class Block(nn.Module):
     "A unit FSDP shards: linear, ReLU, dropout"

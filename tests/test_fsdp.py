@@ -6,7 +6,8 @@ import pytest, torch
 from test_distributed import free_port, run, result, ranks_said
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason='torch.distributed is not available')
-COMMON = ('--blocks', '--adam', '--ckpt', '--shuffle')            # checkpoints every batch, shuffled data
+COMMON = ('--blocks', '--adam', '--ckpt', '--shuffle', '--dist-order')     # checkpoints every batch, shuffled data
+# (--dist-order: a run of one process reads DistributedSampler's order, as the ranks of a distributed run do together)
 FSDP = ('--strategy', 'fsdp')
 
 def assert_weights_close(got, ref, atol=1e-5):

@@ -128,7 +128,7 @@ _loaders = {
     'workers': lambda: DataLoader(_ds, batch_size=16, shuffle=True, num_workers=2),
     'persistent workers': lambda: DataLoader(_ds, batch_size=16, shuffle=True, num_workers=2, persistent_workers=True,
                                              generator=torch.Generator().manual_seed(3)),
-    'resumable sampler': lambda: resumable_dataloader(DataLoader(_ds, batch_size=16, shuffle=True), seed=7)}
+    'resumable sampler': lambda: resumable_dataloader(DataLoader(_ds, batch_size=16, shuffle=True))}
 
 def _orders_after(make, summary):
     dl = make()

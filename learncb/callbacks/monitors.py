@@ -83,10 +83,12 @@ class TrackerCallback(Callback):
         if self.new_best: self.best,self.best_epoch = self.value,self.learn.epoch
 
     def is_better(self, value):
-        "Whether `value` beats the best so far by more than `min_delta` (`None` and NaN never do)"
-        if value is None or math.isnan(value):
-            if not self._warned: warnings.warn(f"{type(self).__name__}: {self.monitor_name} has no value at epoch "
-                                               f"{self.learn.epoch} (no validation set?); that epoch is not compared")
+        "Whether `value` beats the best so far by more than `min_delta` (`None`, NaN and infinities never do)"
+        if value is None or not math.isfinite(value):
+            what = 'has no value' if value is None else f'is {value}'
+            if not self._warned: warnings.warn(f"{type(self).__name__}: {self.monitor_name} {what} at epoch "
+                                               f"{self.learn.epoch}{' (no validation set?)' if value is None else ''}; "
+                                               f"that epoch is not compared")
             self._warned = True
             return False
         if self.best is None: return True
@@ -193,6 +195,10 @@ class EarlyStoppingCallback(PatienceCallback):
     "Stops the fit when `monitor` has not improved by more than `min_delta` for `patience` epochs"
     _state_attrs = PatienceCallback._state_attrs + ('stopped_epoch',)
     stopped_epoch = None     # the epoch at which it stopped the last fit
+    def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., patience=1, reset_on_fit=True,
+                 check_finite=True):
+        super().__init__(monitor, greater_is_better, min_delta, patience, reset_on_fit)
+        self.check_finite = check_finite
 
     def before_fit(self):
         super().before_fit()
@@ -200,9 +206,13 @@ class EarlyStoppingCallback(PatienceCallback):
 
     def after_epoch(self):
         super().after_epoch()
-        if not self.out_of_patience: return
-        self.stopped_epoch = self.learn.epoch
-        reason = f'No improvement of {self.monitor_name} since epoch {self.learn.epoch - self.wait}: early stopping'
+        epoch,value = self.learn.epoch,self.value
+        if self.check_finite and value is not None and not math.isfinite(value):
+            reason = (f'{self.monitor_name} is {value} at epoch {epoch}, which is not finite (the best was {self.best}): '
+                      f'early stopping (check_finite=True)')
+        elif self.out_of_patience: reason = f'No improvement of {self.monitor_name} since epoch {epoch - self.wait}: early stopping'
+        else: return
+        self.stopped_epoch = epoch
         if self.learn.logger is not noop: print(reason)
         self.learn.stop_fit(reason)
 

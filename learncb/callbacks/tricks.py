@@ -25,6 +25,7 @@ from ..preds import *
 class MixHandler(Callback):
     "Base of `MixUp` and `CutMix`: each training batch is mixed with a shuffled copy of itself, and its loss alike"
     run_valid = False                   # validation, `get_preds` and `predict` see the data as it is
+    fold = True                         # λ taken as max(λ, 1-λ) (MixUp), or kept as drawn (CutMix)
     def __init__(self, alpha=0.4):
         self.alpha = check_number(alpha, 'alpha', gt=0, finite=True, who=type(self).__name__)
         self.lam,self.perm,self._yb_other,self._beta = None,None,None,None
@@ -36,10 +37,10 @@ class MixHandler(Callback):
                              f"Pass a loss_func to the Learner, or remove {type(self).__name__}")
 
     def draw_lambda(self):
-        "λ drawn from Beta(`alpha`, `alpha`), taken as max(λ, 1-λ): the batch's own targets weigh the most"
+        "λ drawn from Beta(`alpha`, `alpha`); with `fold`, taken as max(λ, 1-λ): the batch's own targets weigh the most"
         if self._beta is None: self._beta = torch.distributions.Beta(float(self.alpha), float(self.alpha))  # made once
         lam = float(self._beta.sample())            # on the CPU: no wait for the device
-        return max(lam, 1 - lam)
+        return max(lam, 1 - lam) if self.fold else lam
 
     def before_batch(self):
         learn = self.learn
@@ -79,7 +80,10 @@ class MixUp(MixHandler):
 
 # %% ../../nbs/29_tricks.ipynb #348c78d9
 class CutMix(MixHandler):
-    "CutMix (Yun et al., 2019): a box of each image is taken from another one; λ is the share of the image left"
+    "CutMix (Yun et al., 2019): a box of each image is taken from another one; λ ~ Beta(α, α) unfolded, then the share left"
+    fold = False
+    def __init__(self, alpha=1.): super().__init__(alpha)
+
     def mix(self, xb):
         x = xb[0]
         if not isinstance(x, torch.Tensor) or x.ndim < 3 or not x.is_floating_point():
@@ -101,7 +105,7 @@ class CutMix(MixHandler):
 
 # %% ../../nbs/29_tricks.ipynb #f1a08f1e
 class LabelSmoothingCrossEntropy(nn.CrossEntropyLoss):
-    "Cross-entropy against targets smoothed by `eps` (fastai's name for `nn.CrossEntropyLoss(label_smoothing=eps)`)"
+    "Cross-entropy against targets smoothed by `eps`: fastai's name for `nn.CrossEntropyLoss(label_smoothing=eps)`, torch's value"
     def __init__(self, eps=0.1, weight=None, reduction='mean'):
         check_number(eps, 'eps', ge=0, finite=True, who='LabelSmoothingCrossEntropy')
         if eps >= 1: raise ValueError(f"LabelSmoothingCrossEntropy: eps={eps!r} leaves nothing of the targets: it "
@@ -149,8 +153,10 @@ class WeightAveraging(Callback):
 class EMACallback(WeightAveraging):
     "Keeps an exponential moving average of the weights, updated after every optimizer step by `decay`"
     order = Order.AVERAGING                          # after the callbacks that cancel steps, before those that save
-    def __init__(self, decay=0.999, validate=True, replace_at_end=True):
+    def __init__(self, decay=0.999, validate=True, replace_at_end=True, update_every=1, start_step=0):
         self.decay = check_number(decay, 'decay', gt=0, finite=True, who='EMACallback')
+        self.update_every = check_int(update_every, 'update_every', ge=1, who='EMACallback')
+        self.start_step = check_int(start_step, 'start_step', ge=0, who='EMACallback')
         if decay >= 1: raise ValueError(f"EMACallback: decay={decay!r} never moves the average: use a value just "
                                         f"below 1, such as 0.999 (the average then spans about 1000 steps)")
         super().__init__()
@@ -164,12 +170,14 @@ class EMACallback(WeightAveraging):
             if not a.is_floating_point(): continue
             avg,model = self._floats.setdefault((a.device, a.dtype), ([], []))
             avg.append(a); model.append(m)
-        self._others,self._pairs,self._n = [(a, m) for a,m in pairs if not a.is_floating_point()],pairs,0
+        self._others,self._pairs,self._n,self._steps = [(a, m) for a,m in pairs if not a.is_floating_point()],pairs,0,0
 
     def after_cancel_step(self): self._stepped = False
 
     def after_step(self):
-        if self._stepped: self._update()
+        if self._stepped:
+            step,self._steps = self._steps,self._steps + 1      # this step's index in the fit, from 0
+            if step >= self.start_step and step % self.update_every == 0: self._update()
         self._stepped = True
 
     def _update(self):
@@ -196,21 +204,24 @@ class EMACallback(WeightAveraging):
 
     def state_dict(self):
         "The average, for checkpoints (a resumed run goes on averaging where it was)"
-        return {} if self.average is None else {'ema': self.average.state_dict()}
+        return {} if self.average is None else {'ema': self.average.state_dict(), 'steps': self._steps}
 
     def load_state_dict(self, state):
         "Put back what `state_dict` returned"
         if 'ema' not in state: return
         self.average.load_state_dict(state['ema'])
         self._n = int(self.average.n_averaged)          # once, when a run resumes
+        self._steps = state.get('steps', self._n)
 
 # %% ../../nbs/29_tricks.ipynb #b0ec6b48
 class SWACallback(WeightAveraging):
-    "Stochastic weight averaging: from epoch `start_epoch` the lr anneals to `swa_lr`, and the weights are averaged each epoch"
+    "Stochastic weight averaging: from epoch `start_epoch` (or that share of the fit) the lr anneals to `swa_lr`, and the weights are averaged each epoch"
     order = Order.AVERAGING + 1                          # its lr comes after the schedulers' (order 0): it is the one that holds
     def __init__(self, start_epoch, swa_lr, anneal_epochs=1, anneal_strategy='cos', update_bn=True,
                  replace_at_end=True):
-        check_int(start_epoch, 'start_epoch', ge=0, who='SWACallback')
+        if isinstance(start_epoch, float):      # a share of the fit, as Lightning's swa_epoch_start
+            check_fraction(start_epoch, 'start_epoch', who='SWACallback', hint='an epoch number, or a share of the fit such as 0.8')
+        else: check_int(start_epoch, 'start_epoch', ge=0, who='SWACallback')
         check_int(anneal_epochs, 'anneal_epochs', ge=0, who='SWACallback')
         check_choice(anneal_strategy, 'anneal_strategy', ('cos', 'linear'), who='SWACallback')
         check_number(swa_lr, 'swa_lr', ge=0, finite=True, per_group=True, who='SWACallback', hint='the lr to anneal to, such as 0.05')
@@ -220,15 +231,17 @@ class SWACallback(WeightAveraging):
         self.swalr,self._lrs,self._saved_swalr = None,None,None
 
     def before_fit(self):
-        learn = self.learn
-        if self.start_epoch >= learn.n_epoch:
-            raise ValueError(f"SWACallback(start_epoch={self.start_epoch}) starts averaging after the last epoch of "
-                             f"this fit of {learn.n_epoch}: give a start_epoch below {learn.n_epoch}")
+        learn,start = self.learn,self.start_epoch
+        self._first = int(start * learn.n_epoch) if isinstance(start, float) else start     # the first epoch averaged
+        if self._first >= learn.n_epoch:
+            raise ValueError(f"SWACallback(start_epoch={start}) starts averaging at epoch {self._first}, after the "
+                             f"last epoch of this fit of {learn.n_epoch}: give a start_epoch below {learn.n_epoch}, or "
+                             f"a share of the fit below 1")
         self._start(use_buffers=False)
         self.swalr,self._lrs,self._saved_swalr = None,None,None
 
     def before_epoch(self):
-        if self.learn.epoch < self.start_epoch or self.swalr is not None: return
+        if self.learn.epoch < self._first or self.swalr is not None: return
         self.swalr = SWALR(self.learn.opt, swa_lr=self.swa_lr, anneal_epochs=self.anneal_epochs,
                            anneal_strategy=self.anneal_strategy)
         if self._saved_swalr is None: self._lrs = [g['lr'] for g in self.learn.opt.param_groups]
@@ -275,15 +288,26 @@ def _update_bn(learn, model):
 
 # %% ../../nbs/29_tricks.ipynb #5a564200
 class ShortEpochCallback(Callback):
-    "Ends each training epoch after `pct` of its batches (at least one), and each validation too if `short_valid`"
+    "Ends each training epoch after `pct` of its batches (at least one) or `n_batches`, each validation too if `short_valid`"
     order = Order.DEFAULT + 1
-    def __init__(self, pct=0.01, short_valid=True):
+    def __init__(self, pct=0.01, short_valid=True, n_batches=None):
         self.pct = check_fraction(pct, 'pct', who='ShortEpochCallback')
+        self.n_batches = check_int(n_batches, 'n_batches', ge=1, allow_none=True, who='ShortEpochCallback')
         self.short_valid = short_valid
 
+    def before_train(self): self._check_length('training')
+    def before_validate(self):
+        if self.short_valid: self._check_length('validation')
+
+    def _check_length(self, what):
+        if self.n_batches is None and self.learn.n_iter is None: raise ValueError(
+            f"ShortEpochCallback(pct={self.pct}) ends an epoch after a share of its batches, but the {what} dataloader "
+            f"has no length (an IterableDataset?), so it has no share to take: give a number of batches instead, "
+            f"ShortEpochCallback(n_batches=...)")
+
     def after_batch(self):
-        learn = self.learn
-        if (learn.iter + 1) / learn.n_iter < self.pct: return
+        learn,done = self.learn,self.learn.iter + 1
+        if (done < self.n_batches) if self.n_batches else (done / learn.n_iter < self.pct): return
         if learn.training: raise CancelTrainException()
         if self.short_valid: raise CancelValidException()
 
@@ -310,14 +334,16 @@ class _Augment(Callback):
         self.learn.xb = (self.augment(xb[0]),) if len(xb) == 1 else tuple(self.augment(*xb))
 
 @patch
-def tta(self:Learner, ds_idx=1, dl=None, n=4, augment=None, with_decoded=False):
-    "Predictions averaged over the plain pass and `n` passes with `augment` applied to each batch's inputs: `(preds, targs)`"
+def tta(self:Learner, ds_idx=1, dl=None, n=4, augment=None, with_decoded=False, use_max=False):
+    "Predictions averaged (their maximum with `use_max`) over the plain pass and `n` with `augment` applied: `(preds, targs)`"
     if not callable(augment):
         raise TypeError(f"tta averages predictions over passes with augment applied to each batch of inputs; "
                         f"augment={augment!r} is not a function: pass one, e.g. augment=lambda x: x.flip(-1)")
     check_int(n, 'n', ge=1, who='tta')
     preds,targs = self.get_preds(ds_idx, dl)[:2]
     total = preds.clone()
-    for _ in range(n): total += self.get_preds(ds_idx, dl, cbs=_Augment(augment), with_targs=False)[0]
-    preds = total / (n + 1)
+    for _ in range(n):
+        more = self.get_preds(ds_idx, dl, cbs=_Augment(augment), with_targs=False)[0]
+        total = torch.maximum(total, more) if use_max else total.add_(more)
+    preds = total if use_max else total / (n + 1)
     return (preds, targs, decodes_of(self.loss_func)(preds)) if with_decoded else (preds, targs)

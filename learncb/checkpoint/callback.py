@@ -37,7 +37,7 @@ class ResumeCallback(Callback):
         if state.get('loader') is not None and has_state(dl):
             dl.load_state_dict(state['loader'])                       # the dataloader's own place in its epoch
             if state.get('loader_drain'):                             # after its last batch: finish that epoch
-                for _ in _RngAfterIter(dl, state['rng']): pass
+                for _ in _RngAfterIter(dl, rank_rng(state)): pass
         self.run = False        # restored once: out of the dispatch tables for the rest of the fit
 
     def before_fit(self):
@@ -51,11 +51,12 @@ class ResumeCallback(Callback):
         "A checkpoint taken after a batch is restored in its epoch, which goes on with the next batch"
         self._restore()
         learn,start = self.learn,self.iter + 1
-        dl,learn.start_iter = learn.dl,start
-        if self.state.get('loader') is not None and has_state(dl): learn.dl = _RngAfterIter(dl, self.state['rng'])
+        dl,learn.start_iter,rng = learn.dl,start,rank_rng(self.state)
+        if self.state.get('loader') is not None and has_state(dl): learn.dl = _RngAfterIter(dl, rng)
         elif (sampler := sampler_of(dl)) is not None:
-            sampler.start = start * dl.batch_size
-            if type(dl).__iter__ is not DataLoader.__iter__: learn.dl = _CheckedStart(dl, sampler, start)
+            sampler.resume(start * dl.batch_size)        # the epoch's order again, from its seed, without the done batches
+            learn.dl = _RngAfterIter(dl, rng)             # making the iterator draws a seed: the checkpoint's state then
+            if type(dl).__iter__ is not DataLoader.__iter__: learn.dl = _CheckedStart(learn.dl, sampler, start)
         else:
             warnings.warn(f"the training dataloader cannot skip batches ({cannot_resume_reason(dl)}): the first "
                           f"{start} batches of the epoch are read again and dropped; the order is the same only if it "
@@ -193,20 +194,12 @@ def resume_cbs(learn, resume):
     if not state.get('exact', True):
         warnings.warn(f"{path} was written after an error in the middle of a batch: the run continues from the last "
                       f"complete batch, but may not end exactly as an uninterrupted run would")
-    _make_train_resumable(learn, seed=(state['data'] or {}).get('seed', 0))
     if resume is not True: _warn_newer(store_of(learn, path), path)
     if auto and is_rank0(): print(f"resume='auto': resuming the run from {path}", flush=True)
     saving = [] if any(isinstance(cb, CheckpointCallback) for cb in learn.cbs) else \
              [CheckpointCallback(path=Path(path).parent, **state.get('checkpointing', {}))]
     return [ResumeCallback(state, path), *saving]
 
-
-def _make_train_resumable(learn, seed):
-    "Give the learner's training dataloader a resumable order if it can have one (else say why not)"
-    dl = learn.dls.train
-    reason = cannot_resume_reason(dl)
-    if reason is None and not has_state(dl): learn.dls.train = resumable_dataloader(dl, seed)
-    return reason
 
 def _warn_newer(store, ref):
     "Warn if checkpoints newer than `ref`, of the run that went on from it, are beside it in `store`"
@@ -229,6 +222,7 @@ class CheckpointCallback(Callback):
         self.store = store                              # where checkpoints go; `None`: the strategy's, in `path`
         self._signums = check_signals(signals)
         self.last,self._old_handlers,self._stateful,self._loader_end,self._kept = None,{},False,None,[]
+        self._user_dl = None                 # (the training dataloader the user gave, the one ordered for this fit)
         self._caught,self._signal = None,None          # the signal this rank caught; the one the fit stops for
         self._exchange,self._writer,self._pending,self._store = None,BackgroundWriter(),None,None
         self._pos = {'at': None, 'epoch': 0, 'iter': -1, 'dirty': False}   # the last complete point of the run
@@ -245,10 +239,9 @@ class CheckpointCallback(Callback):
         self._store.prepare()
         self._kept = self._store.list()[::-1]           # what `_prune` removes from, with what this fit writes
         resuming = next((cb for cb in learn.cbs if isinstance(cb, ResumeCallback)), None)
+        reason = self._take_order()
         if resuming is None:
             self._warn_earlier_run()
-            if user_train_dl(learn) is not learn.dls.train: reason = None    # sharded for this fit: resumable
-            else: reason = _make_train_resumable(learn, seed=int(torch.randint(0, 2**62, ())))
             if reason: warnings.warn(f"the training dataloader cannot resume in the middle of an epoch exactly "
                                      f"({reason}); checkpoints taken in an epoch will replay it from its start. Use a "
                                      f"torch DataLoader (shuffle=True or False) to resume exactly.")
@@ -266,9 +259,22 @@ class CheckpointCallback(Callback):
                       f"removes them as it passes them, but until then resume=True takes the newest there. Give each "
                       f"run its own folder (CheckpointCallback(path=...)), or pass resume=True to continue that run")
 
-    def before_train(self):
-        sampler = sampler_of(self.learn.dl)
-        if sampler is not None: sampler.set_epoch(self.learn.epoch)
+    def _take_order(self):
+        "Order the training dataloader by a `ResumableSampler` for this fit, as its own sampler would; or say why not"
+        learn,self._user_dl = self.learn,None
+        dl = learn.dls.train
+        if user_train_dl(learn) is not dl: return None      # a strategy's share for this fit: ordered already
+        reason = cannot_resume_reason(dl)
+        if reason is None and not has_state(dl): self._user_dl = dl,resumable_dataloader(dl)
+        if self._user_dl is not None: learn.dls.train = self._user_dl[1]
+        return reason
+
+    def _give_order_back(self):
+        "Give the learner the training dataloader the user gave, when the fit ends"
+        if self._user_dl is None: return
+        (dl,ordered),self._user_dl = self._user_dl,None
+        if self.learn.dls.train is ordered: self.learn.dls.train = dl
+        restore_order(dl)
 
     def before_validate(self): self._pos['dirty'] = True       # validation draws from the random generators
 
@@ -317,6 +323,7 @@ class CheckpointCallback(Callback):
             self._restore_signals()
             self._writer.close()                                # its thread ends with the fit
             self._store = None                                  # and a default store's memory with it
+            self._give_order_back()
         signum,self._exchange = self._signal if self._signal is not None else self._caught,None
         if signum is not None and self.learn.exception is None:    # the signal came when no batch was left to finish
             self._signal = self._caught = None

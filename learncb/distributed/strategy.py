@@ -10,7 +10,7 @@ __all__ = ['DistributedResumableSampler', 'shard_train_dl', 'Strategy', 'Distrib
 # %% ../../nbs/23_strategy.ipynb #29af8ea9
 import math, weakref
 import torch
-from torch.utils.data import RandomSampler
+from torch.utils.data import DistributedSampler, RandomSampler
 from fastcore.basics import noop
 from ..core import *
 from ..utils import *
@@ -21,28 +21,21 @@ from ..checkpoint.store import *
 
 # %% ../../nbs/23_strategy.ipynb #1ee02555
 class DistributedResumableSampler(ResumableSampler):
-    "This rank's share of a `ResumableSampler`'s order: every `world`-th index from `rank`, padded to equal shares"
-    def __init__(self, n, rank, world, shuffle=True, seed=0, generator=None):
-        super().__init__(n, shuffle=shuffle, seed=seed, generator=generator)
-        self.rank,self.world = rank,world
-    def __len__(self): return math.ceil(self.n / self.world)
-    def order(self):
-        "This rank's indices of the current epoch"
-        idx = super().order()
-        if len(idx) % self.world: idx = idx + idx[:self.world - len(idx) % self.world]
-        return idx[self.rank::self.world]
+    "This rank's share of the order of torch's `DistributedSampler`: shuffled from `seed + epoch`, every `world`-th index from `rank`"
+    def __init__(self, n, rank, world, shuffle=True, seed=0):
+        super().__init__(n, shuffle=shuffle, seed=seed, rank=rank, world=world)
 
-def shard_train_dl(dl, rank=None, world=None):
-    "`dl` for this rank of the run: its share of each epoch's order, from a seed every rank has (rank 0's)"
+def shard_train_dl(dl, rank=None, world=None, seed=0):
+    "`dl` for this rank of the run: its share of each epoch's order, `DistributedSampler`'s from `seed`"
     check_shardable(dl, 'training')
     rank,world = rank_distrib() if rank is None else rank,num_distrib() if world is None else world
-    own = sampler_of(dl)
-    shuffle = own.shuffle if own is not None else isinstance(dl.sampler, RandomSampler)
-    seed = own.seed if own is not None else gather_objects(int(torch.randint(0, 2**62, ())))[0]
-    gen = torch.Generator().manual_seed(seed)
-    sampler = DistributedResumableSampler(len(dl.dataset), rank, world, shuffle=shuffle, seed=seed, generator=gen)
+    own,theirs = sampler_of(dl),dl.sampler
+    if own is not None: shuffle = own.shuffle
+    elif isinstance(theirs, DistributedSampler): shuffle,seed = theirs.shuffle,theirs.seed
+    else: shuffle = isinstance(theirs, RandomSampler)
+    sampler = DistributedResumableSampler(len(dl.dataset), rank, world, shuffle=shuffle, seed=seed)
     if own is not None: sampler.load_state_dict(own.state_dict())
-    return rebuild_dataloader(dl, sampler, gen)
+    return rebuild_dataloader(dl, sampler, dl.generator)
 
 
 # %% ../../nbs/23_strategy.ipynb #60ed75d6
@@ -50,9 +43,11 @@ class Strategy:
     "How a fit runs over the processes of a run: shards the data, keeps the plain model; subclass it to wrap the model"
     sharded = False
     "Whether each rank holds only a shard of the model's state: its checkpoints are then written by every rank"
+    seed = 0
+    "The seed of the training order: epoch `e` is shuffled from `seed + e`, as by `DistributedSampler(seed=seed)`"
     def shard_train(self, dl):
         "This rank's share of training dataloader `dl`: the same epoch order on every rank, each its own part of it"
-        return self._sharded(shard_train_dl(dl), dl)
+        return self._sharded(shard_train_dl(dl, seed=self.seed), dl)
 
     def shard_valid(self, dl):
         "This rank's share of dataloader `dl`, to validate or predict on: its items in order"
@@ -115,11 +110,6 @@ class DistributedCallback(Callback):
                                 None if learn.dls.valid is None else strategy.shard_valid(learn.dls.valid))
         strategy.wrap(learn)
         if not is_rank0(): learn.logger = noop      # callbacks marked `rank0_only` are left out by the learner
-
-    def before_train(self):
-        "Each epoch its own order, the same on every rank (`set_epoch`, done for the user)"
-        sampler = getattr(self.learn.dl, 'sampler', None)
-        if isinstance(sampler, ResumableSampler): sampler.set_epoch(self.learn.epoch)
 
     def before_validate(self): self.strategy.before_validate(self.learn)
     def after_validate(self): self.strategy.after_validate(self.learn)
