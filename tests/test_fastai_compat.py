@@ -52,9 +52,12 @@ def test_opt_func_partial_lr_is_the_default_lr():
     assert learn.lr == 1e-2
     learn.create_opt()
     assert learn.opt.param_groups[0]['lr'] == 1e-2
-    explicit = Learner(synth_dls(), nn.Linear(2, 2), nn.CrossEntropyLoss(), opt_func=partial(torch.optim.Adam, lr=1e-2),
-                       lr=3e-3)
-    assert explicit.lr == 3e-3                         # an lr given to the Learner wins, as before
+    with pytest.warns(UserWarning, match="the opt_func's is used, as in fastai"):
+        explicit = Learner(synth_dls(), nn.Linear(2, 2), nn.CrossEntropyLoss(),
+                           opt_func=partial(torch.optim.Adam, lr=1e-2), lr=3e-3)
+    assert explicit.lr == 1e-2                         # the partial's lr, as fastai's create_opt (issue 25), with a warning
+    assert Learner(synth_dls(), nn.Linear(2, 2), nn.CrossEntropyLoss(), opt_func=partial(torch.optim.Adam, lr=1e-2),
+                   lr=1e-2).lr == 1e-2                 # the same lr in both places: nothing to warn of
     assert Learner(synth_dls(), nn.Linear(2, 2), nn.CrossEntropyLoss()).lr == 1e-3
 
 def test_callback_call_override_is_called():

@@ -11,7 +11,6 @@ __all__ = ['ResumeCallback', 'checkpoints_in', 'store_of', 'resume_cbs', 'Checkp
 import itertools, signal, sys, threading, warnings
 from functools import partial
 from pathlib import Path
-import torch
 from torch.utils.data import DataLoader
 from ..core import *
 from ..utils import *
@@ -55,8 +54,8 @@ class ResumeCallback(Callback):
         if self.state.get('loader') is not None and has_state(dl): learn.dl = _RngAfterIter(dl, rng)
         elif (sampler := sampler_of(dl)) is not None:
             sampler.resume(start * dl.batch_size)        # the epoch's order again, from its seed, without the done batches
-            learn.dl = _RngAfterIter(dl, rng)             # making the iterator draws a seed: the checkpoint's state then
-            if type(dl).__iter__ is not DataLoader.__iter__: learn.dl = _CheckedStart(learn.dl, sampler, start)
+            if type(dl).__iter__ is DataLoader.__iter__: learn.dl = _RngAfterIter(dl, rng)   # its iterator draws: then rng
+            else: learn.dl = _CheckedStart(dl, sampler, start, rng)
         else:
             warnings.warn(f"the training dataloader cannot skip batches ({cannot_resume_reason(dl)}): the first "
                           f"{start} batches of the epoch are read again and dropped; the order is the same only if it "
@@ -82,10 +81,11 @@ class _RngAfterIter:
         yield from it
 
 class _CheckedStart:
-    "The rest of an epoch of `dl`, whose `sampler` skips `n` batches: if `dl` does not read it, they are dropped"
-    def __init__(self, dl, sampler, n): self.dl,self.sampler,self.n = dl,sampler,n
+    "The rest of an epoch of `dl`, whose `sampler` skips `n` batches (if `dl` does not read it, they are dropped); then `rng`"
+    def __init__(self, dl, sampler, n, rng): self.dl,self.sampler,self.n,self.rng = dl,sampler,n,rng
     def __iter__(self):
         it = iter(self.dl)
+        set_rng_state(self.rng)
         first = list(itertools.islice(it, 1))
         if self.sampler.start:          # still there after a batch: the dataloader does not draw from its sampler
             self.sampler.start = 0

@@ -8,8 +8,7 @@ Docs: https://learncb.github.io/learncb/strategy.html.md"""
 __all__ = ['DistributedResumableSampler', 'shard_train_dl', 'Strategy', 'DistributedCallback', 'RankAgreement']
 
 # %% ../../nbs/23_strategy.ipynb #29af8ea9
-import math, weakref
-import torch
+import weakref
 from torch.utils.data import DistributedSampler, RandomSampler
 from fastcore.basics import noop
 from ..core import *
