@@ -146,6 +146,7 @@ foreign_events = {name: (ev, libs) for name,ev,libs in
                   (re.split(r'\s{2,}', line.strip(), maxsplit=2) for line in _foreign_table.strip().splitlines())}
 
 # %% ../nbs/00_core.ipynb #cdcae6f6
+@functools.lru_cache(maxsize=4096)          # asked again for the same method names at every fit: answered once
 def closest_event(name, cutoff=0.75):
     "The event `name` most likely means: the one of `foreign_events`, else the closest name, else `None`"
     if name in foreign_events: return foreign_events[name][0]
