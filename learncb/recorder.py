@@ -112,10 +112,24 @@ class Recorder(Callback):
         return raw / (1 - self.beta ** (self._count + len(self._pending)))
 
     def state_dict(self):
-        "History for checkpoints; the per-batch lists travel as tensors, much faster to save than lists of floats"
+        "History for checkpoints, up to the last batch the loop counted; the per-batch lists travel as tensors"
+        n = self._uncounted()            # a batch that failed before its end: not in the checkpoint, still in memory
+        held,self._pending = self._pending[len(self._pending) - n:],self._pending[:len(self._pending) - n]
+        held_bs,self._pending_bs = self._pending_bs[len(self._pending_bs) - n:],self._pending_bs[:len(self._pending_bs) - n]
         self._flush()
-        return {**super().state_dict(), 'lrs': numbers_tensor(self.lrs), 'losses': numbers_tensor(self._losses),
-                '_pending': []}
+        self._pending,self._pending_bs = held,held_bs
+        state = {**super().state_dict(), 'lrs': numbers_tensor(self.lrs[:len(self._losses)]),
+                 'losses': numbers_tensor(self._losses), '_pending': []}
+        if n and len(self._train_bs) >= n:
+            state.update(_train_bs=self._train_bs[:-n], _train_cols=[col[:-n] for col in self._train_cols])
+        return state
+
+    def _uncounted(self):
+        "How many training losses are of batches the loop has not counted (`train_iter`): a batch that failed mid-way"
+        learn = self.learn
+        if learn is None or not learn.training: return 0
+        extra = self._count + len(self._pending) - learn.train_iter
+        return extra if 0 < extra <= len(self._pending) else 0
 
     def load_state_dict(self, state):
         state = dict(state)

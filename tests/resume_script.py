@@ -2,7 +2,7 @@
 every batch. It can kill itself with SIGKILL at a chosen point, stall inside a checkpoint write, or resume.
 
 python resume_script.py PATH [--kill EVENT,EPOCH,ITER,PHASE] [--term EPOCH,ITER] [--every N] [--stall-save N]
-                             [--resume] [--out FILE]"""
+                             [--resume] [--out FILE] [--signal NAME] [--requeue]"""
 import argparse, os, signal, sys, time
 import torch
 from torch import nn
@@ -36,12 +36,12 @@ class KillAt(Callback):
         os.kill(os.getpid(), signal.SIGKILL)
 
 class TermAt(Callback):
-    "Sends SIGTERM to this process after the forward pass of training batch `iter` of epoch `epoch`"
-    def __init__(self, epoch, it): self.epoch_, self.iter_ = epoch, it
+    "Sends `sig` (SIGTERM) to this process after the forward pass of training batch `iter` of epoch `epoch`"
+    def __init__(self, epoch, it, sig=signal.SIGTERM): self.epoch_, self.iter_, self.sig = epoch, it, sig
     def after_pred(self):
         if self.training and (self.learn.epoch, self.learn.iter) == (self.epoch_, self.iter_):
-            print(f'SIGTERM AT {time.time()}', flush=True)
-            os.kill(os.getpid(), signal.SIGTERM)
+            print(f'{signal.Signals(self.sig).name} AT {time.time()}', flush=True)
+            os.kill(os.getpid(), self.sig)
 
 def stall_save(n):
     "Make the `n`-th file write hang inside fsync (after the data is written to the temporary file)"
@@ -59,10 +59,12 @@ def main():
     p.add_argument('path'); p.add_argument('--kill'); p.add_argument('--stall-save', type=int)
     p.add_argument('--resume', action='store_true'); p.add_argument('--out')
     p.add_argument('--term'); p.add_argument('--every', type=int, default=1)
+    p.add_argument('--signal', default='SIGTERM'); p.add_argument('--requeue', action='store_true')
     a = p.parse_args()
     learn = make_learner(a.path)
-    cbs = [CheckpointCallback(every_n_steps=a.every or None, keep_last=3), GradientAccumulation(n_acc=16)]
-    if a.term: cbs.append(TermAt(*map(int, a.term.split(','))))
+    cbs = [CheckpointCallback(every_n_steps=a.every or None, keep_last=3, signals=(a.signal,), requeue=a.requeue),
+           GradientAccumulation(n_acc=16)]
+    if a.term: cbs.append(TermAt(*map(int, a.term.split(',')), signal.Signals[a.signal]))
     if a.kill:
         event, epoch, it, phase = a.kill.split(',')
         cbs.append(KillAt(event, int(epoch), int(it), phase))

@@ -1,7 +1,7 @@
 """Preemption (issue 17): SIGTERM ends a fit with an exact checkpoint and exit code 143, `resume='auto'` goes on from
 it; the ranks of a distributed run stop at the same batch; torchrun's restarts resume by themselves; a lost rank
 does not leave the others waiting. Every process is bounded by a timeout."""
-import re, signal, subprocess, sys
+import os, re, signal, subprocess, sys
 from pathlib import Path
 import pytest, torch
 from learncb.checkpoint.callback import checkpoints_in
@@ -20,6 +20,28 @@ def test_sigterm_writes_one_checkpoint_exits_143_and_auto_resume_is_exact(refere
     resumed = run_script(tmp_path, '--every', '0', '--resume', '--out', str(tmp_path/'final.pt'))
     assert "resume='auto': resuming the run from" in resumed.stdout and 'checkpoint_00000015_batch.pt' in resumed.stdout
     assert_same_run(load_torch_file(tmp_path/'final.pt'), reference)
+
+@pytest.mark.parametrize('sig', ['SIGUSR1', 'SIGUSR2'])        # SLURM's --signal, submitit's
+def test_requeue_asks_slurm_once_the_checkpoint_is_written_and_the_job_resumes_exactly(reference, tmp_path, sig):
+    bin_dir = tmp_path/'bin'; bin_dir.mkdir()
+    fake = bin_dir/'scontrol'                                    # a fake scontrol: writes down what it was asked
+    fake.write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n'); fake.chmod(0o755)
+    env = {**os.environ, 'PATH': f"{bin_dir}:{os.environ['PATH']}", 'SLURM_JOB_ID': '4242',
+           'SCONTROL_LOG': str(tmp_path/'scontrol.log')}
+    stopped = run_script(tmp_path, '--every', '0', '--term', '1,4', '--signal', sig, '--requeue', check=False, env=env)
+    assert stopped.returncode == 128 + signal.Signals[sig], stopped.stderr[-3000:]
+    assert (tmp_path/'scontrol.log').read_text() == 'requeue 4242\n'
+    assert 'learncb: requeued SLURM job 4242' in stopped.stdout
+    assert checkpoints_in(tmp_path/'checkpoints')[-1].name == 'checkpoint_00000015_batch.pt'   # written before
+    resumed = run_script(tmp_path, '--every', '0', '--signal', sig, '--requeue', '--resume', '--out',
+                         str(tmp_path/'final.pt'), env=env)      # what SLURM runs again
+    assert 'checkpoint_00000015_batch.pt' in resumed.stdout
+    assert_same_run(load_torch_file(tmp_path/'final.pt'), reference)
+
+def test_requeue_outside_slurm_warns_and_exits_as_usual(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith('SLURM_')}
+    stopped = run_script(tmp_path, '--every', '0', '--term', '1,4', '--requeue', check=False, env=env)
+    assert stopped.returncode == 143 and 'this is not a SLURM job (no SLURM_JOB_ID)' in stopped.stderr
 
 def test_resume_auto_starts_a_run_without_checkpoints(tmp_path, reference):
     res = run_script(tmp_path, '--resume', '--out', str(tmp_path/'final.pt'))

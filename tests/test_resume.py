@@ -12,8 +12,9 @@ HERE = Path(__file__).parent
 SCRIPT = HERE/'resume_script.py'
 N_EPOCH, N_TRAIN, N_VALID = 3, 10, 4           # as in resume_script.py
 
-def run_script(path, *args, check=True):
-    res = subprocess.run([sys.executable, str(SCRIPT), str(path), *args], capture_output=True, text=True, timeout=300)
+def run_script(path, *args, check=True, env=None):
+    res = subprocess.run([sys.executable, str(SCRIPT), str(path), *args], capture_output=True, text=True, timeout=300,
+                         env=env)
     if check and res.returncode != 0: raise AssertionError(f'{args}: exit {res.returncode}\n{res.stdout}\n{res.stderr}')
     return res
 

@@ -214,18 +214,20 @@ class CheckpointCallback(Callback):
     "Saves resumable checkpoints every `every_n_steps` training batches and every epoch, keeping the last `keep_last`"
     order,remove_on_lr_find,run_valid = Order.CHECKPOINT,True,False     # its batch handlers follow training batches only
     def __init__(self, path='checkpoints', every_n_steps=None, every_epoch=True, keep_last=2, on_exception=True,
-                 signals=('SIGTERM',), background=True, store=None):
+                 signals=('SIGTERM',), background=True, store=None, requeue=False):
         check_int(every_n_steps, 'every_n_steps', ge=1, allow_none=True, who='CheckpointCallback')
         check_int(keep_last, 'keep_last', ge=1, who='CheckpointCallback')
         self.path,self.every_n_steps,self.every_epoch = Path(path),every_n_steps,every_epoch
         self.keep_last,self.on_exception,self.signals,self.background = keep_last,on_exception,signals,background
         self.store = store                              # where checkpoints go; `None`: the strategy's, in `path`
+        self.requeue = requeue                          # after a signal's checkpoint: `scontrol requeue` (SLURM)
         self._signums = check_signals(signals)
         self.last,self._old_handlers,self._stateful,self._loader_end,self._kept = None,{},False,None,[]
         self._user_dl = None                 # (the training dataloader the user gave, the one ordered for this fit)
         self._caught,self._signal = None,None          # the signal this rank caught; the one the fit stops for
         self._exchange,self._writer,self._pending,self._store = None,BackgroundWriter(),None,None
-        self._pos = {'at': None, 'epoch': 0, 'iter': -1, 'dirty': False}   # the last complete point of the run
+        self._pos = {'at': None, 'epoch': 0, 'iter': -1, 'train_iter': 0, 'pct_train': 0., 'dirty': False}
+        # the last complete point of the run, with the loop's counters there
 
     @property
     def folder(self):
@@ -245,8 +247,11 @@ class CheckpointCallback(Callback):
             if reason: warnings.warn(f"the training dataloader cannot resume in the middle of an epoch exactly "
                                      f"({reason}); checkpoints taken in an epoch will replay it from its start. Use a "
                                      f"torch DataLoader (shuffle=True or False) to resume exactly.")
-            self._pos.update(at=None, epoch=0, iter=-1, dirty=False)
-        else: self._pos.update(at=resuming.at, epoch=resuming.epoch, iter=resuming.iter, dirty=False)
+            self._pos.update(at=None, epoch=0, iter=-1, train_iter=learn.train_iter, pct_train=learn.pct_train, dirty=False)
+        else:
+            loop = resuming.state['loop']
+            self._pos.update(at=resuming.at, epoch=resuming.epoch, iter=resuming.iter, train_iter=loop['train_iter'],
+                             pct_train=loop['pct_train'], dirty=False)
         self._caught,self._signal,self._stateful,self._loader_end = None,None,has_state(learn.dls.train),None
         self._exchange = SignalExchange() if num_distrib() > 1 else None
         self._pending = None
@@ -281,6 +286,7 @@ class CheckpointCallback(Callback):
     def after_batch(self):             # every training batch: kept to a few attribute reads
         learn,pos = self.learn,self._pos
         pos['at'],pos['epoch'],pos['iter'],pos['dirty'] = 'batch',learn.epoch,learn.iter,False
+        pos['train_iter'],pos['pct_train'] = learn.train_iter,learn.pct_train
         if self._stateful and learn.iter == learn.n_iter - 1:     # the last batch: its state, before the epoch ends
             self._loader_end = (learn.epoch, learn.iter, learn.dls.train.state_dict())
         if self._writer.error is not None: self._writer.check()  # a failed background write is raised here
@@ -288,7 +294,9 @@ class CheckpointCallback(Callback):
         elif self.every_n_steps and learn.train_iter % self.every_n_steps == 0: self.save()
 
     def after_epoch(self):
-        self._pos.update(at='epoch_end', epoch=self.learn.epoch, dirty=False)
+        learn = self.learn
+        self._pos.update(at='epoch_end', epoch=learn.epoch, train_iter=learn.train_iter, pct_train=learn.pct_train,
+                         dirty=False)
         if self._stop_asked(wait=True): self._stop_now()
         elif self.every_epoch: self.save()
 
@@ -299,8 +307,7 @@ class CheckpointCallback(Callback):
             if isinstance(e, (KeyboardInterrupt, SignalStop)) and (self._signal or self._caught): return   # held: saved
             self._writer.wait()
             if not self.on_exception or self._pos['at'] is None or num_distrib() > 1: return
-            if learn.training and (learn.epoch, learn.iter) != (self._pos['epoch'], self._pos['iter']):
-                self._pos['dirty'] = True      # a batch had begun since the last complete point
+            if learn.training: self._settle_position()
             path = self.save()
             self._writer.wait()
             self._finish_pending()
@@ -312,6 +319,15 @@ class CheckpointCallback(Callback):
         finally:
             self._restore_signals()
             self._writer.close()
+
+    def _settle_position(self):
+        "Where a training batch that was interrupted leaves the run: that batch if it was counted, else the one before"
+        learn,pos = self.learn,self._pos
+        if learn.train_iter > pos['train_iter']:         # counted by TrainEvalCallback: stepped, done; exact
+            pos.update(at='batch', epoch=learn.epoch, iter=learn.iter, train_iter=learn.train_iter,
+                       pct_train=learn.pct_train, dirty=False)
+        elif (learn.epoch, learn.iter) != (pos['epoch'], pos['iter']):
+            pos['dirty'] = True           # begun since the last complete point: resumed from there, not exactly
 
     def after_fit(self):
         try:
@@ -328,7 +344,7 @@ class CheckpointCallback(Callback):
         if signum is not None and self.learn.exception is None:    # the signal came when no batch was left to finish
             self._signal = self._caught = None
             if signum == signal.SIGINT: raise KeyboardInterrupt("interrupted at the end of the fit")
-            raise SignalStop(signum, self.last)
+            raise self._signal_stop(signum, self.last)
 
     def _catch_signals(self):
         "Hold Ctrl-C (with `on_exception`) and the `signals` until the end of the batch, so that the checkpoint then is exact"
@@ -362,21 +378,28 @@ class CheckpointCallback(Callback):
         self._restore_signals()
         if self._signal == signal.SIGINT: raise KeyboardInterrupt(
             f"interrupted; the run is saved in {path}: continue it with learn.fit(..., resume=True)")
-        e = SignalStop(self._signal, path)
-        if is_rank0(): print(f"learncb: {e}", file=sys.stderr, flush=True)
-        raise e
+        raise self._signal_stop(self._signal, path)
+
+    def _signal_stop(self, signum, path):
+        "The `SignalStop` that ends the fit, once the job is requeued if `requeue` (rank 0 asks SLURM)"
+        e = SignalStop(signum, path)
+        if is_rank0():
+            print(f"learncb: {e}", file=sys.stderr, flush=True)
+            if self.requeue: requeue_slurm_job()
+        return e
 
     def save(self):
         "Write a checkpoint as of the run's last complete point (a training batch or an epoch), then remove old ones"
         learn,pos = self.learn,self._pos
         state = learn.state_dict()
-        state['loop'].update(epoch=pos['epoch'], iter=pos['iter'])
+        state['loop'].update(epoch=pos['epoch'], iter=pos['iter'], train_iter=pos['train_iter'], pct_train=pos['pct_train'])
         state.update(at=pos['at'], exact=not pos['dirty'], checkpointing=dict(every_n_steps=self.every_n_steps,
-                     every_epoch=self.every_epoch, keep_last=self.keep_last, on_exception=self.on_exception))
+                     every_epoch=self.every_epoch, keep_last=self.keep_last, on_exception=self.on_exception,
+                     requeue=self.requeue))
         end = self._loader_end
         if end is not None and end[0] == pos['epoch'] and (pos['at'] == 'epoch_end' or pos['iter'] == end[1]):
             state.update(loader=end[2], loader_drain=pos['at'] == 'epoch_end')
-        name,store = checkpoint_name(learn.train_iter, pos['at']),self._store
+        name,store = checkpoint_name(pos['train_iter'], pos['at']),self._store
         if store.collective:                     # every rank its shards: copied now, written by the store (DCP's thread)
             self._finish_pending()
             self._pending = store.save(state, name)

@@ -1,0 +1,41 @@
+"""A fit ended from outside (issue 26, item 5): `SystemExit` raised by another library's handler in the middle of a
+batch. The checkpoint written on the way out records a position consistent with the loop's counters, so that
+`resume='auto'` neither repeats nor skips a batch: the resumed run takes the uninterrupted run's number of steps, and
+ends with its weights where the checkpoint is exact."""
+import pytest, torch
+from learncb.all import *
+from learncb.checkpoint.state import read_checkpoint
+from learncb.checkpoint.callback import checkpoints_in
+from transparent_script import make_learner
+
+class ExitAt(Callback):
+    "Raises SystemExit (as submitit's or another library's signal handler does) at `event` of epoch 1, batch 3"
+    def __init__(self, event): setattr(self, event, self.maybe_exit)
+    def maybe_exit(self):
+        if self.training and (self.epoch, self.iter) == (1, 3): raise SystemExit(143)
+
+class Steps(Callback):
+    "Counts the optimizer steps of a fit"
+    def before_fit(self): self.n = 0
+    def after_step(self): self.n += 1
+
+def fit(path, *cbs, resume=None):
+    learn, steps = make_learner(path), Steps()
+    learn.fit(3, cbs=[CheckpointCallback(every_n_steps=5), steps, *cbs], resume=resume)
+    return learn, steps.n
+
+@pytest.mark.parametrize('event, exact', [('after_batch', True), ('before_batch', False), ('after_step', False)])
+def test_systemexit_mid_batch_then_resume_takes_the_same_steps(tmp_path, event, exact):
+    ref, ref_steps = fit(tmp_path/'ref')
+    with pytest.raises(SystemExit) as e: fit(tmp_path/'run', ExitAt(event))
+    note = '\n'.join(getattr(e.value, '__notes__', []))
+    assert 'the run is saved in' in note and (('not exact' in note) != exact), note
+    folder = tmp_path/'run'/'checkpoints'
+    loop = read_checkpoint(FileStore(folder), checkpoints_in(folder)[-1])['loop']     # the newest: written on the way out
+    assert loop['train_iter'] == loop['epoch'] * 12 + loop['iter'] + 1           # the position and the counters agree
+    resumed, steps = fit(tmp_path/'run', resume='auto')
+    assert loop['train_iter'] + steps == ref_steps == resumed.train_iter == 36     # no batch repeated or skipped
+    assert len(resumed.recorder.losses) == len(ref.recorder.losses)
+    same = all(torch.equal(a, b) for a, b in zip(resumed.model.state_dict().values(), ref.model.state_dict().values()))
+    if exact: assert same and resumed.recorder.values == ref.recorder.values
+    if event == 'after_step': assert not same            # the weights had taken that step: said to be inexact
