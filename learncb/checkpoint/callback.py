@@ -225,6 +225,7 @@ class CheckpointCallback(Callback):
         self.last,self._old_handlers,self._stateful,self._loader_end,self._kept = None,{},False,None,[]
         self._user_dl = None                 # (the training dataloader the user gave, the one ordered for this fit)
         self._caught,self._signal = None,None          # the signal this rank caught; the one the fit stops for
+        self._stopped_at,self._handlers_before = None,{}   # the checkpoint of a signal's stop; the handlers it found
         self._exchange,self._writer,self._pending,self._store = None,BackgroundWriter(),None,None
         self._pos = {'at': None, 'epoch': 0, 'iter': -1, 'train_iter': 0, 'pct_train': 0., 'dirty': False}
         # the last complete point of the run, with the loop's counters there
@@ -253,6 +254,7 @@ class CheckpointCallback(Callback):
             self._pos.update(at=resuming.at, epoch=resuming.epoch, iter=resuming.iter, train_iter=loop['train_iter'],
                              pct_train=loop['pct_train'], dirty=False)
         self._caught,self._signal,self._stateful,self._loader_end = None,None,has_state(learn.dls.train),None
+        self._stopped_at = None
         self._exchange = SignalExchange() if num_distrib() > 1 else None
         self._pending = None
         self._catch_signals()
@@ -304,6 +306,7 @@ class CheckpointCallback(Callback):
         learn,e = self.learn,self.learn.exception
         self._exchange,self._pending = None,None        # another rank may be gone: nothing more to wait for together
         try:
+            if self._stopped_at is not None: return                 # a signal's stop: saved (its handler may exit)
             if isinstance(e, (KeyboardInterrupt, SignalStop)) and (self._signal or self._caught): return   # held: saved
             self._writer.wait()
             if not self.on_exception or self._pos['at'] is None or num_distrib() > 1: return
@@ -358,6 +361,7 @@ class CheckpointCallback(Callback):
         held = ([signal.SIGINT] if self.on_exception else []) + self._signums
         before = {s: signal.signal(s, hold) for s in held}
         self._old_handlers = {s: signal.SIG_DFL if h is None else h for s,h in before.items()}   # None: set outside Python
+        self._handlers_before = dict(self._old_handlers)       # kept to the end of the fit: a stop calls its signal's
 
     def _restore_signals(self):
         "Give back the handlers found before the fit"
@@ -372,7 +376,7 @@ class CheckpointCallback(Callback):
 
     def _stop_now(self):
         "Save the run, wait for the file, and end the fit: `KeyboardInterrupt` for Ctrl-C, else `SignalStop`"
-        path = self.save()
+        path = self._stopped_at = self.save()
         self._writer.wait()
         self._finish_pending()
         self._restore_signals()
@@ -381,11 +385,13 @@ class CheckpointCallback(Callback):
         raise self._signal_stop(self._signal, path)
 
     def _signal_stop(self, signum, path):
-        "The `SignalStop` that ends the fit, once the job is requeued if `requeue` (rank 0 asks SLURM)"
+        "The `SignalStop` that ends the fit, once the job is requeued (`requeue`) and the signal's own handler has run"
         e = SignalStop(signum, path)
         if is_rank0():
             print(f"learncb: {e}", file=sys.stderr, flush=True)
             if self.requeue: requeue_slurm_job()
+        handler = self._handlers_before.get(signum)
+        if callable(handler): handler(signum, None)     # the one set before the fit (submitit's requeues, then exits)
         return e
 
     def save(self):
