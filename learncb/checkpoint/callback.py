@@ -418,6 +418,12 @@ class CheckpointCallback(Callback):
         self.last = store.ref(name)
         return self.last
 
+    def wait(self):
+        "Block until every checkpoint asked for so far is written (and the old ones pruned); the last one's reference"
+        self._writer.wait()
+        self._finish_pending()
+        return self.last
+
     def _write_and_prune(self, write):
         "Write a checkpoint with `write()`, then remove the checkpoints older than it beyond `keep_last`"
         self._prune(write())
