@@ -201,11 +201,12 @@ def dl_generators(dl):
     gens = [g for o in objs if isinstance(g := getattr(o, 'generator', None), torch.Generator)]
     return list({id(g): g for g in gens}.values())
 
-def rebuild_dataloader(dl, sampler, generator=None, drop_last=None):
+def rebuild_dataloader(dl, sampler, generator=None, drop_last=None, batch_size=None):
     "A `DataLoader` like `dl` (its dataset, batches, workers, collate function) that draws its indices from `sampler`"
     from torch.utils.data import DataLoader
     extra = dict(prefetch_factor=dl.prefetch_factor, persistent_workers=dl.persistent_workers) if dl.num_workers else {}
-    return DataLoader(dl.dataset, batch_size=dl.batch_size, sampler=sampler, num_workers=dl.num_workers,
+    return DataLoader(dl.dataset, batch_size=dl.batch_size if batch_size is None else batch_size, sampler=sampler,
+                      num_workers=dl.num_workers,
                       collate_fn=dl.collate_fn, pin_memory=dl.pin_memory, timeout=dl.timeout,
                       drop_last=dl.drop_last if drop_last is None else drop_last, worker_init_fn=dl.worker_init_fn,
                       multiprocessing_context=dl.multiprocessing_context, generator=generator, **extra)

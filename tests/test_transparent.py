@@ -154,3 +154,18 @@ def test_resume_on_another_number_of_processes_keeps_the_table(killed_on_two, tm
     res = run(tmp_path/'again', '--dropout', '0', '--strategy', strategy, '--bs', bs, '--ckpt', nproc=nproc)
     assert 'resuming the run from' in res.stdout
     assert_close_run(result(tmp_path/'again'), result(out/'plain'))     # epoch 1's train_loss too: partial sums kept
+
+# The global batch said once (distrib_ctx(global_batch=12)): the same command on any number of processes
+
+def test_global_batch_sets_the_batch_of_each_process_and_a_resume_needs_no_change(tmp_path):
+    common = ('--dropout', '0', '--global-batch', '12', '--bs', '5')          # the dataloader's own 5 is replaced
+    run(tmp_path/'two', *common, nproc=2)
+    run(tmp_path/'one', *common)
+    assert_close_run(result(tmp_path/'one'), result(tmp_path/'two'))      # batches of 6 on 2 ranks, of 12 on one
+    assert run(tmp_path/'killed', *common, '--ckpt', '--kill-at', '13', nproc=2, check=False).returncode != 0
+    res = run(tmp_path/'killed', *common, '--ckpt')                       # shrunk to one process, the same command
+    assert 'resuming the run from' in res.stdout
+    assert_close_run(result(tmp_path/'killed'), result(tmp_path/'two'))
+    refused = run(tmp_path/'odd', '--global-batch', '13', nproc=2, check=False)
+    assert refused.returncode != 0 and 'distrib_ctx(global_batch=13) over 2 processes' in refused.stderr
+    assert not (tmp_path/'odd'/'result.pt').exists()

@@ -2,7 +2,7 @@
 one process or several (torchrun: `distrib_ctx`, gloo).
 
 python tests/transparent_script.py OUT [--ckpt] [--kill-at K] [--workers W] [--bs B] [--fits F] [--dropout P]
-                                       [--strategy ddp|fsdp]
+                                       [--strategy ddp|fsdp] [--global-batch N]
 With --ckpt the fit checkpoints every 5 steps and resumes with resume='auto' from OUT/checkpoints. Rank 0 saves
 OUT/result.pt: weights, each fit's recorded losses and table, and every rank's next torch.rand(3)."""
 import argparse, os, signal
@@ -53,13 +53,13 @@ def main():
     p.add_argument('out'); p.add_argument('--ckpt', action='store_true'); p.add_argument('--kill-at', type=int)
     p.add_argument('--workers', type=int, default=0); p.add_argument('--bs', type=int, default=8)
     p.add_argument('--fits', type=int, default=1); p.add_argument('--dropout', type=float, default=0.25)
-    p.add_argument('--strategy', default='ddp')
+    p.add_argument('--strategy', default='ddp'); p.add_argument('--global-batch', type=int)
     a = p.parse_args()
     torch.set_num_threads(1)
     out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
     learn = make_learner(out, a.bs, a.workers, a.dropout)
-    if int(os.environ.get('WORLD_SIZE', '1')) > 1:
-        with learn.distrib_ctx(strategy=a.strategy, timeout=60):
+    if int(os.environ.get('WORLD_SIZE', '1')) > 1 or a.global_batch:
+        with learn.distrib_ctx(strategy=a.strategy, timeout=60, global_batch=a.global_batch):
             fits = run_fits(learn, a.fits, a.ckpt, a.kill_at)
             rands,rank = gather_objects(torch.rand(3)),rank_distrib()
     else: fits,rands,rank = run_fits(learn, a.fits, a.ckpt, a.kill_at),[torch.rand(3)],0
