@@ -39,3 +39,19 @@ def test_systemexit_mid_batch_then_resume_takes_the_same_steps(tmp_path, event, 
     same = all(torch.equal(a, b) for a, b in zip(resumed.model.state_dict().values(), ref.model.state_dict().values()))
     if exact: assert same and resumed.recorder.values == ref.recorder.values
     if event == 'after_step': assert not same            # the weights had taken that step: said to be inexact
+
+def test_a_fit_off_the_main_thread_says_signals_cannot_be_caught(tmp_path):
+    # Ray Train runs the training function off the main thread, where Python cannot install signal handlers
+    import threading, warnings
+    caught, done = [], []
+    def train(signals):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter('always')
+            learn = make_learner(tmp_path/str(len(done)))
+            learn.fit(1, cbs=CheckpointCallback(signals=signals))
+        caught.append([str(x.message) for x in w if 'off the main thread' in str(x.message)]); done.append(learn.train_iter)
+    for signals in (('SIGTERM',), ()):
+        t = threading.Thread(target=train, args=(signals,), name='ray-train'); t.start(); t.join(60)
+    assert done == [12, 12]                                          # the fits ran, with their checkpoints
+    assert len(caught[0]) == 1 and 'SIGTERM will not stop it' in caught[0][0] and 'ray-train' in caught[0][0]
+    assert caught[1] == []                                           # signals=(): nothing asked, nothing to say

@@ -351,7 +351,7 @@ class CheckpointCallback(Callback):
 
     def _catch_signals(self):
         "Hold Ctrl-C (with `on_exception`) and the `signals` until the end of the batch, so that the checkpoint then is exact"
-        if threading.current_thread() is not threading.main_thread(): return
+        if threading.current_thread() is not threading.main_thread(): return self._warn_off_main_thread()
         def hold(signum, frame):
             if self.learn is None or not self.learn.fitting:       # the fit is over: give the signal back, and pass it on
                 self._restore_signals()
@@ -362,6 +362,16 @@ class CheckpointCallback(Callback):
         before = {s: signal.signal(s, hold) for s in held}
         self._old_handlers = {s: signal.SIG_DFL if h is None else h for s,h in before.items()}   # None: set outside Python
         self._handlers_before = dict(self._old_handlers)       # kept to the end of the fit: a stop calls its signal's
+
+    def _warn_off_main_thread(self):
+        "Say that the signals asked for cannot be caught: Python runs signal handlers on the main thread only"
+        if not self._signums: return
+        names = ', '.join(signal.Signals(s).name for s in self._signums)
+        warnings.warn(f"CheckpointCallback: this fit runs off the main thread ({threading.current_thread().name}; Ray "
+                      f"Train runs the training function so), where Python cannot catch signals: {names} will not stop "
+                      f"it at the end of a batch with an exact checkpoint. Its checkpoints every_n_steps and at each "
+                      f"epoch are still written; run the fit on the main thread to stop exactly on a signal, or pass "
+                      f"signals=() to silence this")
 
     def _restore_signals(self):
         "Give back the handlers found before the fit"
