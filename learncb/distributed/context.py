@@ -20,7 +20,7 @@ from ..learner import *
 from .strategy import *
 from .ddp import *
 from .fsdp import *
-from ..checkpoint.sampler import ResumableSampler
+from ..checkpoint.sampler import resumable_sampler
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 # %% ../../nbs/23c_distributed.ipynb #0b2fdfb2
@@ -38,14 +38,9 @@ def global_batch_dl(dl, n, world, seed=0):
     if type(dl) is not DataLoader: raise TypeError(
         f"distrib_ctx(global_batch=...) sets the batch size of the training dataloader, which must be a torch "
         f"DataLoader, not a {type(dl).__name__}: set its batch size yourself, {n} // num_distrib()")
-    return rebuild_dataloader(dl, _run_order(dl, seed), dl.generator, batch_size=n // world)
-
-def _run_order(dl, seed):
-    "The order of a run on any number of processes: `DistributedSampler`'s (whole here; the strategy shares it out)"
-    s = dl.sampler
-    if not isinstance(s, (RandomSampler, SequentialSampler, DistributedSampler)): return s
-    shuffle = s.shuffle if isinstance(s, DistributedSampler) else isinstance(s, RandomSampler)
-    return ResumableSampler(len(dl.dataset), shuffle=shuffle, seed=getattr(s, 'seed', seed))
+    torchs = isinstance(dl.sampler, (RandomSampler, SequentialSampler, DistributedSampler))
+    order = resumable_sampler(dl, seed) if torchs else dl.sampler          # a sampler of the user's own: as it is
+    return rebuild_dataloader(dl, order, dl.generator, batch_size=n // world)
 
 def _as_strategy(strategy, shard, device_ids, find_unused_parameters):
     "The `Strategy` `distrib_ctx` runs: `'ddp'`, `'fsdp'` (cut by `shard`) or one of yours, as it is"
