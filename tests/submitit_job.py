@@ -1,16 +1,20 @@
 """What tests/test_submitit.py gives the recipe of the cluster page: a learner (transparent_script's) that counts its
-starts, takes a little longer per batch, and saves its weights and history when its fit ends."""
-import time
+starts, holds a batch of its first starts until the job's time-limit signal has come, and saves its weights and history
+when its fit ends."""
+import signal, time
 from pathlib import Path
 import torch
 from learncb.all import *
 from transparent_script import make_learner
 
-class Slow(Callback):
-    "Makes each training batch last `secs` more, so that the job's time limit falls in the middle of the fit"
-    def __init__(self, secs): self.secs = secs
+class HoldForSignal(Callback):
+    "On the `start`-th start of the job (the first is 1), holds training batch `every*start` until SIGUSR2 has been caught"
+    def __init__(self, start, every=12, timeout=120): self.start,self.every,self.timeout = start,every,timeout
     def after_batch(self):
-        if self.training: time.sleep(self.secs)
+        if not self.training or self.train_iter != self.every * self.start: return
+        held = signal.getsignal(signal.SIGUSR2)             # the checkpoint's handler: it steps aside once it has caught one
+        deadline = time.monotonic() + self.timeout
+        while signal.getsignal(signal.SIGUSR2) == held and time.monotonic() < deadline: time.sleep(0.05)
 
 class SaveAtEnd(Callback):
     "Saves the weights and the history when the fit ends without an error"
@@ -20,11 +24,12 @@ class SaveAtEnd(Callback):
             torch.save({'model': self.learn.model.state_dict(), 'losses': self.learn.recorder.losses,
                         'values': self.learn.recorder.values, 'train_iter': self.learn.train_iter}, self.out/'final.pt')
 
-def job_learner(out, secs):
-    "The learner of one start of the job"
+def job_learner(out, n_held):
+    "The learner of one start of the job: its first `n_held` starts wait for the time limit's signal in the fit"
     torch.set_num_threads(1)
     out = Path(out)
+    start = (out/'starts.txt').read_text().count('start') if (out/'starts.txt').exists() else 0
     with open(out/'starts.txt', 'a') as f: f.write('start\n')
     learn = make_learner(out)
-    learn.add_cbs([Slow(secs), SaveAtEnd(out)])
+    learn.add_cbs([SaveAtEnd(out)] + ([HoldForSignal(start + 1)] if start < n_held else []))
     return learn
