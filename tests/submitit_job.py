@@ -1,7 +1,7 @@
 """What tests/test_submitit.py gives the recipe of the cluster page: a learner (transparent_script's) that counts its
 starts, holds a batch of its first starts until the job's time-limit signal has come, and saves its weights and history
 when its fit ends."""
-import signal, time
+import os, signal, time
 from pathlib import Path
 import torch
 from learncb.all import *
@@ -20,16 +20,19 @@ class SaveAtEnd(Callback):
     "Saves the weights and the history when the fit ends without an error"
     def __init__(self, out): self.out = out
     def after_fit(self):
-        if self.learn.exception is None:
+        if self.learn.exception is None and is_rank0():
             torch.save({'model': self.learn.model.state_dict(), 'losses': self.learn.recorder.losses,
                         'values': self.learn.recorder.values, 'train_iter': self.learn.train_iter}, self.out/'final.pt')
 
 def job_learner(out, n_held):
-    "The learner of one start of the job: its first `n_held` starts wait for the time limit's signal in the fit"
+    "The learner of one start of one task of the job: its first `n_held` starts wait for the time limit's signal in the fit"
     torch.set_num_threads(1)
     out = Path(out)
     start = (out/'starts.txt').read_text().count('start') if (out/'starts.txt').exists() else 0
-    with open(out/'starts.txt', 'a') as f: f.write('start\n')
+    if int(os.environ.get('RANK', 0)) > 0: start -= 1                    # rank 0's start, counted already
+    else:
+        with open(out/'starts.txt', 'a') as f: f.write('start\n')
     learn = make_learner(out)
-    learn.add_cbs([SaveAtEnd(out)] + ([HoldForSignal(start + 1)] if start < n_held else []))
+    every = 12 // int(os.environ.get('WORLD_SIZE', 1))                   # a third of the fit's steps on each rank
+    learn.add_cbs([SaveAtEnd(out)] + ([HoldForSignal(start + 1, every)] if start < n_held else []))
     return learn
