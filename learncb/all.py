@@ -42,3 +42,4 @@ from .integrations.tensorboard import *      # the trackers import their package
 from .integrations.mlflow import *
 from .integrations.wandb import *
 from .integrations.optuna import *
+from .integrations.ray import *

@@ -201,7 +201,7 @@ folder_may_import = {
     'checkpoint': set(),
     'inference': {'callbacks'},
     'distributed': {'checkpoint', 'callbacks'},          # the strategies' stores and resumable order; FSDP's precision
-    'integrations': {'callbacks'},                       # trackers save the model as SaveModelCallback does
+    'integrations': {'callbacks', 'checkpoint'},         # trackers save the model as SaveModelCallback does; Ray reports checkpoints
 }
 
 def _folder(m): return m.split('.')[1] if m.count('.') >= 2 else None

@@ -1,0 +1,55 @@
+"""Ray Train (issue 26, item 2): the recipe of the cluster page (taken from its cell) run by `TorchTrainer` on two
+CPU workers, on a local Ray started by the test. Rank 1 fails once in the middle of the run; Ray starts the workers
+again (`FailureConfig(max_failures=2)`) with the last checkpoint `RayTrainReportCallback` reported, and the run ends
+with the weights of a run where no worker failed, `torch.equal`. Each worker has a folder of its own: the restart
+finds its checkpoint through Ray only."""
+import os, shutil, tempfile
+from functools import partial
+from pathlib import Path
+import pytest, torch
+from fastcore.nbio import read_nb
+ray = pytest.importorskip('ray', reason='ray is not installed (pip install "learncb[ray]")')
+
+HERE = Path(__file__).parent
+
+def recipe_module(folder):
+    "The cell of the cluster page that defines `train_func`, as a module the workers can import"
+    cell = next(c.source for c in read_nb(HERE.parent/'nbs'/'23d_cluster.ipynb').cells if 'def train_func(config)' in c.source)
+    (folder/'ray_recipe.py').write_text('from learncb.all import *\n' + cell)
+
+@pytest.fixture
+def local_ray(tmp_path, monkeypatch):
+    recipe_module(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv('PYTHONPATH', os.pathsep.join([str(tmp_path), str(HERE), os.environ.get('PYTHONPATH', '')]))
+    monkeypatch.setenv('OMP_NUM_THREADS', '1')
+    monkeypatch.setenv('RAY_DEDUP_LOGS', '0')
+    temp = tempfile.mkdtemp(prefix='ray')                   # short: Ray's socket paths must fit in 107 bytes
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
+    try: yield tmp_path
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+
+def run(out, storage, fail_at=None):
+    from ray.train import ScalingConfig, RunConfig, FailureConfig
+    from ray.train.torch import TorchTrainer
+    from ray_recipe import train_func
+    from ray_job import job_learner
+    out.mkdir()
+    trainer = TorchTrainer(train_func, train_loop_config={'make_learner': partial(job_learner, out, fail_at), 'n_epoch': 3},
+                           scaling_config=ScalingConfig(num_workers=2),
+                           run_config=RunConfig(storage_path=str(storage), name=out.name,
+                                                failure_config=FailureConfig(max_failures=2)))
+    result = trainer.fit()
+    return result, torch.load(out/'final.pt', weights_only=False)
+
+def test_ray_train_restarts_a_failed_worker_and_the_run_ends_exactly(local_ray):
+    tmp = local_ray
+    _, ref = run(tmp/'ref', tmp/'storage')
+    result, got = run(tmp/'failed', tmp/'storage', fail_at=8)
+    assert (tmp/'failed'/'failed').exists() and got['train_iter'] == ref['train_iter'] == 18
+    for k in ref['model']: assert torch.equal(got['model'][k], ref['model'][k]), k
+    assert got['values'] == ref['values']
+    assert result.metrics['train_iter'] == 18 and result.checkpoint is not None      # the last one reported
+    assert result.metrics['valid_loss'] == ref['values'][-1][1]
