@@ -2,8 +2,9 @@
 one process or several (torchrun: `distrib_ctx`, gloo).
 
 python tests/transparent_script.py OUT [--ckpt] [--kill-at K] [--workers W] [--bs B] [--fits F] [--dropout P]
-                                       [--strategy ddp|fsdp] [--global-batch N]
-With --ckpt the fit checkpoints every 5 steps and resumes with resume='auto' from OUT/checkpoints. Rank 0 saves
+                                       [--strategy ddp|fsdp] [--global-batch N] [--ckpt-path P]
+With --ckpt the fit checkpoints every 5 steps and resumes with resume='auto' from OUT/checkpoints (or --ckpt-path,
+a folder or a URL). Rank 0 saves
 OUT/result.pt: weights, each fit's recorded losses and table, and every rank's next torch.rand(3)."""
 import argparse, os, signal
 from pathlib import Path
@@ -38,11 +39,11 @@ class KillAt(Callback):
         if self.training and self.train_iter == self.k and rank_distrib() == min(1, num_distrib() - 1):
             os.kill(os.getpid(), signal.SIGKILL)
 
-def run_fits(learn, n_fits=1, ckpt=False, kill_at=None, epochs=3):
+def run_fits(learn, n_fits=1, ckpt=False, kill_at=None, epochs=3, ckpt_path='checkpoints'):
     "Fit `n_fits` times (the first with checkpoints if `ckpt`, resumed with resume='auto'); what each fit recorded"
     fits = []
     for i in range(n_fits):
-        cbs = [CheckpointCallback(every_n_steps=5)] if ckpt and i == 0 else []
+        cbs = [CheckpointCallback(ckpt_path, every_n_steps=5)] if ckpt and i == 0 else []
         if kill_at is not None and i == 0: cbs.append(KillAt(kill_at))
         learn.fit(epochs, cbs=cbs, resume='auto' if ckpt and i == 0 else None)
         fits.append({'losses': list(learn.recorder.losses), 'values': [list(v) for v in learn.recorder.values]})
@@ -54,15 +55,16 @@ def main():
     p.add_argument('--workers', type=int, default=0); p.add_argument('--bs', type=int, default=8)
     p.add_argument('--fits', type=int, default=1); p.add_argument('--dropout', type=float, default=0.25)
     p.add_argument('--strategy', default='ddp'); p.add_argument('--global-batch', type=int)
+    p.add_argument('--ckpt-path', default='checkpoints')
     a = p.parse_args()
     torch.set_num_threads(1)
     out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
     learn = make_learner(out, a.bs, a.workers, a.dropout)
     if int(os.environ.get('WORLD_SIZE', '1')) > 1 or a.global_batch:
         with learn.distrib_ctx(strategy=a.strategy, timeout=60, global_batch=a.global_batch):
-            fits = run_fits(learn, a.fits, a.ckpt, a.kill_at)
+            fits = run_fits(learn, a.fits, a.ckpt, a.kill_at, ckpt_path=a.ckpt_path)
             rands,rank = gather_objects(torch.rand(3)),rank_distrib()
-    else: fits,rands,rank = run_fits(learn, a.fits, a.ckpt, a.kill_at),[torch.rand(3)],0
+    else: fits,rands,rank = run_fits(learn, a.fits, a.ckpt, a.kill_at, ckpt_path=a.ckpt_path),[torch.rand(3)],0
     if rank == 0:
         torch.save({'model': learn.model.state_dict(), 'fits': fits, 'rands': rands, 'world': len(rands)},
                    out/'result.pt')

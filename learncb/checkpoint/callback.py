@@ -26,7 +26,7 @@ class ResumeCallback(Callback):
     "Restores a checkpoint in a fit, after the other callbacks' `before_fit`/`before_train`; sets where the loop starts"
     order = Order.LAST     # after every other callback: what their before_fit and before_train reset is then overwritten
     def __init__(self, state, path):
-        self.state,self.path,self.at = state,Path(path),state.get('at', 'epoch_end')
+        self.state,self.path,self.at = state,path if is_url(str(path)) else Path(path),state.get('at', 'epoch_end')
         self.epoch,self.iter,self.finished = state['loop']['epoch'],state['loop']['iter'],_finished(state) is not None
 
     def _restore(self):
@@ -112,7 +112,7 @@ def store_of(learn, ref=None):
     "Where `learn`'s checkpoints are: its `CheckpointCallback`'s store, else the default store of `ref`'s folder"
     cb = next((cb for cb in learn.cbs if isinstance(cb, CheckpointCallback)), None)
     if cb is not None and cb.store is not None: return cb.store
-    folder = Path(ref).parent if ref is not None else cb.folder if cb is not None else learn.path/'checkpoints'
+    folder = url_parent(ref) if ref is not None else cb.folder if cb is not None else learn.path/'checkpoints'
     return default_store(learn, folder)
 
 def _where(store): return getattr(store, 'folder', store)
@@ -197,7 +197,7 @@ def resume_cbs(learn, resume):
     if resume is not True: _warn_newer(store_of(learn, path), path)
     if auto and is_rank0(): print(f"resume='auto': resuming the run from {path}", flush=True)
     saving = [] if any(isinstance(cb, CheckpointCallback) for cb in learn.cbs) else \
-             [CheckpointCallback(path=Path(path).parent, **state.get('checkpointing', {}))]
+             [CheckpointCallback(path=url_parent(path), **state.get('checkpointing', {}))]
     return [ResumeCallback(state, path), *saving]
 
 
@@ -217,7 +217,7 @@ class CheckpointCallback(Callback):
                  signals=('SIGTERM',), background=True, store=None, requeue=False):
         check_int(every_n_steps, 'every_n_steps', ge=1, allow_none=True, who='CheckpointCallback')
         check_int(keep_last, 'keep_last', ge=1, who='CheckpointCallback')
-        self.path,self.every_n_steps,self.every_epoch = Path(path),every_n_steps,every_epoch
+        self.path,self.every_n_steps,self.every_epoch = path if is_url(path) else Path(path),every_n_steps,every_epoch
         self.keep_last,self.on_exception,self.signals,self.background = keep_last,on_exception,signals,background
         self.store = store                              # where checkpoints go; `None`: the strategy's, in `path`
         self.requeue = requeue                          # after a signal's checkpoint: `scontrol requeue` (SLURM)
@@ -233,7 +233,7 @@ class CheckpointCallback(Callback):
     @property
     def folder(self):
         "Where the checkpoints are written"
-        return self.path if self.path.is_absolute() else self.learn.path/self.path
+        return self.path if is_url(self.path) or self.path.is_absolute() else self.learn.path/self.path
 
     def before_fit(self):
         self._restore_signals()                         # left by an earlier fit that could not give them back

@@ -181,7 +181,7 @@ def _load_frozen(self:Learner, frozen, saved_weights):
 def default_store(learn, folder, background=True):
     "The store of `learn`'s checkpoints in `folder`: its strategy's (a `ShardedStore` under FSDP), else a `FileStore`"
     where,strategy = model_device(learn.model, learn.device),learn.strategy
-    if strategy is None: return FileStore(folder, map_location=where)
+    if strategy is None: return store_at(folder, map_location=where)
     return strategy.checkpoint_store(folder, map_location=where, background=background)
 
 def read_checkpoint(store, ref):

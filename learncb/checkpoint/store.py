@@ -6,10 +6,10 @@ Docs: https://learncb.github.io/learncb/store.html.md"""
 
 # %% auto #0
 __all__ = ['checkpoint_name', 'is_checkpoint_name', 'checkpoint_key', 'CheckpointStore', 'tensors_pending', 'read_tensors',
-           'FileStore', 'ShardedStore']
+           'FileStore', 'ShardedStore', 'is_url', 'url_parent', 'FsspecStore', 'store_at']
 
 # %% ../../nbs/16d_store.ipynb #13df9dad
-import re, shutil
+import re, shutil, tempfile
 from abc import ABC, abstractmethod
 from functools import partial
 from pathlib import Path
@@ -133,3 +133,91 @@ class ShardedStore(FileStore):
         if self.background and self._group is None: self._group = checkpoint_group()    # a collective: every rank
         started = start_sharded(state, self.ref(name), self._group if self.background else None)
         return partial(finish_sharded, started)
+
+# %% ../../nbs/16d_store.ipynb #d1741c0f
+def is_url(path):
+    "Whether `path` is a URL of an fsspec file system (`s3://bucket/run`, `gs://...`, `memory://...`), not a local path"
+    return isinstance(path, str) and re.match(r'^[a-zA-Z][\w+.-]*://', path) is not None and not path.startswith('file://')
+
+def url_parent(ref):
+    "The folder of checkpoint `ref`: a URL's (everything before its last `/`), or a path's"
+    return str(ref).rstrip('/').rsplit('/', 1)[0] if is_url(str(ref)) else Path(ref).parent
+
+_mark = '.complete'           # beside a checkpoint file at a URL, written last (a folder has its own marker inside)
+
+class FsspecStore(CheckpointStore):
+    "Checkpoints at `url` (`s3://bucket/run`, any fsspec file system): written on local disk first, then uploaded, marked last"
+    def __init__(self, url, sharded=False, map_location=None, background=True, **storage_options):
+        try: import fsspec
+        except ImportError as e: raise ImportError(f"checkpoints at {url} need fsspec (and s3fs for s3://): pip install "
+                                                   f"'learncb[s3]'") from e
+        self.url,self.folder = url.rstrip('/'),url.rstrip('/')
+        self.fs,self.root = fsspec.core.url_to_fs(self.url, **storage_options)
+        stage = tempfile.mkdtemp(prefix='learncb-stage-')       # this process's own: nodes may share no disk
+        self.local = ShardedStore(stage, map_location, background) if sharded else FileStore(stage, map_location)
+        self.collective,self._downloads = sharded,None
+
+    def ref(self, name):
+        "The URL of checkpoint `name`: a file (`url/name.pt`), or a folder of shards (`url/name`)"
+        return f'{self.url}/{Path(self.local.ref(name)).name}'
+
+    def prepare(self):
+        self.local.prepare()
+        if is_rank0(): self.fs.makedirs(self.root, exist_ok=True)
+
+    def save(self, state, name): return partial(self._upload, self.local.save(state, name), name)
+
+    def _upload(self, write, name):
+        "Write the checkpoint on local disk with `write`, upload it (each rank its shards), then mark it complete, last"
+        staged,remote = Path(write()),self._remote(name)
+        if self.collective: self._upload_folder(staged, remote)
+        elif is_rank0():
+            self.fs.put_file(str(staged), remote)
+            self.fs.pipe_file(remote + _mark, b'')
+        if is_rank0() or self.collective: self.local.remove(staged)
+        return self.ref(name)
+
+    def _upload_folder(self, staged, remote):
+        "Every rank its own shards; once all have, rank 0 the rest of the folder and the marker, last"
+        own = [f for f in staged.iterdir() if shard_rank(f) == rank_distrib() and f.name != sharded_marker]
+        for f in own: self.fs.put_file(str(f), f'{remote}/{f.name}')
+        gather_objects(None)                                   # every rank's shards are up
+        if is_rank0(): self.fs.put_file(str(staged/sharded_marker), f'{remote}/{sharded_marker}')
+
+    def read(self, ref):
+        name,remote = Path(str(ref)).name,self._remote(Path(str(ref)).name)
+        marker = f'{remote}/{sharded_marker}' if self.collective else remote + _mark
+        if not self.fs.exists(marker): raise CorruptFileError(f"the checkpoint {ref} is incomplete: it has no marker "
+            f"({Path(marker).name}), which is written last, once the upload is done")
+        local = self._download_folder()/name
+        if self.collective:
+            local.mkdir(parents=True, exist_ok=True)
+            for f in self.fs.find(remote): self.fs.get_file(f, str(local/Path(f).name))
+        else: self.fs.get_file(remote, str(local))
+        return self.local.read(local)
+
+    def list(self):
+        self.fs.invalidate_cache(self.root)                    # another process may have written since
+        try: found = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError: return []
+        return sorted((f'{self.url}/{Path(p).name}' for p in found if is_checkpoint_name(p)), key=checkpoint_key,
+                      reverse=True)
+
+    def remove(self, ref):
+        remote = self._remote(Path(str(ref)).name)
+        marker = f'{remote}/{sharded_marker}' if self.collective else remote + _mark
+        if self.fs.exists(marker): self.fs.rm(marker)             # first: no longer complete
+        if self.fs.exists(remote): self.fs.rm(remote, recursive=self.collective)
+
+    def _remote(self, name): return f'{self.root}/{Path(self.local.ref(name)).name}'
+
+    def _download_folder(self):
+        if self._downloads is None: self._downloads = Path(tempfile.mkdtemp(prefix='learncb-read-'))
+        return self._downloads
+
+    def __repr__(self): return f'{type(self).__name__}({self.url!r})'
+
+def store_at(folder, sharded=False, map_location=None, background=True):
+    "The store of checkpoints in `folder`: a `FsspecStore` at a URL, else a `ShardedStore` (`sharded`) or a `FileStore`"
+    if is_url(str(folder)): return FsspecStore(str(folder), sharded, map_location, background)
+    return ShardedStore(folder, map_location, background) if sharded else FileStore(folder, map_location)

@@ -91,8 +91,7 @@ class Strategy:
 
     def checkpoint_store(self, folder, map_location=None, background=True):
         "Where checkpoints of this strategy's fits go in `folder`: one file (rank 0 writes), or every rank's shards"
-        if self.sharded: return ShardedStore(folder, map_location=map_location, background=background)
-        return FileStore(folder, map_location=map_location)
+        return store_at(folder, self.sharded, map_location, background)     # a URL: uploaded with fsspec
 
     def __repr__(self): return f'{type(self).__name__}()'
 

@@ -8,13 +8,14 @@ Docs: https://learncb.github.io/learncb/ray.html.md"""
 __all__ = ['RayTrainReportCallback', 'own_files', 'ray_checkpoint']
 
 # %% ../../nbs/33_ray.ipynb #5e5ffeb5
-import re, shutil, tempfile
+import shutil, tempfile
 from pathlib import Path
 from ..core import *
 from ..utils import *
 from ..distributed.ranks import *
 from ..checkpoint.callback import CheckpointCallback
 from ..checkpoint.store import is_checkpoint_name
+from ..checkpoint.sharded import shard_rank
 from .tracking import import_optional
 
 # %% ../../nbs/33_ray.ipynb #80c0ce07
@@ -65,8 +66,7 @@ def own_files(ref):
     "The files of checkpoint `ref` this rank reports: rank 0's file, or of a folder (FSDP) this rank's shards"
     ref = Path(ref)
     if not ref.is_dir(): return [ref] if is_rank0() else []
-    def rank_of(f): return int(m.group(1)) if (m := re.match(r'__(\d+)_\d+\.distcp$', f.name)) else 0
-    return sorted(f for f in ref.rglob('*') if f.is_file() and rank_of(f) == rank_distrib())
+    return sorted(f for f in ref.rglob('*') if f.is_file() and shard_rank(f) == rank_distrib())
 
 def _link_or_copy(src, dst):
     dst.parent.mkdir(parents=True, exist_ok=True)
