@@ -1,7 +1,8 @@
-"""torchrun's elastic agent (issue 26, item 1): two agents on localhost (`--nnodes=1:2`, c10d rendezvous,
-`last_call_timeout=1`) run one script with a global batch. One agent is SIGKILLed with its worker mid-run and started
-again: the world goes 2 -> 1 -> 2 and the run ends as the uninterrupted one did, within 1e-6. Each change's recovery
-time (from the kill, or the node's new start, to the first step in the new world) is printed. Bounded by timeouts."""
+"""torchrun's elastic agent (issue 26, item 1): two agents on localhost, started with the torchrun command of the
+cluster page (`--nnodes=1:2`, c10d rendezvous, `last_call_timeout=1`), run one script with a global batch. One agent
+is SIGKILLed with its worker mid-run and started again: the world goes 2 -> 1 -> 2 and the run ends as the
+uninterrupted one did, within 1e-6. Each change's recovery time (from the kill, or the node's new start, to the first
+step in the new world) is printed. Bounded by timeouts."""
 import os, signal, subprocess, sys, time
 from pathlib import Path
 import pytest, torch
@@ -9,12 +10,20 @@ from test_preemption import free_port
 
 HERE = Path(__file__).parent
 
+def recipe_command():
+    "The torchrun command of the cluster page: its environment variables and options"
+    from fastcore.nbio import read_nb
+    page = '\n'.join(c.source for c in read_nb(HERE.parent/'nbs'/'23d_cluster.ipynb').cells)
+    words = next(l for l in page.splitlines() if ' torchrun ' in l and l.rstrip().endswith('train.py')).split()
+    i = words.index('torchrun')
+    return dict(w.split('=', 1) for w in words[:i]), words[i+1:-1]
+
 def agent(out, port, log):
-    "One torchrun agent (a node of one process) of the elastic job, in a session of its own"
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nnodes=1:2', '--nproc-per-node=1', '--max-restarts=3',
-           '--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{port}', '--rdzv-id=elastic-test',
-           '--rdzv-conf=last_call_timeout=1', str(HERE/'elastic_script.py'), str(out), '--secs', '0.25']
-    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE='1', OMP_NUM_THREADS='1',
+    "One torchrun agent (a node of one process) of the elastic job, with the page's command, in a session of its own"
+    env_vars,opts = recipe_command()
+    opts = [o.replace('$HEAD:29400', f'127.0.0.1:{port}') for o in opts]
+    cmd = [sys.executable, '-m', 'torch.distributed.run', *opts, str(HERE/'elastic_script.py'), str(out), '--secs', '0.25']
+    env = dict(os.environ, **env_vars, OMP_NUM_THREADS='1',
                PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get('PYTHONPATH', '')]))
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -49,6 +58,11 @@ def wait_for(out, cond, what, timeout=120):
 def recovery(p, t, world):
     "Seconds from time `t` to the first step after it in a world of `world` processes"
     return min(s for w,_,s in p if s > t and w == world) - t
+
+def test_the_page_command_is_elastic():
+    env_vars,opts = recipe_command()
+    assert env_vars == {'TORCH_DISABLE_SHARE_RDZV_TCP_STORE': '1'}
+    assert {'--nnodes=1:2', '--rdzv-backend=c10d', '--rdzv-conf=last_call_timeout=1'} <= set(opts), opts
 
 def test_elastic_world_shrinks_and_grows_and_the_run_ends_as_the_uninterrupted_one(tmp_path):
     ref = subprocess.run([sys.executable, str(HERE/'elastic_script.py'), str(tmp_path/'ref')], capture_output=True,
