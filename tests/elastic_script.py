@@ -4,7 +4,7 @@ global batch and no dropout, checkpoints every 2 steps and resume='auto', so tha
 torchrun ... tests/elastic_script.py OUT [--secs S]
 Rank 0 appends `world train_iter time` to OUT/progress.txt after each training batch (each batch lasts S seconds more),
 and saves OUT/result.pt (the weights) when the fit ends."""
-import argparse, os, time
+import argparse, time
 from pathlib import Path
 import torch
 from learncb.all import *

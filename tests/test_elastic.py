@@ -5,7 +5,7 @@ uninterrupted one did, within 1e-6. Each change's recovery time (from the kill, 
 step in the new world) is printed. Bounded by timeouts."""
 import os, signal, subprocess, sys, time
 from pathlib import Path
-import pytest, torch
+import torch
 from test_preemption import free_port
 
 HERE = Path(__file__).parent

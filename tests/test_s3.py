@@ -2,9 +2,9 @@
 loopback (moto's server, started here on 127.0.0.1 and stopped after), not a mock of fsspec. A run killed and resumed
 with resume='auto' equals the run that never checkpointed, on one process and on two with FSDP (each rank uploads its
 shards); a checkpoint whose marker is missing is passed over. Bounded by timeouts."""
-import os, socket, subprocess, sys, time, warnings
+import os, socket, subprocess, sys, time
 from pathlib import Path
-import pytest, torch
+import pytest
 pytest.importorskip('s3fs', reason='s3fs is not installed (pip install "learncb[s3]")')
 pytest.importorskip('moto.server', reason='moto[server] is not installed')
 from test_transparent import run, result, assert_same_run
@@ -63,7 +63,7 @@ def test_killed_and_resumed_from_s3_equals_the_run_that_never_checkpointed(s3, t
 
 def test_a_checkpoint_without_its_marker_is_passed_over(s3, tmp_path):
     import s3fs
-    from learncb.all import CheckpointCallback, store_at
+    from learncb.all import CheckpointCallback
     from learncb.test_utils import synth_learner
     url = f'{s3}/marker'
     learn = synth_learner(path=tmp_path)
