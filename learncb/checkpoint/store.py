@@ -9,7 +9,7 @@ __all__ = ['checkpoint_name', 'is_checkpoint_name', 'checkpoint_key', 'Checkpoin
            'FileStore', 'ShardedStore', 'is_url', 'url_parent', 'FsspecStore', 'store_at']
 
 # %% ../../nbs/16d_store.ipynb #13df9dad
-import re, shutil, tempfile
+import re, shutil, tempfile, weakref
 from abc import ABC, abstractmethod
 from functools import partial
 from pathlib import Path
@@ -155,7 +155,8 @@ class FsspecStore(CheckpointStore):
         self.fs,self.root = fsspec.core.url_to_fs(self.url, **storage_options)
         stage = tempfile.mkdtemp(prefix='learncb-stage-')       # this process's own: nodes may share no disk
         self.local = ShardedStore(stage, map_location, background) if sharded else FileStore(stage, map_location)
-        self.collective,self._downloads = sharded,None
+        weakref.finalize(self, shutil.rmtree, stage, ignore_errors=True)
+        self.collective,self._downloads = sharded,tempfile.mkdtemp(prefix='learncb-read-')   # kept: read after the store
 
     def ref(self, name):
         "The URL of checkpoint `name`: a file (`url/name.pt`), or a folder of shards (`url/name`)"
@@ -189,7 +190,7 @@ class FsspecStore(CheckpointStore):
         marker = f'{remote}/{sharded_marker}' if self.collective else remote + _mark
         if not self.fs.exists(marker): raise CorruptFileError(f"the checkpoint {ref} is incomplete: it has no marker "
             f"({Path(marker).name}), which is written last, once the upload is done")
-        local = self._download_folder()/name
+        local = Path(self._downloads)/name
         if self.collective:
             local.mkdir(parents=True, exist_ok=True)
             for f in self.fs.find(remote): self.fs.get_file(f, str(local/Path(f).name))
@@ -210,10 +211,6 @@ class FsspecStore(CheckpointStore):
         if self.fs.exists(remote): self.fs.rm(remote, recursive=self.collective)
 
     def _remote(self, name): return f'{self.root}/{Path(self.local.ref(name)).name}'
-
-    def _download_folder(self):
-        if self._downloads is None: self._downloads = Path(tempfile.mkdtemp(prefix='learncb-read-'))
-        return self._downloads
 
     def __repr__(self): return f'{type(self).__name__}({self.url!r})'
 
