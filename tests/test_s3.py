@@ -8,11 +8,7 @@ import pytest
 pytest.importorskip('s3fs', reason='s3fs is not installed (pip install "learncb[s3]")')
 pytest.importorskip('moto.server', reason='moto[server] is not installed')
 from test_transparent import run, result, assert_same_run
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
+from test_distributed import free_port
 
 @pytest.fixture(scope='module')
 def s3():
