@@ -22,7 +22,7 @@ def agent(out, port, log):
     "One torchrun agent (a node of one process) of the elastic job, with the page's command, in a session of its own"
     env_vars,opts = recipe_command()
     opts = [o.replace('$HEAD:29400', f'127.0.0.1:{port}') for o in opts]
-    cmd = [sys.executable, '-m', 'torch.distributed.run', *opts, str(HERE/'elastic_script.py'), str(out), '--secs', '0.25']
+    cmd = [sys.executable, '-m', 'torch.distributed.run', *opts, str(HERE/'elastic_script.py'), str(out), '--secs', '0.25', '--hold']
     env = dict(os.environ, **env_vars, OMP_NUM_THREADS='1',
                PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get('PYTHONPATH', '')]))
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
