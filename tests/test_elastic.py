@@ -90,7 +90,7 @@ def test_elastic_world_shrinks_and_grows_and_the_run_ends_as_the_uninterrupted_o
     p = progress(out)
     worlds = [w for w,_,_ in p]
     changes = [worlds[0]] + [w for v,w in zip(worlds, worlds[1:]) if w != v]
-    assert changes == [2, 1, 2], changes
+    assert changes in ([2, 1, 2], [1, 2, 1, 2]), changes        # a fast first agent may train alone until the second joins
     print(f'\nelastic recovery: 2 -> 1 in {recovery(p, killed, 1):.1f} s after the kill, '
           f'1 -> 2 in {recovery(p, joined, 2):.1f} s after the node started again')
     got, want = torch.load(out/'result.pt'), torch.load(tmp_path/'ref'/'result.pt')
