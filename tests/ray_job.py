@@ -4,7 +4,7 @@ import os
 from pathlib import Path
 import torch
 from learncb.all import *
-from transparent_script import make_learner
+from transparent_script import make_learner, SaveAtEnd
 
 class FailOnce(Callback):
     "Rank 1 raises after training batch `k` of the run, the first time only (a file in `out` remembers it)"
@@ -14,14 +14,6 @@ class FailOnce(Callback):
         if self.training and self.train_iter == self.k and rank_distrib() == 1 and not self.flag.exists():
             self.flag.touch()
             raise RuntimeError(f'rank 1 fails after step {self.k}')
-
-class SaveAtEnd(Callback):
-    "Rank 0 saves the weights and the history when the fit ends without an error"
-    def __init__(self, out): self.out = Path(out)
-    def after_fit(self):
-        if self.learn.exception is None and is_rank0():
-            torch.save({'model': self.learn.model.state_dict(), 'losses': self.learn.recorder.losses,
-                        'values': self.learn.recorder.values, 'train_iter': self.learn.train_iter}, self.out/'final.pt')
 
 def job_learner(out, fail_at=None):
     "The learner of one worker of the Ray run; its folder is the worker's own, as on nodes that share no disk"

@@ -5,7 +5,7 @@ import os, signal, time
 from pathlib import Path
 import torch
 from learncb.all import *
-from transparent_script import make_learner
+from transparent_script import make_learner, SaveAtEnd
 
 class HoldForSignal(Callback):
     "On the `start`-th start of the job (the first is 1), holds training batch `every*start` until SIGUSR2 has been caught"
@@ -15,14 +15,6 @@ class HoldForSignal(Callback):
         held = signal.getsignal(signal.SIGUSR2)             # the checkpoint's handler: it steps aside once it has caught one
         deadline = time.monotonic() + self.timeout
         while signal.getsignal(signal.SIGUSR2) == held and time.monotonic() < deadline: time.sleep(0.05)
-
-class SaveAtEnd(Callback):
-    "Saves the weights and the history when the fit ends without an error"
-    def __init__(self, out): self.out = out
-    def after_fit(self):
-        if self.learn.exception is None and is_rank0():
-            torch.save({'model': self.learn.model.state_dict(), 'losses': self.learn.recorder.losses,
-                        'values': self.learn.recorder.values, 'train_iter': self.learn.train_iter}, self.out/'final.pt')
 
 def job_learner(out, n_held):
     "The learner of one start of one task of the job: its first `n_held` starts wait for the time limit's signal in the fit"

@@ -59,14 +59,15 @@ def test_killed_and_resumed_from_s3_equals_the_run_that_never_checkpointed(s3, t
 
 def test_a_checkpoint_without_its_marker_is_passed_over(s3, tmp_path):
     import s3fs
-    from learncb.all import CheckpointCallback
+    from learncb.all import Callback, CheckpointCallback
     from learncb.test_utils import synth_learner
     url = f'{s3}/marker'
     learn = synth_learner(path=tmp_path)
     learn.fit(2, cbs=CheckpointCallback(url, every_n_steps=3, keep_last=3))
     assert s3_files(url)[-2:] == ['checkpoint_00000008_epoch_end.pt', 'checkpoint_00000008_epoch_end.pt.complete']
     s3fs.S3FileSystem(skip_instance_cache=True).rm(f'{url}/checkpoint_00000008_epoch_end.pt.complete')  # upload cut off
-    learn = synth_learner(path=tmp_path)
+    learn,steps = synth_learner(path=tmp_path),[]
+    counted = Callback(after_batch=lambda learn: steps.append(learn.train_iter) if learn.training else None)
     with pytest.warns(UserWarning, match='checkpoint_00000008_epoch_end.pt'):
-        learn.fit(2, cbs=CheckpointCallback(url, every_n_steps=3, keep_last=3), resume=True)
-    assert learn.train_iter == 8
+        learn.fit(2, cbs=[CheckpointCallback(url, every_n_steps=3, keep_last=3), counted], resume=True)
+    assert learn.train_iter == 8 and steps == [7, 8]        # resumed from step 6, the newest complete checkpoint

@@ -39,6 +39,14 @@ class KillAt(Callback):
         if self.training and self.train_iter == self.k and rank_distrib() == min(1, num_distrib() - 1):
             os.kill(os.getpid(), signal.SIGKILL)
 
+class SaveAtEnd(Callback):
+    "Rank 0 saves the weights and the history to `out/final.pt` when the fit ends without an error"
+    def __init__(self, out): self.out = Path(out)
+    def after_fit(self):
+        if self.learn.exception is None and is_rank0():
+            torch.save({'model': self.learn.model.state_dict(), 'losses': self.learn.recorder.losses,
+                        'values': self.learn.recorder.values, 'train_iter': self.learn.train_iter}, self.out/'final.pt')
+
 def run_fits(learn, n_fits=1, ckpt=False, kill_at=None, epochs=3, ckpt_path='checkpoints'):
     "Fit `n_fits` times (the first with checkpoints if `ckpt`, resumed with resume='auto'); what each fit recorded"
     fits = []

@@ -174,20 +174,20 @@ class FsspecStore(CheckpointStore):
         if self.collective: self._upload_folder(staged, remote)
         elif is_rank0():
             self.fs.put_file(str(staged), remote)
-            self.fs.pipe_file(remote + _mark, b'')
+            self.fs.pipe_file(self._marker(name), b'')
         if is_rank0() or self.collective: self.local.remove(staged)
         return self.ref(name)
 
     def _upload_folder(self, staged, remote):
         "Every rank its own shards; once all have, rank 0 the rest of the folder and the marker, last"
-        own = [f for f in staged.iterdir() if shard_rank(f) == rank_distrib() and f.name != sharded_marker]
-        for f in own: self.fs.put_file(str(f), f'{remote}/{f.name}')
+        for f in rank_files(staged):
+            if f.name != sharded_marker: self.fs.put_file(str(f), f'{remote}/{f.name}')
         gather_objects(None)                                   # every rank's shards are up
         if is_rank0(): self.fs.put_file(str(staged/sharded_marker), f'{remote}/{sharded_marker}')
 
     def read(self, ref):
-        name,remote = Path(str(ref)).name,self._remote(Path(str(ref)).name)
-        marker = f'{remote}/{sharded_marker}' if self.collective else remote + _mark
+        name = Path(str(ref)).name
+        remote,marker = self._remote(name),self._marker(name)
         if not self.fs.exists(marker): raise CorruptFileError(f"the checkpoint {ref} is incomplete: it has no marker "
             f"({Path(marker).name}), which is written last, once the upload is done")
         local = Path(self._downloads)/name
@@ -205,12 +205,15 @@ class FsspecStore(CheckpointStore):
                       reverse=True)
 
     def remove(self, ref):
-        remote = self._remote(Path(str(ref)).name)
-        marker = f'{remote}/{sharded_marker}' if self.collective else remote + _mark
+        remote,marker = self._remote(Path(str(ref)).name),self._marker(Path(str(ref)).name)
         if self.fs.exists(marker): self.fs.rm(marker)             # first: no longer complete
         if self.fs.exists(remote): self.fs.rm(remote, recursive=self.collective)
 
     def _remote(self, name): return f'{self.root}/{Path(self.local.ref(name)).name}'
+
+    def _marker(self, name):
+        "The object whose presence says checkpoint `name` is complete: inside a folder, or beside a file"
+        return f'{self._remote(name)}/{sharded_marker}' if self.collective else self._remote(name) + _mark
 
     def __repr__(self): return f'{type(self).__name__}({self.url!r})'
 

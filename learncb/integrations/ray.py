@@ -14,8 +14,8 @@ from ..core import *
 from ..utils import *
 from ..distributed.ranks import *
 from ..checkpoint.callback import CheckpointCallback
-from ..checkpoint.store import is_checkpoint_name
-from ..checkpoint.sharded import shard_rank
+from ..checkpoint.store import is_checkpoint_name, is_url
+from ..checkpoint.sharded import rank_files
 from .tracking import import_optional
 
 # %% ../../nbs/33_ray.ipynb #80c0ce07
@@ -29,6 +29,10 @@ class RayTrainReportCallback(Callback):
         self.ckpt = next((cb for cb in self.learn.cbs if isinstance(cb, CheckpointCallback)), None)
         if self.ckpt is None: raise ValueError("RayTrainReportCallback reports the checkpoints of a CheckpointCallback, "
             "and this fit has none: learn.fit(n, cbs=[CheckpointCallback(every_n_steps=...), RayTrainReportCallback()])")
+        if is_url(str(self.ckpt.folder)): raise ValueError(f"RayTrainReportCallback reports checkpoint files on this "
+            f"worker's disk, and this CheckpointCallback writes to {self.ckpt.folder}: give it a local path (Ray copies "
+            f"each reported checkpoint to its own storage_path, a bucket too), or keep the URL and resume='auto' without "
+            f"RayTrainReportCallback")
         self.train = import_optional('ray.train', 'ray', 'ray', 'RayTrainReportCallback')
         self.reported,self.preempted = self.ckpt.last,None     # a resumed run's checkpoint: Ray has it already
 
@@ -66,7 +70,7 @@ def own_files(ref):
     "The files of checkpoint `ref` this rank reports: rank 0's file, or of a folder (FSDP) this rank's shards"
     ref = Path(ref)
     if not ref.is_dir(): return [ref] if is_rank0() else []
-    return sorted(f for f in ref.rglob('*') if f.is_file() and shard_rank(f) == rank_distrib())
+    return rank_files(ref)
 
 def _link_or_copy(src, dst):
     dst.parent.mkdir(parents=True, exist_ok=True)
