@@ -39,7 +39,7 @@ def plain_model(model):
 
 def to_device(b, device):
     "Move the tensors of `b` (a tensor or a tuple, list or dict of them, nested) to `device`"
-    if isinstance(b, torch.Tensor): return b.to(device, non_blocking=True)
+    if isinstance(b, torch.Tensor): return b.to(device, non_blocking=device != 'cpu')   # to the host: done when read
     if isinstance(b, (tuple, list)): return type(b)(to_device(o, device) for o in b)
     if isinstance(b, dict): return {k: to_device(v, device) for k,v in b.items()}
     return b
@@ -176,7 +176,8 @@ def rng_state():
     return state
 
 def set_rng_state(state):
-    "Restore what `rng_state` returned"
+    "Restore what `rng_state` returned (read back onto any device: the generators take their states from the CPU)"
+    state = to_device(state, 'cpu')
     torch.set_rng_state(state['torch'])
     version,internal,gauss = state['random']
     random.setstate((version, tuple(internal.tolist()), gauss))

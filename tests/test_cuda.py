@@ -32,12 +32,15 @@ def test_no_host_sync_in_any_batch():
     assert learn.train_iter == 24 and learn.recorder.values[-1][2] > 0.5
 
 def test_get_preds_gathers_into_pinned_memory():
+    "The outputs land in one preallocated pinned buffer (returned as is with an identity activation), then activated"
     learn = cuda_learner()
     learn.fit(1)
-    preds, targs = learn.get_preds()
-    assert preds.device.type == 'cpu' and preds.is_pinned() and preds.shape == (128, 2)
-    with torch.no_grad(): want = learn.model(learn.dls.valid.dataset.tensors[0].cuda()).softmax(-1).cpu()
-    torch.testing.assert_close(preds, want)
+    raw, targs = learn.get_preds(act=lambda x: x)
+    assert raw.device.type == 'cpu' and raw.is_pinned() and raw.shape == (128, 2) and targs.is_pinned()
+    preds, _ = learn.get_preds()
+    with torch.no_grad(): want = learn.model(learn.dls.valid.dataset.tensors[0].cuda())
+    torch.testing.assert_close(raw, want.cpu())
+    torch.testing.assert_close(preds, want.softmax(-1).cpu())
 
 @pytest.mark.parametrize('dtype', ['fp16', 'bf16'])
 def test_mixed_precision(dtype):

@@ -68,6 +68,7 @@ class ResumableSampler(Sampler):
 
     def load_state_dict(self, state):
         "Take the order of `state`, ready to `resume` its pass (a rank of several keeps its fixed seed)"
+        state = to_device(state, 'cpu')                 # a checkpoint read onto the GPU: generators live on the CPU
         if 'pass' not in state: state = {**state, 'pass': state['seed'] + state['epoch']}   # written before 0.2.1
         if state['seed'] is not None or self.world == 1: self.seed = state['seed']
         self.epoch,self._saved_pass = state['epoch'],state['pass']
