@@ -8,7 +8,7 @@ Docs: https://learncb.github.io/learncb/progress.html.md"""
 __all__ = ['can_draw_bars', 'ProgressCallback']
 
 # %% ../nbs/06_progress.ipynb #701b94c0
-import sys, time
+import sys
 from fastcore.basics import noop
 from fastcore.imports import IN_NOTEBOOK
 from fastprogress.fastprogress import master_bar, progress_bar
@@ -51,10 +51,10 @@ class ProgressCallback(Callback):
         self.pbar = progress_bar(range(learn.n_iter) if learn.n_iter else learn.dl, total=learn.n_iter or 'noinfer',
                                  parent=self.mbar, leave=False)
         self.pbar.update(0)
-        self._next = time.monotonic() + self.refresh_every
+        self._next = clock.now() + self.refresh_every
 
     def after_batch(self):
-        if self.pbar is None or (now := time.monotonic()) < self._next: return
+        if self.pbar is None or (now := clock.now()) < self._next: return
         self._next = now + self.refresh_every
         learn = self.learn
         if (learn.training and (rec := getattr(learn, 'recorder', None)) is not None

@@ -8,7 +8,7 @@ Docs: https://learncb.github.io/learncb/recorder.html.md"""
 __all__ = ['Recorder', 'batch_losses']
 
 # %% ../nbs/04_recorder.ipynb #3a37d33f
-import copy, math, time, warnings
+import copy, math, warnings
 import torch
 from torch import nn
 from fastprogress.fastprogress import format_time
@@ -168,7 +168,7 @@ class Recorder(Callback):
         self.hps = {}              # a ParamScheduler puts what it scheduled here at the end of the fit
         self._header_logged,self._warned_nan,self._valid_stack = False,False,[]
 
-    def before_epoch(self): self._epoch_start = time.time()
+    def before_epoch(self): self._epoch_start = clock.now()
 
     def before_train(self):
         self._train_metrics = self._metrics if self.train_metrics else []
@@ -269,7 +269,7 @@ class Recorder(Callback):
         self.values.append([train, *train_metrics, *(self._epoch_valid or [None] * len(self._valid_cols)), *extra])
         self.iters.append(len(self._losses))
         row = [str(self.learn.epoch), *(_fmt(v) for v in self.values[-1])]
-        if self.add_time: row.append('' if self._epoch_start is None else format_time(time.time() - self._epoch_start))
+        if self.add_time: row.append('' if self._epoch_start is None else format_time(clock.now() - self._epoch_start))
         self._log(row)
         self._clear_epoch()
 

@@ -47,7 +47,7 @@ def progress(out):
     if not f.exists(): return []
     return [(int(w), int(i), float(t)) for w,i,t in (l.split() for l in f.read_text().splitlines() if l.count(' ') == 2)]
 
-def wait_for(out, cond, what, timeout=120):
+def wait_for(out, cond, what, timeout=300):
     "Wait until `cond(progress)`; the progress"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

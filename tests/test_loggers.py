@@ -1,6 +1,5 @@
 "Loggers: printed progress lines, the loss graph, log_metrics dicts, the CSV history, the phase timer, callback order"
 import csv, itertools
-from types import SimpleNamespace
 import pytest, torch
 import learncb.callbacks.loggers
 from learncb.all import *
@@ -240,12 +239,12 @@ def test_timer_without_validation_and_outside_a_fit(capsys):
     assert len(learn.timer.times) == 1 and capsys.readouterr().out == ''
 
 @pytest.fixture
-def clock(monkeypatch):
-    "A fake clock for the loggers: each reading is one second after the previous one"
+def ticking_clock():
+    "learncb's clock, made to tick: each reading is one second after the previous one"
     ticks = itertools.count()
-    monkeypatch.setattr(learncb.callbacks.loggers, 'time', SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    with clock.replaced(lambda: float(next(ticks))): yield
 
-def test_timer_phases_are_measured_between_the_right_events(clock):
+def test_timer_phases_are_measured_between_the_right_events(ticking_clock):
     "With a clock that ticks once per reading, each phase's time counts the readings between its two events"
     learn = synth_learner(cbs=TimerCallback(verbose=False))
     learn.fit(2)
@@ -253,7 +252,7 @@ def test_timer_phases_are_measured_between_the_right_events(clock):
     expected = {'fetch': 4., 'forward': 4., 'loss': 4., 'backward': 4., 'step': 4., 'train': 4 * 9 + 2., 'validate': 1.}
     assert learn.timer.times == [expected, expected]
 
-def test_timer_counts_a_validation_inside_a_validation_once(clock):
+def test_timer_counts_a_validation_inside_a_validation_once(ticking_clock):
     nested = []
     def validate_again(self):
         if not nested: nested.append(1); self.learn.validate(dl=synth_dls().valid)

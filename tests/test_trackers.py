@@ -205,7 +205,7 @@ def wandb_offline(tmp_path, monkeypatch):
     for v in ('WANDB_CONFIG_DIR', 'WANDB_CACHE_DIR', 'WANDB_DATA_DIR', 'WANDB_ARTIFACT_DIR'):
         monkeypatch.setenv(v, str(tmp_path/'wandb-home'/v))
 
-def read_finished(run_dir, wait=20):
+def read_finished(run_dir, wait=120):
     "The offline run in `run_dir` once W&B's own process has written all of it (its exit record), or as it is"
     deadline = time.time() + wait
     while not (run := read_offline_run(run_dir))['finished'] and time.time() < deadline: time.sleep(0.1)

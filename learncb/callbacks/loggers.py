@@ -9,7 +9,7 @@ __all__ = ['value_names', 'last_values', 'PrintProgressCallback', 'loss_graphs',
            'CSVLogger', 'TimerCallback']
 
 # %% ../../nbs/14_loggers.ipynb #fbbc0820
-import csv, math, time
+import csv, math
 from pathlib import Path
 import torch
 from fastcore.basics import noop
@@ -51,17 +51,17 @@ class PrintProgressCallback(Callback):
 
     def before_fit(self):
         learn = self.learn
-        self._end,self._fit_start = None,time.perf_counter()
+        self._end,self._fit_start = None,clock.now()
         train,valid = learn.dls.train,learn.dls.valid
         valid = f' and {_batches(valid, "validation")}' if valid is not None else ', no validation set'
         epochs = f'{learn.n_epoch} epoch' + ('' if learn.n_epoch == 1 else 's')
         self._print(f'fit: {epochs} of {_batches(train, "training")}{valid}')
 
-    def before_epoch(self): self._epoch_start = time.perf_counter()
+    def before_epoch(self): self._epoch_start = clock.now()
 
     def after_epoch(self):
         learn = self.learn
-        took = '-' if self._epoch_start is None else format_time(time.perf_counter() - self._epoch_start)
+        took = '-' if self._epoch_start is None else format_time(clock.now() - self._epoch_start)
         values = [f'{k} {_fmt_value(v)}' for k,v in last_values(learn).items()]
         self._print('  '.join([f'epoch {learn.epoch + 1}/{learn.n_epoch}', *values, f'time {took}']))
 
@@ -76,7 +76,7 @@ class PrintProgressCallback(Callback):
     def _where(self): return f'in epoch {self.learn.epoch + 1}/{self.learn.n_epoch}'
 
     def after_fit(self):
-        took = format_time(time.perf_counter() - self._fit_start) if self._fit_start is not None else '-'
+        took = format_time(clock.now() - self._fit_start) if self._fit_start is not None else '-'
         self._print(f'fit done in {took}' if self._end is None else f'fit {self._end} (after {took})')
         self._fit_start = None
 
@@ -186,12 +186,12 @@ class CSVLogger(Callback):
         self._file.truncate(state['size'])
         self._file.seek(state['size'])
 
-    def before_epoch(self): self._epoch_start = time.perf_counter()
+    def before_epoch(self): self._epoch_start = clock.now()
 
     def after_epoch(self):
         rec = self.learn.recorder
         row = [self.learn.epoch, *rec.values[-1]]
-        if rec.add_time: row.append(format_time(time.perf_counter() - self._epoch_start) if self._epoch_start else '')
+        if rec.add_time: row.append(format_time(clock.now() - self._epoch_start) if self._epoch_start else '')
         self._write_row(row)
 
     def after_fit(self):
@@ -235,7 +235,7 @@ class TimerCallback(Callback):
     def _mark(self, done=None, start=None):
         "At a boundary between phases: add the time since `done` began to it, and start timing `start`"
         self._sync()
-        now = time.perf_counter()
+        now = clock.now()
         if done is not None and (t0 := self._start.pop(done, None)) is not None: self._acc[done] += now - t0
         if start is not None: self._start[start] = now
 
@@ -253,14 +253,14 @@ class TimerCallback(Callback):
 
     def before_validate(self):
         self._sync()
-        self._valid_starts.append(time.perf_counter())
+        self._valid_starts.append(clock.now())
 
     def after_validate(self):
         "Time a validation, counting one run inside another (an evaluation during validation) once"
         self._sync()
         t0 = self._valid_starts.pop() if self._valid_starts else None
         if t0 is None or self._valid_starts or self._acc is None: return
-        self._acc['validate'] = (self._acc['validate'] or 0.) + time.perf_counter() - t0
+        self._acc['validate'] = (self._acc['validate'] or 0.) + clock.now() - t0
 
     def after_epoch(self):
         if self._acc is None: return

@@ -34,16 +34,16 @@ class ThroughputCallback(Callback):
 
     def before_fit(self): self.history,self._warned = [],False
 
-    def before_train(self): self._wait,self._items,self._n_batches,self._start = 0.,0,0,time.perf_counter()
-    def before_fetch(self): self._fetch = time.perf_counter()
-    def after_fetch(self): self._wait += time.perf_counter() - self._fetch
+    def before_train(self): self._wait,self._items,self._n_batches,self._start = 0.,0,0,clock.now()
+    def before_fetch(self): self._fetch = clock.now()
+    def after_fetch(self): self._wait += clock.now() - self._fetch
 
     def after_batch(self):
         self._n_batches += 1
         self._items += find_bs(self.learn.yb or self.learn.xb)    # shapes only: no wait for the device
 
     def after_train(self):
-        wall = max(time.perf_counter() - self._start, 1e-9)
+        wall = max(clock.now() - self._start, 1e-9)
         row = {'epoch': self.learn.epoch, 'samples_per_s': self._items / wall, 'batches_per_s': self._n_batches / wall,
                'data_wait': self._wait / wall}
         self.history.append(row)
