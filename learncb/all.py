@@ -2,7 +2,7 @@
 # Hand-written (not exported from a notebook): it only gathers the public names of the modules.
 from .core import *
 from .utils import *
-from .distributed.ranks import *
+from .ranks import *
 from .files import *
 from .checks import *
 from .diagnose import *

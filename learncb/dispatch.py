@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from types import MethodType
 from .core import *
 from .utils import *
-from .distributed.ranks import *
+from .ranks import *
 from .checks import *
 from .diagnose import note_where
 

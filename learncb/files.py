@@ -14,7 +14,7 @@ import errno, hashlib, io, os, shutil, tempfile, warnings
 from pathlib import Path
 import torch
 from .utils import *
-from .distributed.ranks import *
+from .ranks import *
 
 # %% ../nbs/01a_files.ipynb #7e795095
 def atomic_save(obj, path):

@@ -12,7 +12,7 @@ __all__ = ['accuracy', 'error_rate', 'metric_name', 'is_stateful_metric', 'is_fa
 import torch
 from .core import *
 from .utils import *
-from .distributed.ranks import *
+from .ranks import *
 
 # %% ../nbs/03_metrics.ipynb #04469ef5
 def accuracy(pred, targ, axis=-1):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 from .core import *
 from .utils import *
-from .distributed.ranks import *
+from .ranks import *
 from .diagnose import *
 from .recorder import *
 

@@ -14,7 +14,7 @@ from torch import nn
 from fastprogress.fastprogress import format_time
 from .core import *
 from .utils import *
-from .distributed.ranks import *
+from .ranks import *
 from .diagnose import describe_value
 from .metrics import *
 

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from fastcore.basics import noop
 from .utils import *
-from .distributed.ranks import *
+from .ranks import *
 from .files import *
 from .checks import *
 

@@ -3,7 +3,7 @@ Runs tests/ddp_script.py; rank 0 saves its results, which are compared with a 1-
 import random, re, socket, subprocess, sys, time
 from pathlib import Path
 import pytest, torch
-from learncb.distributed.ranks import num_distrib, rank_distrib
+from learncb.ranks import num_distrib, rank_distrib
 
 SCRIPT = Path(__file__).parent/'ddp_script.py'
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason='torch.distributed is not available')

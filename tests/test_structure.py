@@ -11,7 +11,7 @@ PKG = Path(learncb.__file__).parent
 # What every fit uses: the loop and the parts `Learner` is built from. Nothing here imports (at its top) a module of
 # the layers above: schedules, checkpoints, distributed strategies, inference, integrations.
 loop_layer = {f'learncb.{m}' for m in ('core', 'utils', 'files', 'checks', 'diagnose', 'dispatch', 'optim', 'weights',
-                                       'metrics', 'recorder', 'progress', 'preds', 'learner', 'distributed.ranks')}
+                                       'metrics', 'recorder', 'progress', 'preds', 'learner', 'ranks')}
 # Imports made inside a function, when the feature is asked for: these alone run against the layers
 lazy_allowed = {('learncb.learner', 'learncb.checkpoint.callback'),        # fit(resume=...) imports the checkpoint layer
                 ('learncb.checks', 'learncb.metrics')}            # a metric given by name: suggest the import

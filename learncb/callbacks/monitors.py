@@ -14,7 +14,7 @@ import torch
 from fastcore.basics import noop
 from ..core import *
 from ..utils import *
-from ..distributed.ranks import *
+from ..ranks import *
 from ..learner import *
 from ..recorder import *
 

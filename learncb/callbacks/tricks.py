@@ -16,7 +16,7 @@ from torch.optim.swa_utils import AveragedModel, SWALR, get_ema_multi_avg_fn, up
 from fastcore.basics import patch
 from ..core import *
 from ..utils import *
-from ..distributed.ranks import *
+from ..ranks import *
 from ..learner import *
 from ..diagnose import describe_value
 from ..preds import *

@@ -14,7 +14,7 @@ from pathlib import Path
 from torch.utils.data import DataLoader
 from ..core import *
 from ..utils import *
-from ..distributed.ranks import *
+from ..ranks import *
 from ..files import *
 from .preemption import *
 from .sampler import *

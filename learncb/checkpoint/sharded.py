@@ -13,7 +13,7 @@ import hashlib, re, shutil, warnings
 from pathlib import Path
 import torch
 from ..utils import *
-from ..distributed.ranks import *
+from ..ranks import *
 from ..files import *
 
 # %% ../../nbs/16a_sharded.ipynb #5703cf2e

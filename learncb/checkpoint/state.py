@@ -14,7 +14,7 @@ from pathlib import Path
 from fastcore.basics import noop, patch
 from ..core import *
 from ..utils import *
-from ..distributed.ranks import *
+from ..ranks import *
 from ..files import *
 from ..learner import *
 from .sampler import *

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from functools import partial
 from pathlib import Path
 from ..utils import *
-from ..distributed.ranks import *
+from ..ranks import *
 from ..files import *
 from .sharded import *
 from .preemption import checkpoint_group

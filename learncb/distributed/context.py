@@ -15,7 +15,7 @@ import torch.distributed as dist
 from fastcore.basics import patch
 from ..core import *
 from ..utils import *
-from .ranks import *
+from ..ranks import *
 from ..learner import *
 from .strategy import *
 from .ddp import *

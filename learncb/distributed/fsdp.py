@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from ..core import *
 from ..utils import *
-from .ranks import *
+from ..ranks import *
 from .strategy import *
 from ..callbacks.training import MixedPrecision
 

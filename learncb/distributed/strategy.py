@@ -13,7 +13,7 @@ from torch.utils.data import DistributedSampler, RandomSampler
 from fastcore.basics import noop
 from ..core import *
 from ..utils import *
-from .ranks import *
+from ..ranks import *
 from ..learner import *
 from ..checkpoint.sampler import *
 from ..checkpoint.store import *

@@ -11,7 +11,7 @@ __all__ = ['OptunaPruningCallback']
 import torch
 from ..core import *
 from ..utils import *
-from ..distributed.ranks import *
+from ..ranks import *
 from ..callbacks.monitors import TrackerCallback
 from .tracking import import_optional
 

@@ -12,7 +12,7 @@ import shutil, tempfile
 from pathlib import Path
 from ..core import *
 from ..utils import *
-from ..distributed.ranks import *
+from ..ranks import *
 from ..checkpoint.callback import CheckpointCallback
 from ..checkpoint.store import is_checkpoint_name, is_url
 from ..checkpoint.sharded import rank_files
