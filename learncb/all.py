@@ -22,9 +22,10 @@ from .callbacks.loggers import *
 from .callbacks.evaluation import *
 from .checkpoint.sharded import *
 from .checkpoint.preemption import *
-from .checkpoint.sampler import *
+from .sampler import *
 from .checkpoint.store import *
-from .checkpoint.state import *
+from .state import *
+from .resume import *
 from .checkpoint.callback import *
 from .inference.interpret import *
 from .inference.summary import *

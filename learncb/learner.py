@@ -26,6 +26,8 @@ from .weights import *
 from .recorder import *
 from .progress import *
 from .preds import *
+from .state import *
+from .resume import resume_cbs
 
 # %% ../nbs/02_learner.ipynb #5f8e8608
 class DataLoaders:
@@ -111,14 +113,8 @@ def _no_dl(what): return f"there is no {what} dataloader: pass one in DataLoader
 def _empty_dl(what): return (f"the {what} dataloader is empty (len 0): check that its dataset has samples and that "
                              f"batch_size is not larger than the dataset with drop_last=True")
 
-def _resuming_cbs(learn, resume):
-    "The callbacks that resume from checkpoint `resume` (a path, or `True` for the newest): none if `resume` is not set"
-    if resume is None or resume is False: return []
-    from learncb.checkpoint.callback import resume_cbs      # imported when asked: the loop knows where to start, no more
-    return resume_cbs(learn, resume)
-
 # %% ../nbs/02_learner.ipynb #6f97df10
-class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost):
+class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
     "Trains `model` on `dls` with `loss_func` and `opt_func`; every stage of the loop fires events for callbacks"
     label_key,pred_key,loss_key = 'labels','logits','loss'     # the entries of dict batches and dict outputs
     def __init__(self, dls, model, loss_func=None, opt_func=torch.optim.Adam, lr=None, splitter=None, cbs=None,
@@ -242,7 +238,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost):
                 self._set_hypers(lr=self.lr if lr is None else lr, wd=self.wd if wd is None else wd)
                 self.n_epoch,self.exception,self.stop_reason,self._raised_in = n_epoch,None,None,None
                 self.start_epoch,self.start_iter = 0,0
-                with self.added_cbs(_resuming_cbs(self, resume)):
+                with self.added_cbs(resume_cbs(self, resume)):
                     try:
                         self.fitting,self.resume_from = True,resume or None
                         self._prepare_fit()

@@ -4,7 +4,7 @@ batch. The checkpoint written on the way out records a position consistent with 
 ends with its weights where the checkpoint is exact."""
 import pytest, torch
 from learncb.all import *
-from learncb.checkpoint.state import read_checkpoint
+from learncb.state import read_checkpoint
 from learncb.checkpoint.callback import checkpoints_in
 from transparent_script import make_learner
 

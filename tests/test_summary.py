@@ -6,7 +6,7 @@ import pytest, torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from learncb.all import *
-from learncb.checkpoint.sampler import ResumableSampler, resumable_dataloader
+from learncb.sampler import ResumableSampler, resumable_dataloader
 from learncb.test_utils import synth_dls, synth_learner
 
 class Tied(nn.Module):

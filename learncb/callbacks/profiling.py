@@ -17,7 +17,6 @@ from ..core import *
 from ..utils import *
 from ..learner import *
 from ..recorder import *
-from ..checkpoint.state import *          # learn.state_dict: the profile puts the learner back as it was
 
 # %% ../../nbs/30_profiling.ipynb #4fe4ed30
 _data_fix = ("give the DataLoader workers (num_workers=4 or more: the batches are then made in other processes while "

@@ -20,7 +20,7 @@ from ..learner import *
 from .strategy import *
 from .ddp import *
 from .fsdp import *
-from ..checkpoint.sampler import resumable_sampler
+from ..sampler import resumable_sampler
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 # %% ../../nbs/23c_distributed.ipynb #0b2fdfb2

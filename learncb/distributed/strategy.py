@@ -15,8 +15,7 @@ from ..core import *
 from ..utils import *
 from ..ranks import *
 from ..learner import *
-from ..checkpoint.sampler import *
-from ..checkpoint.store import *
+from ..sampler import *
 
 # %% ../../nbs/23_strategy.ipynb #1ee02555
 class DistributedResumableSampler(ResumableSampler):
@@ -88,10 +87,6 @@ class Strategy:
     def gather_in_order(self, o, n):
         "Every rank's share of `n` items, predicted on `shard_valid`'s dataloaders, back in dataset order"
         return gather_in_order(o, n)
-
-    def checkpoint_store(self, folder, map_location=None, background=True):
-        "Where checkpoints of this strategy's fits go in `folder`: one file (rank 0 writes), or every rank's shards"
-        return store_at(folder, self.sharded, map_location, background)     # a URL: uploaded with fsspec
 
     def __repr__(self): return f'{type(self).__name__}()'
 
