@@ -1,4 +1,4 @@
-"""Issue 8, principles 1, 3 (a replaced model) and 4 (one run at a time): misuse is reported before the first batch,
+"""Failing fast, a replaced model and one run at a time: misuse is reported before the first batch,
 naming the bad value and the fix; the optimizer follows the model; a fit cannot run inside or beside another."""
 import threading, warnings
 import numpy as np

@@ -1,4 +1,4 @@
-"""Issue 8, principle 2 (and the Recorder's part of principle 4): errors from the first batch speak learncb, a learncb
+"""Errors in the first batch (and the Recorder's part of one run at a time): errors from the first batch speak learncb, a learncb
 handler never crashes while the loop unwinds, a diverging loss warns once, a resumed run prints its table header.
 
 Each misuse asserts the exception type (torch's own, kept), that the notes name the bad value and the fix, where in

@@ -1,4 +1,4 @@
-"""Issue 8, principles 3 and 4 (files and resume): nothing the user had is lost, and a resumed run is the same run.
+"""Files and resume: nothing the user had is lost, and a resumed run is the same run.
 
 Loads that do not fit change nothing; files from wrapped models load; damaged files are refused by their checksum and
 `resume=True` goes back to an intact one; the user's dataloader is never replaced; Ctrl-C's handler comes back after

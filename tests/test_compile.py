@@ -1,4 +1,4 @@
-"torch.compile (issue 11, item 3), with the default backend (inductor) on the CPU"
+"torch.compile, with the default backend (inductor) on the CPU"
 import warnings
 import pytest, torch
 from torch import nn

@@ -1,4 +1,4 @@
-"""The CUDA paths (issue 10, item 8): no host sync per batch, pinned gathering, fp16 with GradScaler, bf16, CUDA RNG
+"""The CUDA paths: no host sync per batch, pinned gathering, fp16 with GradScaler, bf16, CUDA RNG
 in checkpoints, and two DDP ranks on one GPU. Every test skips without a GPU."""
 import pytest, torch
 from torch import nn

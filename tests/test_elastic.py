@@ -1,4 +1,4 @@
-"""torchrun's elastic agent (issue 26, item 1): two agents on localhost, started with the torchrun command of the
+"""torchrun's elastic agent: two agents on localhost, started with the torchrun command of the
 cluster page (`--nnodes=1:2`, c10d rendezvous, `last_call_timeout=1`), run one script with a global batch. One agent
 is SIGKILLed with its worker mid-run and started again: the world goes 2 -> 1 -> 2 and the run ends as the
 uninterrupted one did, within 1e-6. Each change's recovery time (from the kill, or the node's new start, to the first

@@ -1,4 +1,4 @@
-"What fastai's own tests and habits expect of a Learner: one test per compatibility point of issue 9"
+"What fastai's own tests and habits expect of a Learner: one test per compatibility point"
 from functools import partial
 import pytest, torch
 from torch import nn
@@ -55,7 +55,7 @@ def test_opt_func_partial_lr_is_the_default_lr():
     with pytest.warns(UserWarning, match="the opt_func's is used, as in fastai"):
         explicit = Learner(synth_dls(), nn.Linear(2, 2), nn.CrossEntropyLoss(),
                            opt_func=partial(torch.optim.Adam, lr=1e-2), lr=3e-3)
-    assert explicit.lr == 1e-2                         # the partial's lr, as fastai's create_opt (issue 25), with a warning
+    assert explicit.lr == 1e-2                         # the partial's lr, as fastai's create_opt, with a warning
     assert Learner(synth_dls(), nn.Linear(2, 2), nn.CrossEntropyLoss(), opt_func=partial(torch.optim.Adam, lr=1e-2),
                    lr=1e-2).lr == 1e-2                 # the same lr in both places: nothing to warn of
     assert Learner(synth_dls(), nn.Linear(2, 2), nn.CrossEntropyLoss()).lr == 1e-3

@@ -1,4 +1,4 @@
-"""Models that compute their own loss from dict batches (issue 11, item 2): a tiny `transformers` BERT built from a
+"""Models that compute their own loss from dict batches: a tiny `transformers` BERT built from a
 config (no download) on synthetic tokens."""
 import pytest, torch
 from torch.utils.data import DataLoader, Dataset

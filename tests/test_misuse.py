@@ -1,4 +1,4 @@
-"""Issue 8's catalogue of misuse: a mistake is reported before the first batch when it can be known then, in words that
+"""The catalogue of misuse: a mistake is reported before the first batch when it can be known then, in words that
 name the bad value and the fix; nothing the user had is lost; nothing is ever silently wrong.
 
 The cases live in three files, one per family, gathered here so that `pytest tests/test_misuse.py` runs them all:

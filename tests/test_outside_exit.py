@@ -1,4 +1,4 @@
-"""A fit ended from outside (issue 26, item 5): `SystemExit` raised by another library's handler in the middle of a
+"""A fit ended from outside: `SystemExit` raised by another library's handler in the middle of a
 batch. The checkpoint written on the way out records a position consistent with the loop's counters, so that
 `resume='auto'` neither repeats nor skips a batch: the resumed run takes the uninterrupted run's number of steps, and
 ends with its weights where the checkpoint is exact."""

@@ -1,4 +1,4 @@
-"""The tricks, checked against their peers' own tests (issue 25, part 2): each test is written from an assertion of
+"""The tricks, checked against their peers' own tests: each test is written from an assertion of
 fastai's notebooks, torchvision's, PyTorch's, Lightning's or optuna-integration's tests, named in its comment."""
 import math, warnings
 from functools import partial

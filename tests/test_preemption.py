@@ -1,4 +1,4 @@
-"""Preemption (issue 17): SIGTERM ends a fit with an exact checkpoint and exit code 143, `resume='auto'` goes on from
+"""Preemption: SIGTERM ends a fit with an exact checkpoint and exit code 143, `resume='auto'` goes on from
 it; the ranks of a distributed run stop at the same batch; torchrun's restarts resume by themselves; a lost rank
 does not leave the others waiting. Every process is bounded by a timeout."""
 import os, re, signal, subprocess, sys

@@ -1,4 +1,4 @@
-"""Ray Train (issue 26, item 2): the recipe of the cluster page (taken from its cell) run by `TorchTrainer` on two
+"""Ray Train: the recipe of the cluster page (taken from its cell) run by `TorchTrainer` on two
 CPU workers, on a local Ray started by the test. Rank 1 fails once in the middle of the run; Ray starts the workers
 again (`FailureConfig(max_failures=2)`) with the last checkpoint `RayTrainReportCallback` reported, and the run ends
 with the weights of a run where no worker failed, `torch.equal`. Each worker has a folder of its own: the restart

@@ -1,4 +1,4 @@
-"""Issue 15, sections 2 and 3: the last silent failures, and three points where fastai's own tests expect otherwise.
+"""The last silent failures, and three points where fastai's own tests expect otherwise.
 
 Each mistake is refused with an error that names the bad value and the fix, before work is wasted (no batch, or only
 the first one, has run), and leaves the learner usable: nothing the user had is lost."""

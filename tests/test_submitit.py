@@ -1,4 +1,4 @@
-"""submitit (issue 26, item 3): the recipe of the cluster page (taken from its cell, so the docs and the test cannot
+"""submitit: the recipe of the cluster page (taken from its cell, so the docs and the test cannot
 drift apart) run by `submitit.LocalExecutor` with a time limit that falls in the middle of the fit: the job (of one task, and of two forming a distributed run) is
 stopped with SIGUSR2, requeued by submitit and resumed by `resume='auto'`, more than once, and ends with the weights
 of the job that was never stopped. The job's first two starts hold a batch until the signal has come, so that the

@@ -1,4 +1,4 @@
-"Transfer learning (issue 9): splitter, freeze/unfreeze, lr slices, fine_tune and fit_sgdr against fastai's formulas"
+"Transfer learning: splitter, freeze/unfreeze, lr slices, fine_tune and fit_sgdr against fastai's formulas"
 import math, warnings
 import pytest, torch
 from torch import nn

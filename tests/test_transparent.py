@@ -1,4 +1,4 @@
-"""Checkpointing changes nothing a run computes (issue 25). The same seeded run (dropout, shuffle=True) trained with
+"""Checkpointing changes nothing a run computes. The same seeded run (dropout, shuffle=True) trained with
 `CheckpointCallback(every_n_steps=5)` and without, killed by SIGKILL and resumed with resume='auto', fitted twice in a
 row, on one process and on two (DDP, gloo), and resumed on another number of processes: every run ends with the
 weights, the recorded losses and table, and the next `torch.rand(3)` of the run that never checkpointed.
