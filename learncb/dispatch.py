@@ -8,7 +8,7 @@ Docs: https://learncb.github.io/learncb/dispatch.html.md"""
 __all__ = ['check_event_name', 'overrides_call', 'as_callback', 'CallbackHost', 'EventFilter']
 
 # %% ../nbs/02a_dispatch.ipynb #a65d01c3
-import sys, warnings
+import inspect, sys, warnings
 from contextlib import contextmanager
 from types import MethodType
 from .core import *
@@ -220,6 +220,7 @@ class CallbackHost:
                              f"pass one")
         for k,v in (('every', every), ('once', once)): check_int(v, k, ge=1, allow_none=True, who='learn.on')
         def register(fn):
+            _check_takes_learner(fn, event_name)
             self.add_cb(EventFilter(event_name, fn, every=every, once=once, filter_fn=filter_fn))
             return fn
         return register
@@ -233,6 +234,18 @@ class CallbackHost:
             else: print(' ' * indent + f" - {line:<22}: {[type(cb).__name__ for cb in self.ordered_cbs(line)]}")
 
 # %% ../nbs/02a_dispatch.ipynb #58f4f88a
+def _check_takes_learner(fn, event_name):
+    "Refuse, when it is registered, a function that `learn.on` could not call as `fn(learn)`"
+    name = getattr(fn, '__name__', repr(fn))
+    if not callable(fn): raise TypeError(f"learn.on({event_name!r}) registers a function called as fn(learn), not "
+                                         f"{type(fn).__name__} {fn!r}: pass a function of the learner")
+    try: sig = inspect.signature(fn)
+    except (TypeError, ValueError): return              # no signature to read (a builtin): its first call will tell
+    try: sig.bind(None)
+    except TypeError: raise TypeError(
+        f"learn.on({event_name!r}): {name}{sig} cannot be called as {name}(learn), which is how it is called at each "
+        f"{event_name}: give it one argument, the learner (def {name}(learn): ...)") from None
+
 class EventFilter(Callback):
     "Callback made by `learn.on`: calls `fn(learn)` at one event, filtered by `every`, `once` or `filter_fn`"
     _state_attrs = ('num_called', 'num_executed')
