@@ -45,3 +45,22 @@ def test_learner_methods_documented():
             assert own_doc(obj), f'{cls.__name__}.{name} has no docstring'
             if inspect.isroutine(obj): assert f'show_doc({cls.__name__}.{name})' in code or \
                 f'show_doc(Learner.{name})' in code, f'{cls.__name__}.{name} has no show_doc'
+
+
+def test_the_coming_from_page_maps_each_foreign_event_as_the_hints_do():
+    "Each pytorch-accelerated and fastNLP event on the page's table is the learncb event `foreign_events` (the hints) gives"
+    import re
+    from fastcore.nbio import read_nb
+    from learncb.core import foreign_events
+    def names(cell): return re.findall(r'`([a-z_]+)`', cell) if not cell.strip().startswith(('(', '-')) else []
+    nb = read_nb(Path(__file__).parent.parent/'nbs'/'18_coming_from.ipynb')
+    page = next(c.source for c in nb.cells if '| learncb | fastai | pytorch-accelerated' in c.source)
+    checked = []
+    for row in (l for l in page.splitlines() if l.startswith('| `')):
+        ours,_,pa,fnlp = [c.strip() for c in row.strip('|').split('|')][:4]
+        for col,lib in ((pa, 'pytorch-accelerated'), (fnlp, 'fastNLP')):
+            for mine,theirs in zip(names(ours), names(col)):
+                if (found := foreign_events.get(f'on_{theirs}')) and lib in found[1]:
+                    assert found[0] == mine, f"the page maps {lib}'s on_{theirs} to {mine}, foreign_events to {found[0]}"
+                    checked.append(theirs)
+    assert {'train_epoch_end', 'train_epoch_start', 'train_epoch_begin', 'before_backward'} <= set(checked), checked
