@@ -39,7 +39,8 @@ def plain_model(model):
 
 def to_device(b, device):
     "Move the tensors of `b` (a tensor or a tuple, list or dict of them, nested) to `device`"
-    if isinstance(b, torch.Tensor): return b.to(device, non_blocking=device != 'cpu')   # to the host: done when read
+    if isinstance(b, torch.Tensor):                # to the host: synchronous, so the copy is done when it is read
+        return b.to(device, non_blocking=getattr(device, 'type', device) != 'cpu')
     if isinstance(b, (tuple, list)): return type(b)(to_device(o, device) for o in b)
     if isinstance(b, dict): return {k: to_device(v, device) for k,v in b.items()}
     return b

@@ -8,10 +8,9 @@ Docs: https://learncb.github.io/learncb/checkpoint.html.md"""
 __all__ = ['checkpoints_in', 'store_for', 'CheckpointCallback']
 
 # %% ../../nbs/16_checkpoint.ipynb #2943e648
-import itertools, signal, sys, threading, warnings
+import signal, sys, threading, warnings
 from functools import partial
 from pathlib import Path
-from torch.utils.data import DataLoader
 from ..core import *
 from ..utils import *
 from ..ranks import *
