@@ -30,6 +30,7 @@ from .checkpoint.callback import *
 from .inference.interpret import *
 from .inference.summary import *
 from .inference.export import *
+from .inference.program import *
 from .distributed.strategy import *
 from .distributed.ddp import *
 from .distributed.fsdp import *

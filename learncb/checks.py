@@ -6,10 +6,10 @@ Docs: https://learncb.github.io/learncb/checks.html.md"""
 
 # %% auto #0
 __all__ = ['check_model', 'check_loss_func', 'is_optimizer', 'check_opt_func', 'check_metrics', 'default_lr', 'check_splitter',
-           'check_dataloader', 'meta_tensors', 'check_materialized']
+           'check_dataloader', 'check_computes_loss', 'meta_tensors', 'check_materialized']
 
 # %% ../nbs/01b_checks.ipynb #3c2a9e8e
-import importlib, itertools, warnings
+import importlib, inspect, itertools, warnings
 from collections.abc import Iterator
 import torch
 from torch.utils.data import Dataset, IterableDataset
@@ -113,6 +113,17 @@ def check_dataloader(dl, what='training'):
     raise TypeError(f"the {what} dataloader is {kind[0]}: {_fixes[kind[1]]}")
 
 # %% ../nbs/01b_checks.ipynb #e9875424
+def check_computes_loss(model, label_key='labels'):
+    "Without a `loss_func` the model computes the loss: refuse a model whose `forward` cannot take the labels"
+    model = plain_model(model)
+    try: params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError): return                  # no signature to read: the first batch will tell
+    if any(p.kind is p.VAR_KEYWORD or p.name == label_key for p in params): return
+    raise ValueError(f"this Learner has no loss_func, and {type(model).__name__}.forward takes no "
+                     f"{label_key!r} argument, so the model cannot compute a loss itself (as transformers "
+                     f"models do from a dict batch with {label_key!r}): pass one, e.g. "
+                     f"Learner(dls, model, loss_func=nn.CrossEntropyLoss())")
+
 def meta_tensors(model):
     "The names of `model`'s parameters and buffers on the `meta` device: shapes without data (lazy layers aside)"
     tensors = itertools.chain(model.named_parameters(), model.named_buffers())

@@ -6,10 +6,10 @@ Docs: https://learncb.github.io/learncb/core.html.md"""
 
 # %% auto #0
 __all__ = ['loop_outline', 'batch_events', 'stage_events', 'foreign_events', 'event', 'CancelBatch', 'CancelStep',
-           'CancelBackward', 'CancelTrain', 'CancelValid', 'CancelEpoch', 'CancelFit', 'closest_event', 'did_you_mean',
-           'CancelException', 'CancelBatchException', 'CancelStepException', 'CancelBackwardException',
-           'CancelTrainException', 'CancelValidException', 'CancelEpochException', 'CancelFitException', 'snake_name',
-           'name_is_own', 'check_order', 'Order', 'Callback']
+           'CancelBackward', 'CancelTrain', 'CancelValid', 'CancelEpoch', 'CancelFit', 'fit_attrs', 'phase_attrs',
+           'closest_event', 'did_you_mean', 'CancelException', 'CancelBatchException', 'CancelStepException',
+           'CancelBackwardException', 'CancelTrainException', 'CancelValidException', 'CancelEpochException',
+           'CancelFitException', 'snake_name', 'name_is_own', 'check_order', 'Order', 'Callback']
 
 # %% ../nbs/00_core.ipynb #fdd1603a
 import difflib, functools, operator, re, warnings
@@ -344,3 +344,10 @@ class Callback:
         return states[rank] if rank < len(states) else states[0]
 
     def __repr__(self): return type(self).__name__ if self._name is None else f'{type(self).__name__}({self._name!r})'
+
+# %% ../nbs/00_core.ipynb #100a3833
+fit_attrs = {'epoch': 0, 'n_epoch': 1, 'train_iter': 0, 'pct_train': 0.}
+"Where a fit is, with the values before any fit: what a checkpoint's loop position restores"
+phase_attrs = {'dl': None, 'iter': 0, 'n_iter': 0, 'batch': None, 'xb': None, 'yb': None, 'pred': None, 'loss': None,
+               'loss_grad': None}
+"What the current phase and batch hold, with the values before any fit"

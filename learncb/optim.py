@@ -29,10 +29,6 @@ def _group_values(value, opt, name):
                      f"{'s' if n > 1 else ''}: pass one {name}, or one per param group (the splitter makes the "
                      f"groups)")
 
-def _weak(o):
-    try: return weakref.ref(o)
-    except TypeError: return None
-
 def spread_lr(lr, n_groups):
     "The lrs of `n_groups` param groups for `lr`: `slice(lo, hi)` geometric from lo to hi, `slice(hi)` hi/10 then hi"
     if not isinstance(lr, slice): return lr if isinstance(lr, (list, tuple)) else [lr] * n_groups
@@ -88,7 +84,9 @@ class OptimizerHost:
             f"opt_func {self.opt_func!r} returned {type(opt).__name__}, not an optimizer: it must make one from the "
             f"parameters and lr, like torch.optim.AdamW")
         if any(isinstance(v, (list, tuple, slice)) for v in (lr, wd)): self._set_hypers(lr, wd, opt)
-        self.opt,self._opt_made = opt,(_weak(opt), [weakref.ref(p) for g in groups for p in g])
+        self.opt = opt
+        try: self._opts_made[opt] = [weakref.ref(p) for g in groups for p in g]     # the parameters it was made for
+        except TypeError: pass                                                     # an optimizer no weakref can point to
 
     def _set_hypers(self, lr=None, wd=None, opt=None):
         opt = self.opt if opt is None else opt
@@ -121,16 +119,16 @@ class OptimizerHost:
         "Train every param group"
         return self.freeze_to(0)
 
-    def _opt_is_made(self):
-        "Whether `opt` is the optimizer `create_opt` made last, not one set by hand"
-        made = self._opt_made
-        return made is not None and made[0] is not None and made[0]() is self.opt
+    @property
+    def owns_opt(self):
+        "Whether `opt` is an optimizer `create_opt` made from `opt_func`, not one set by hand (`learn.opt = ...`)"
+        return self.opt in self._opts_made
 
     def _opt_fits_model(self):
         "Whether `opt` trains `model` as it is: made for these very parameters (set by hand: it holds only model tensors)"
         params = [p for g in self.param_groups() for p in g]
-        if self._opt_is_made():
-            refs = self._opt_made[1]
+        if self.owns_opt:
+            refs = self._opts_made[self.opt]
             return len(refs) == len(params) and all(r() is p for r,p in zip(refs, params))
         own = {id(p) for p in params}
         return all(id(p) in own for pg in self.opt.param_groups for p in pg['params'])
@@ -140,7 +138,7 @@ class OptimizerHost:
         if reset_opt or self.opt is None: self.create_opt()
         elif not self._opt_fits_model():
             name = type(self.opt).__name__
-            if not self._opt_is_made():
+            if not self.owns_opt:
                 raise ValueError(f"learn.opt ({name}, set by hand) updates tensors that are not parameters of "
                                  f"learn.model (was the model replaced?), so the model would not train: set learn.opt "
                                  f"to an optimizer of learn.model.parameters(), or pass reset_opt=True to make one "

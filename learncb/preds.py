@@ -177,6 +177,17 @@ def in_order(dl):
 class PredsHost:
     "Predictions and validation on any dataloader, `get_preds` and `validate`: the part of `Learner` that predicts"
 
+    @property
+    def vocab(self):
+        "The class names: given as `Learner(vocab=...)`, else `dls.vocab`, else the training dataset's `classes`"
+        if self._vocab is not None: return list(self._vocab)
+        found = getattr(self.dls, 'vocab', None)
+        if found is None: found = getattr(getattr(self.dls.train, 'dataset', None), 'classes', None)
+        return None if found is None else list(found)
+
+    @vocab.setter
+    def vocab(self, v): self._vocab = None if v is None else list(v)
+
     def validate(self, ds_idx=1, dl=None, cbs=None):
         "Loss and metrics on `dl` (or `dls[ds_idx]`): `[valid_loss, *metrics]`"
         if dl is None: dl = self.dl_for(ds_idx)

@@ -118,3 +118,29 @@ def test_checkpoints_copy_into_the_memory_of_the_one_before_and_each_file_holds_
     assert len(seen) > 4 and None not in [b for b,_,_ in seen] and len(buffers) < len(seen) / 2, (len(buffers), len(seen))  # mostly copied into again
     for _,path,weight in seen: assert torch.equal(load_torch_file(path)['model']['1.weight'], weight), path
     assert ckpt._store is None                   # let go with the fit, and the memory with it
+
+def test_signal_guard_holds_a_signal_to_the_end_of_a_batch_and_gives_the_handler_back():
+    "A held SIGUSR1 only notes itself; the check at the end of the batch stops; a second one runs the handler from before"
+    from learncb.checkpoint.preemption import SignalGuard
+    got, fitting = [], [True]
+    def mine(s, f): got.append(s)
+    before = signal.signal(signal.SIGUSR1, mine)
+    try:
+        guard = SignalGuard(signals=('SIGUSR1',), hold_ctrl_c=False)
+        guard.start(lambda: fitting[0])
+        assert not guard.watching and not guard.stop_asked()
+        signal.raise_signal(signal.SIGUSR1)                  # in the middle of a batch: held, nothing runs
+        assert got == [] and guard.watching and guard.stop_asked() and guard.signal == signal.SIGUSR1
+        signal.raise_signal(signal.SIGUSR1)                  # a second one: the handler from before, at once
+        assert got == [signal.SIGUSR1]
+        guard.pass_on(signal.SIGUSR1)                        # what a stop does once its checkpoint is written
+        assert got == [signal.SIGUSR1] * 2
+        assert guard.take() == signal.SIGUSR1 and guard.take() is None
+        guard.start(lambda: fitting[0])                      # a new fit holds it again
+        fitting[0] = False                                   # the fit is over: a signal is passed on as it comes
+        signal.raise_signal(signal.SIGUSR1)
+        assert got == [signal.SIGUSR1] * 3 and guard.caught is None
+        guard.restore()
+        assert signal.getsignal(signal.SIGUSR1) is mine                # the handler it found, given back
+    finally:
+        signal.signal(signal.SIGUSR1, before)

@@ -1,5 +1,5 @@
 """The two seams of the docs, run as users would: the `SQLiteStore` of the store page and the `AveragedGrads` strategy
-of the distributed page, taken from the notebooks' own cells, each in a run killed by SIGKILL and resumed with
+of the distributed page (chosen by the name it registers), taken from the notebooks' own cells, each in a run killed by SIGKILL and resumed with
 `resume='auto'` in a new process, equal to the run that was never interrupted."""
 import json, signal, socket, subprocess, sys, textwrap
 from pathlib import Path
@@ -43,7 +43,7 @@ learn = Learner(synth_dls(n_train=64, n_valid=32, bs=bs, shuffle=True), model, n
 learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
 store = SQLiteStore(out/'run.db') if use_store else None
 ckpt = CheckpointCallback(every_n_steps=3, store=store)
-with learn.distrib_ctx(strategy='ddp' if use_store else AveragedGrads(), timeout=60):
+with learn.distrib_ctx(strategy='ddp' if use_store else 'averaged-grads', timeout=60):
     learn.fit(3, cbs=[ckpt, Kill()], resume='auto' if resume else None)
     if is_rank0(): torch.save({{'weights': learn.model.state_dict(), 'values': learn.recorder.values}}, out/'result.pt')
 '''

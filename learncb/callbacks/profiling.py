@@ -8,7 +8,7 @@ Docs: https://learncb.github.io/learncb/profiling.html.md"""
 __all__ = ['ThroughputCallback', 'ProfilerCallback']
 
 # %% ../../nbs/30_profiling.ipynb #ed297880
-import copy, importlib.util, os, shutil, socket, time, warnings
+import importlib.util, os, shutil, socket, time, warnings
 from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity
@@ -16,6 +16,7 @@ from fastcore.basics import patch
 from ..core import *
 from ..utils import *
 from ..learner import *
+from ..state import LearnerSnapshot
 from ..recorder import *
 
 # %% ../../nbs/30_profiling.ipynb #4fe4ed30
@@ -26,7 +27,6 @@ _data_fix = ("give the DataLoader workers (num_workers=4 or more: the batches ar
 class ThroughputCallback(Callback):
     "Per epoch: training samples/s, batches/s and the share of time spent waiting for the dataloader (`data_wait`)"
     order,run_valid = Order.WARMUP,False                # the training phase is measured; validation is left as it is
-    recorder_columns = ['samples_per_s', 'data_wait']
     def __init__(self, warn_at=0.2, columns=True):
         self.warn_at = check_fraction(warn_at, 'warn_at', who='ThroughputCallback')
         self.columns,self.history,self._warned = columns,[],False
@@ -123,11 +123,9 @@ class _StopAfter(Callback):
 def profile(self:Learner, n_batches=3, wait=1, warmup=1, path='profile', **kwargs):
     "Profile `n_batches` training batches (after `wait` + `warmup`) with `ProfilerCallback`; the learner is left as it was"
     check_int(n_batches, 'n_batches', ge=1, who='Learner.profile')
-    saved,had_opt = copy.deepcopy(self.state_dict()),self.opt is not None
+    snapshot = LearnerSnapshot(self)
     prof = ProfilerCallback(path=path, wait=wait, warmup=warmup, active=n_batches, repeat=1, **kwargs)
     try:
         with rng_kept(), self.no_logging(): self.fit(1, cbs=[prof, _StopAfter(wait + warmup + n_batches)])
-    finally:
-        self.load_state_dict(saved)
-        if not had_opt: self.opt = None
+    finally: snapshot.restore()
     return prof

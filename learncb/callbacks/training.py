@@ -149,7 +149,9 @@ class MixedPrecision(Callback):
         return self.dtype or (torch.bfloat16 if device_type == 'cpu' else torch.float16)
 
     def before_fit(self):
-        if self.in_model:          # the model casts itself (FSDP's MixedPrecisionPolicy): no autocast, no scaler
+        strategy = self.learn.strategy          # FSDP's MixedPrecisionPolicy casts the model: no autocast, no scaler
+        self.in_model = strategy is not None and strategy.casts_model(self.amp_dtype(self.learn.device.type))
+        if self.in_model:
             self._region,self._device_type,self.scaler = _Region(contextlib.nullcontext()),None,None
             return
         device_type = self._open_region()
@@ -211,7 +213,11 @@ class MixedPrecision(Callback):
 
     def _close_region(self):
         if self._region is not None: self._region.exit()
-    after_cancel_batch = after_exception = after_fit = _close_region
+    after_cancel_batch = after_exception = _close_region
+
+    def after_fit(self):
+        self._close_region()
+        self.in_model = False                   # validation after the fit runs on the plain model: autocast again
 
     def state_dict(self):
         "The scaler's state and `skipped_steps`, for a checkpoint"

@@ -8,7 +8,7 @@ Docs: https://learncb.github.io/learncb/checkpoint.html.md"""
 __all__ = ['checkpoints_in', 'store_for', 'CheckpointCallback']
 
 # %% ../../nbs/16_checkpoint.ipynb #2943e648
-import signal, sys, threading, warnings
+import signal, sys, warnings
 from functools import partial
 from pathlib import Path
 from ..core import *
@@ -49,12 +49,11 @@ class CheckpointCallback(Callback):
         self.keep_last,self.on_exception,self.signals,self.background = keep_last,on_exception,signals,background
         self.store = store                              # where checkpoints go; `None`: the strategy's, in `path`
         self.requeue = requeue                          # after a signal's checkpoint: `scontrol requeue` (SLURM)
-        self._signums = check_signals(signals)
-        self.last,self._old_handlers,self._stateful,self._loader_end,self._kept = None,{},False,None,[]
+        self._guard = SignalGuard(signals, on_exception)   # holds the signals to the end of a batch
+        self.last,self._stateful,self._loader_end,self._kept = None,False,None,[]
         self._user_dl = None                 # (the training dataloader the user gave, the one ordered for this fit)
-        self._caught,self._signal = None,None          # the signal this rank caught; the one the fit stops for
-        self._stopped_at,self._handlers_before = None,{}   # the checkpoint of a signal's stop; the handlers it found
-        self._exchange,self._writer,self._pending,self._store = None,BackgroundWriter(),None,None
+        self._stopped_at = None                         # the checkpoint of a signal's stop
+        self._writer,self._pending,self._store = BackgroundWriter(),None,None
         self._pos = {'at': None, 'epoch': 0, 'iter': -1, 'train_iter': 0, 'pct_train': 0., 'dirty': False}
         # the last complete point of the run, with the loop's counters there
 
@@ -64,7 +63,6 @@ class CheckpointCallback(Callback):
         return self.path if is_url(self.path) or self.path.is_absolute() else self.learn.path/self.path
 
     def before_fit(self):
-        self._restore_signals()                         # left by an earlier fit that could not give them back
         learn = self.learn
         self._store = self.store if self.store is not None else store_for(learn, self.folder, self.background)
         self._store.prepare()
@@ -81,11 +79,9 @@ class CheckpointCallback(Callback):
             loop = resuming.state['loop']
             self._pos.update(at=resuming.at, epoch=resuming.epoch, iter=resuming.iter, train_iter=loop['train_iter'],
                              pct_train=loop['pct_train'], dirty=False)
-        self._caught,self._signal,self._stateful,self._loader_end = None,None,has_state(learn.dls.train),None
-        self._stopped_at = None
-        self._exchange = SignalExchange() if num_distrib() > 1 else None
-        self._pending = None
-        self._catch_signals()
+        self._stateful,self._loader_end,self._stopped_at,self._pending = has_state(learn.dls.train),None,None,None
+        self._guard.hold_ctrl_c = self.on_exception     # Ctrl-C is held (to save at the end of the batch) with it
+        self._guard.start(lambda: self.learn is not None and self.learn.fitting)
 
     def _warn_earlier_run(self):
         if not (earlier := self._store.list()): return
@@ -120,22 +116,22 @@ class CheckpointCallback(Callback):
         if self._stateful and learn.iter == learn.n_iter - 1:     # the last batch: its state, before the epoch ends
             self._loader_end = (learn.epoch, learn.iter, learn.dls.train.state_dict())
         if self._writer.error is not None: self._writer.check()  # a failed background write is raised here
-        if (self._caught is not None or self._exchange is not None) and self._stop_asked(): self._stop_now()
+        if self._guard.watching and self._guard.stop_asked(): self._stop_now()
         elif self.every_n_steps and learn.train_iter % self.every_n_steps == 0: self.save()
 
     def after_epoch(self):
         learn = self.learn
         self._pos.update(at='epoch_end', epoch=learn.epoch, train_iter=learn.train_iter, pct_train=learn.pct_train,
                          dirty=False)
-        if self._stop_asked(wait=True): self._stop_now()
+        if self._guard.stop_asked(wait=True): self._stop_now()
         elif self.every_epoch: self.save()
 
     def after_exception(self):
         learn,e = self.learn,self.learn.exception
-        self._exchange,self._pending = None,None        # another rank may be gone: nothing more to wait for together
+        self._guard.alone(); self._pending = None       # another rank may be gone: nothing more to wait for together
         try:
             if self._stopped_at is not None: return                 # a signal's stop: saved (its handler may exit)
-            if isinstance(e, (KeyboardInterrupt, SignalStop)) and (self._signal or self._caught): return   # held: saved
+            if isinstance(e, (KeyboardInterrupt, SignalStop)) and (self._guard.signal or self._guard.caught): return   # held: saved
             self._writer.wait()
             if not self.on_exception or self._pos['at'] is None or num_distrib() > 1: return
             if learn.training: self._settle_position()
@@ -148,7 +144,7 @@ class CheckpointCallback(Callback):
         except Exception as write_error:
             add_note(e, f"learncb: the checkpoint could not be written: {write_error}")
         finally:
-            self._restore_signals()
+            self._guard.restore()
             self._writer.close()
 
     def _settle_position(self):
@@ -165,62 +161,26 @@ class CheckpointCallback(Callback):
             if self.learn.exception is None:
                 self._writer.wait()                                 # the last checkpoint is on disk when the fit ends
                 self._finish_pending()
-                if self._exchange is not None: self._exchange.close()
+                self._guard.close()
         finally:
-            self._restore_signals()
+            self._guard.restore()
             self._writer.close()                                # its thread ends with the fit
             self._store = None                                  # and a default store's memory with it
             self._give_order_back()
-        signum,self._exchange = self._signal if self._signal is not None else self._caught,None
+        signum = self._guard.take()
         if signum is not None and self.learn.exception is None:    # the signal came when no batch was left to finish
-            self._signal = self._caught = None
             if signum == signal.SIGINT: raise KeyboardInterrupt("interrupted at the end of the fit")
             raise self._signal_stop(signum, self.last)
-
-    def _catch_signals(self):
-        "Hold Ctrl-C (with `on_exception`) and the `signals` until the end of the batch, so that the checkpoint then is exact"
-        if threading.current_thread() is not threading.main_thread(): return self._warn_off_main_thread()
-        def hold(signum, frame):
-            if self.learn is None or not self.learn.fitting:       # the fit is over: give the signal back, and pass it on
-                self._restore_signals()
-                return signal.raise_signal(signum)
-            self._caught = signum                                  # this rank's; `_signal`: the one the fit stops for
-            signal.signal(signum, self._old_handlers[signum])      # a second one acts at once
-        held = ([signal.SIGINT] if self.on_exception else []) + self._signums
-        before = {s: signal.signal(s, hold) for s in held}
-        self._old_handlers = {s: signal.SIG_DFL if h is None else h for s,h in before.items()}   # None: set outside Python
-        self._handlers_before = dict(self._old_handlers)       # kept to the end of the fit: a stop calls its signal's
-
-    def _warn_off_main_thread(self):
-        "Say that the signals asked for cannot be caught: Python runs signal handlers on the main thread only"
-        if not self._signums: return
-        names = ', '.join(signal.Signals(s).name for s in self._signums)
-        warnings.warn(f"CheckpointCallback: this fit runs off the main thread ({threading.current_thread().name}; Ray "
-                      f"Train runs the training function so), where Python cannot catch signals: {names} will not stop "
-                      f"it at the end of a batch with an exact checkpoint. Its checkpoints every_n_steps and at each "
-                      f"epoch are still written; run the fit on the main thread to stop exactly on a signal, or pass "
-                      f"signals=() to silence this")
-
-    def _restore_signals(self):
-        "Give back the handlers found before the fit"
-        for s,handler in self._old_handlers.items(): signal.signal(s, handler)
-        self._old_handlers = {}
-
-    def _stop_asked(self, wait=False):
-        "Whether a signal caught on this rank (or, in a distributed run, on any rank) asks the fit to stop now"
-        if self._exchange is None: self._signal = self._caught
-        elif self._signal is None: self._signal = self._exchange.agreed(self._caught, wait=wait)   # every rank at once
-        return self._signal is not None
 
     def _stop_now(self):
         "Save the run, wait for the file, and end the fit: `KeyboardInterrupt` for Ctrl-C, else `SignalStop`"
         path = self._stopped_at = self.save()
         self._writer.wait()
         self._finish_pending()
-        self._restore_signals()
-        if self._signal == signal.SIGINT: raise KeyboardInterrupt(
+        self._guard.restore()
+        if self._guard.signal == signal.SIGINT: raise KeyboardInterrupt(
             f"interrupted; the run is saved in {path}: continue it with learn.fit(..., resume=True)")
-        raise self._signal_stop(self._signal, path)
+        raise self._signal_stop(self._guard.signal, path)
 
     def _signal_stop(self, signum, path):
         "The `SignalStop` that ends the fit, once the job is requeued (`requeue`) and the signal's own handler has run"
@@ -228,8 +188,7 @@ class CheckpointCallback(Callback):
         if is_rank0():
             print(f"learncb: {e}", file=sys.stderr, flush=True)
             if self.requeue: requeue_slurm_job()
-        handler = self._handlers_before.get(signum)
-        if callable(handler): handler(signum, None)     # the one set before the fit (submitit's requeues, then exits)
+        self._guard.pass_on(signum)             # the handler set before the fit (submitit's requeues, then exits)
         return e
 
     def save(self):

@@ -6,12 +6,13 @@ Docs: https://learncb.github.io/learncb/preemption.html.md"""
 
 # %% auto #0
 __all__ = ['SignalStop', 'check_signals', 'slurm_job_id', 'requeue_slurm_job', 'SignalExchange', 'checkpoint_group',
-           'BackgroundWriter']
+           'SignalGuard', 'BackgroundWriter']
 
 # %% ../../nbs/16b_preemption.ipynb #f0f8f6a2
 import os, queue, signal, subprocess, threading, warnings
 import torch
 from ..utils import *
+from ..ranks import *
 
 # %% ../../nbs/16b_preemption.ipynb #d5df6957
 class SignalStop(SystemExit):
@@ -114,6 +115,73 @@ def _control_group():
     if dist.get_backend() == 'gloo': return world
     if _control.get('world') is not world: _control.update(world=world, group=dist.new_group(backend='gloo'))
     return _control['group']
+
+# %% ../../nbs/16b_preemption.ipynb #036fe61e
+class SignalGuard:
+    "Holds Ctrl-C and `signals` while `running()`, until the end of a batch asks `stop_asked()`; every rank then agrees"
+    def __init__(self, signals=('SIGTERM',), hold_ctrl_c=True, who='CheckpointCallback'):
+        self.signums,self.hold_ctrl_c,self.who = check_signals(signals, who),hold_ctrl_c,who
+        self.caught,self.signal,self.watching = None,None,False   # this rank's signal; the one to stop for; either may be
+        self._exchange,self._old,self._before = None,{},{}
+
+    def start(self, running):
+        "Hold the signals from now on, while `running()` is true (after it, a signal is passed on as it comes)"
+        self.restore()                                  # left by an earlier start that could not give them back
+        self.caught = self.signal = None
+        self._exchange = SignalExchange() if num_distrib() > 1 else None
+        self.watching = self._exchange is not None
+        if threading.current_thread() is not threading.main_thread(): return self._warn_off_main_thread()
+        def hold(signum, frame):
+            if not running():                           # the fit is over: give the signal back, and pass it on
+                self.restore()
+                return signal.raise_signal(signum)
+            self.caught,self.watching = signum,True
+            signal.signal(signum, self._old[signum])    # a second one acts at once
+        held = ([signal.SIGINT] if self.hold_ctrl_c else []) + self.signums
+        before = {s: signal.signal(s, hold) for s in held}
+        self._old = {s: signal.SIG_DFL if h is None else h for s,h in before.items()}   # None: set outside Python
+        self._before = dict(self._old)                  # kept to the end: a stop calls its signal's handler
+
+    def _warn_off_main_thread(self):
+        "Say that the signals asked for cannot be held: Python runs signal handlers on the main thread only"
+        if not self.signums: return
+        names = ', '.join(signal.Signals(s).name for s in self.signums)
+        warnings.warn(f"{self.who}: this fit runs off the main thread ({threading.current_thread().name}; Ray "
+                      f"Train runs the training function so), where Python cannot catch signals: {names} will not stop "
+                      f"it at the end of a batch with an exact checkpoint. Its checkpoints every_n_steps and at each "
+                      f"epoch are still written; run the fit on the main thread to stop exactly on a signal, or pass "
+                      f"signals=() to silence this")
+
+    def stop_asked(self, wait=False):
+        "Whether a signal caught on this rank (or, in a distributed run, on any rank: every rank at once) asks to stop"
+        if self._exchange is None: self.signal = self.caught
+        elif self.signal is None: self.signal = self._exchange.agreed(self.caught, wait=wait)
+        return self.signal is not None
+
+    def alone(self):
+        "Stop exchanging with the other ranks (after an error, one may be gone)"
+        self._exchange,self.watching = None,self.caught is not None
+
+    def close(self):
+        "End the exchange with the other ranks, every rank together (at the end of a fit that went well)"
+        if self._exchange is not None: self._exchange.close()
+        self.alone()
+
+    def take(self):
+        "The signal caught or agreed on, if any, forgotten from now on"
+        signum = self.signal if self.signal is not None else self.caught
+        self.signal = self.caught = None
+        return signum
+
+    def pass_on(self, signum):
+        "Call the handler that was in force for `signum` before `start` (submitit's requeues the job, then exits)"
+        handler = self._before.get(signum)
+        if callable(handler): handler(signum, None)
+
+    def restore(self):
+        "Give back the handlers found at `start`"
+        for s,handler in self._old.items(): signal.signal(s, handler)
+        self._old = {}
 
 # %% ../../nbs/16b_preemption.ipynb #fce0742d
 class BackgroundWriter:

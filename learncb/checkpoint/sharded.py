@@ -17,7 +17,7 @@ from ..ranks import *
 from ..files import *
 
 # %% ../../nbs/16a_sharded.ipynb #5703cf2e
-_marker,_rest = 'complete.pt','learncb.pt'    # written last; the state without tensors
+sharded_marker,_rest = 'complete.pt','learncb.pt'    # the file written last: the folder counts once it is there; the state without tensors
 _tensor_parts = ('model', 'grads', 'opt')
 
 def file_checksum(path):
@@ -27,8 +27,6 @@ def file_checksum(path):
 def _barrier():
     "Wait for every rank (nothing to wait for in one process)"
     gather_objects(None)
-
-sharded_marker = _marker      # the file of a sharded checkpoint's folder written last: the folder counts once it is there
 
 def shard_rank(path):
     "The rank that wrote file `path` of a sharded checkpoint (DCP's `__RANK_N.distcp`); 0 for the files rank 0 writes"
@@ -104,7 +102,7 @@ def finish_sharded(save):
         atomic_save(with_checksum(state), folder/_rest)
         sums.update({n: file_checksum(folder/n) for n in ('.metadata', _rest)})
         atomic_save(with_checksum({'format': 'learncb-sharded-checkpoint', 'files': sums,
-                                   'world_size': num_distrib()}), folder/_marker)
+                                   'world_size': num_distrib()}), folder/sharded_marker)
     _barrier()                                              # no rank goes on before the checkpoint counts
     return folder
 
@@ -123,11 +121,11 @@ def _check_files(folder, sums):
 def read_sharded(folder):
     "The state in checkpoint folder `folder` without its tensors, if it is complete and intact; else `CorruptFileError`"
     folder = Path(folder)
-    if not (folder/_marker).is_file(): raise _incomplete(
-        folder, f"it has no {_marker}, the marker written last: the run stopped before every rank had written its shard")
-    marker = check_checksum(load_torch_file(folder/_marker), folder/_marker, required=True)
+    if not (folder/sharded_marker).is_file(): raise _incomplete(
+        folder, f"it has no {sharded_marker}, the marker written last: the run stopped before every rank had written its shard")
+    marker = check_checksum(load_torch_file(folder/sharded_marker), folder/sharded_marker, required=True)
     if marker.get('format') != 'learncb-sharded-checkpoint':
-        raise ValueError(f"{folder} is not a learncb checkpoint folder (its {_marker} is of another kind)")
+        raise ValueError(f"{folder} is not a learncb checkpoint folder (its {sharded_marker} is of another kind)")
     _check_files(folder, marker['files'])
     state = check_checksum(load_torch_file(folder/_rest), folder/_rest, required=True)
     state['model'] = {k[6:]: v for k,v in _saved_tensors(folder).items() if k.startswith('model/')}

@@ -6,7 +6,7 @@ Docs: https://learncb.github.io/learncb/store.html.md"""
 
 # %% auto #0
 __all__ = ['checkpoint_name', 'is_checkpoint_name', 'checkpoint_key', 'CheckpointStore', 'tensors_pending', 'read_tensors',
-           'FileStore', 'ShardedStore', 'is_url', 'url_parent', 'FsspecStore', 'store_at']
+           'FileStore', 'ShardedStore', 'is_url', 'url_parent', 'marker_of', 'FsspecStore', 'store_at']
 
 # %% ../../nbs/16d_store.ipynb #13df9dad
 import re, shutil, tempfile, weakref
@@ -143,7 +143,9 @@ def url_parent(ref):
     "The folder of checkpoint `ref`: a URL's (everything before its last `/`), or a path's"
     return str(ref).rstrip('/').rsplit('/', 1)[0] if is_url(str(ref)) else Path(ref).parent
 
-_mark = '.complete'           # beside a checkpoint file at a URL, written last (a folder has its own marker inside)
+def marker_of(ref, folder):
+    "The marker whose presence says checkpoint `ref` is complete, written last: `sharded_marker` in a folder, `.complete` beside a file"
+    return f'{ref}/{sharded_marker}' if folder else f'{ref}.complete'
 
 class FsspecStore(CheckpointStore):
     "Checkpoints at `url` (`s3://bucket/run`, any fsspec file system): written on local disk first, then uploaded, marked last"
@@ -174,7 +176,7 @@ class FsspecStore(CheckpointStore):
         if self.collective: self._upload_folder(staged, remote)
         elif is_rank0():
             self.fs.put_file(str(staged), remote)
-            self.fs.pipe_file(self._marker(name), b'')
+            self.fs.pipe_file(self._marker_of(name), b'')
         if is_rank0() or self.collective: self.local.remove(staged)
         return self.ref(name)
 
@@ -183,11 +185,11 @@ class FsspecStore(CheckpointStore):
         for f in rank_files(staged):
             if f.name != sharded_marker: self.fs.put_file(str(f), f'{remote}/{f.name}')
         gather_objects(None)                                   # every rank's shards are up
-        if is_rank0(): self.fs.put_file(str(staged/sharded_marker), f'{remote}/{sharded_marker}')
+        if is_rank0(): self.fs.put_file(str(staged/sharded_marker), marker_of(remote, folder=True))
 
     def read(self, ref):
         name = Path(str(ref)).name
-        remote,marker = self._remote(name),self._marker(name)
+        remote,marker = self._remote(name),self._marker_of(name)
         if not self.fs.exists(marker): raise CorruptFileError(f"the checkpoint {ref} is incomplete: it has no marker "
             f"({Path(marker).name}), which is written last, once the upload is done")
         local = Path(self._downloads)/name
@@ -205,15 +207,13 @@ class FsspecStore(CheckpointStore):
                       reverse=True)
 
     def remove(self, ref):
-        remote,marker = self._remote(Path(str(ref)).name),self._marker(Path(str(ref)).name)
+        remote,marker = self._remote(Path(str(ref)).name),self._marker_of(Path(str(ref)).name)
         if self.fs.exists(marker): self.fs.rm(marker)             # first: no longer complete
         if self.fs.exists(remote): self.fs.rm(remote, recursive=self.collective)
 
     def _remote(self, name): return f'{self.root}/{Path(self.local.ref(name)).name}'
 
-    def _marker(self, name):
-        "The object whose presence says checkpoint `name` is complete: inside a folder, or beside a file"
-        return f'{self._remote(name)}/{sharded_marker}' if self.collective else self._remote(name) + _mark
+    def _marker_of(self, name): return marker_of(self._remote(name), self.collective)
 
     def __repr__(self): return f'{type(self).__name__}({self.url!r})'
 

@@ -42,18 +42,18 @@ def global_batch_dl(dl, n, world, seed=0):
     order = resumable_sampler(dl, seed) if torchs else dl.sampler          # a sampler of the user's own: as it is
     return rebuild_dataloader(dl, order, dl.generator, batch_size=n // world)
 
+_ctx_defaults = {'shard': None, 'device_ids': 'auto', 'find_unused_parameters': False}
+
 def _as_strategy(strategy, shard, device_ids, find_unused_parameters):
-    "The `Strategy` `distrib_ctx` runs: `'ddp'`, `'fsdp'` (cut by `shard`) or one of yours, as it is"
+    "The `Strategy` `distrib_ctx` runs: one by name (`'ddp'`, `'fsdp'` cut by `shard`, one registered) or one of yours"
     if isinstance(strategy, Strategy):
         if shard is not None: raise ValueError(f"distrib_ctx: shard={shard!r} says how FSDP cuts the model, but the "
                                                f"strategy is {strategy!r}: give it to the strategy, FSDP(shard=...)")
         return strategy
     if isinstance(strategy, type) and issubclass(strategy, Strategy): raise TypeError(
         f"distrib_ctx: strategy={strategy.__name__} is a class: pass an instance, strategy={strategy.__name__}()")
-    check_choice(strategy, 'strategy', ('ddp', 'fsdp'), who='distrib_ctx', hint="or a Strategy instance, e.g. DDP()")
-    if shard is not None and strategy != 'fsdp': raise ValueError(
-        f"distrib_ctx: shard={shard!r} says how FSDP cuts the model, but strategy={strategy!r}: pass strategy='fsdp'")
-    return FSDP(shard) if strategy == 'fsdp' else DDP(device_ids, find_unused_parameters)
+    given = {'shard': shard, 'device_ids': device_ids, 'find_unused_parameters': find_unused_parameters}
+    return strategy_named(strategy, **{k: v for k,v in given.items() if v != _ctx_defaults[k]})
 
 @patch
 @contextmanager

@@ -30,3 +30,5 @@ class DDP(Strategy):
         if isinstance(learn.model, DistributedDataParallel): learn.model = learn.model.module
 
     def __repr__(self): return f'DDP(find_unused_parameters={self.find_unused_parameters})'
+
+register_strategy('ddp', DDP)

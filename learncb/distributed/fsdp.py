@@ -99,11 +99,11 @@ class FSDP(Strategy):
 
     def wrap(self, learn):
         "Shard a copy of the model over the ranks and make its optimizer, carrying over the state the optimizer had"
-        if not learn._opt_is_made(): raise ValueError(
+        if not learn.owns_opt: raise ValueError(
             "under FSDP the learner makes the optimizer for the sharded parameters from learn.opt_func, so an "
             "optimizer set by hand (learn.opt = ...) cannot be used: set learn.opt_func (e.g. partial(SGD, "
             "momentum=0.9)) and learn.opt = None")
-        self._plain,self._plain_opt,self._made,self._mp = learn.model,learn.opt,learn._opt_made,self._precision(learn)
+        self._plain,self._plain_opt,self._mp = learn.model,learn.opt,self._precision(learn)
         learn.model = fsdp_model(self._plain, self.shard, learn.device, self._policy())
         learn.create_opt()        # the same groups (splitter), of the sharded parameters; then the old state and hypers
         learn.opt.load_state_dict(opt_state_like(self._plain_opt.state_dict(), learn.opt))
@@ -119,17 +119,20 @@ class FSDP(Strategy):
     def after_validate(self, learn):
         "A rank with fewer validation batches runs its last one again, unseen: every forward of FSDP is a collective"
         for _ in range(self._extra_forwards if learn.xb is not None else 0):
-            learn._call_with_keywords() if learn._kw else learn.model(*learn.xb)
+            learn.forward_batch()
 
     def _precision(self, learn):
-        "The learner's `MixedPrecision` callback, told that the model casts itself: FSDP's `MixedPrecisionPolicy` does"
+        "The learner's `MixedPrecision` callback, if any: FSDP's `MixedPrecisionPolicy` casts the model in its stead"
         mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
         if mp is None: return None
         if mp.dtype == torch.float16: raise ValueError(
             "MixedPrecision('fp16') under FSDP: learncb maps MixedPrecision to FSDP's MixedPrecisionPolicy, which has no "
             "gradient scaler here; use MixedPrecision('bf16') (MixedPrecision() is bf16 under FSDP)")
-        mp.in_model = True
         return mp
+
+    def casts_model(self, dtype):
+        "Whether the sharded model casts itself for `MixedPrecision`: yes, by the policy `wrap` made (bf16)"
+        return getattr(self, '_mp', None) is not None
 
     def _policy(self):
         "FSDP's `MixedPrecisionPolicy` for a `MixedPrecision` callback: weights in bf16, gradients reduced and outputs in fp32"
@@ -150,11 +153,12 @@ class FSDP(Strategy):
             self._plain_opt.load_state_dict(self._plain_opt_state)
             add_note(learn.exception, "learncb: the FSDP fit ended with an error, so its weights were not gathered: "
                      "learn.model has the weights it had before the fit; the run's progress is in its last checkpoint")
-        learn.model,learn.opt,learn._opt_made = self._plain,self._plain_opt,self._made
-        if self._mp is not None: self._mp.in_model = False
+        learn.model,learn.opt = self._plain,self._plain_opt     # `create_opt` made it: `learn.owns_opt` again
         del self._plain
 
     def __repr__(self): return f'FSDP(shard={self.shard!r})'
+
+register_strategy('fsdp', FSDP)
 
 class FSDPCallback(DistributedCallback):
     "`DistributedCallback` of an `FSDP` strategy: what `distrib_ctx(strategy='fsdp', shard=...)` adds"
