@@ -1,4 +1,4 @@
-"""What tests/test_submitit.py gives the recipe of the cluster page: a learner (transparent_script's) that counts its
+"""What tests/checkpoint/test_submitit.py gives the recipe of the cluster page: a learner (transparent_script's) that counts its
 starts, holds a batch of its first starts until the job's time-limit signal has come, and saves its weights and history
 when its fit ends."""
 import os, signal, time

@@ -1,5 +1,5 @@
 """Distributed training on the CPU with gloo: 2 processes launched by torchrun, each run bounded by a timeout.
-Runs tests/ddp_script.py; rank 0 saves its results, which are compared with a 1-process run."""
+Runs tests/distributed/ddp_script.py; rank 0 saves its results, which are compared with a 1-process run."""
 import random, re, socket, subprocess, sys, time
 from pathlib import Path
 import pytest, torch

@@ -6,6 +6,7 @@ finds its checkpoint through Ray only."""
 import os, shutil, tempfile
 from functools import partial
 from pathlib import Path
+from conftest import tests_pythonpath
 import pytest, torch
 from fastcore.nbio import read_nb
 ray = pytest.importorskip('ray', reason='ray is not installed (pip install "learncb[ray]")')
@@ -14,14 +15,14 @@ HERE = Path(__file__).parent
 
 def recipe_module(folder):
     "The cell of the cluster page that defines `train_func`, as a module the workers can import"
-    cell = next(c.source for c in read_nb(HERE.parent/'nbs'/'23d_cluster.ipynb').cells if 'def train_func(config)' in c.source)
+    cell = next(c.source for c in read_nb(HERE.parents[1]/'nbs'/'23d_cluster.ipynb').cells if 'def train_func(config)' in c.source)
     (folder/'ray_recipe.py').write_text('from learncb.all import *\n' + cell)
 
 @pytest.fixture
 def local_ray(tmp_path, monkeypatch):
     recipe_module(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv('PYTHONPATH', os.pathsep.join([str(tmp_path), str(HERE), os.environ.get('PYTHONPATH', '')]))
+    monkeypatch.setenv('PYTHONPATH', tests_pythonpath(tmp_path))
     monkeypatch.setenv('OMP_NUM_THREADS', '1')
     monkeypatch.setenv('RAY_DEDUP_LOGS', '0')
     temp = tempfile.mkdtemp(prefix='ray')                   # short: Ray's socket paths must fit in 107 bytes

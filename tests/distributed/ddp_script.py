@@ -1,6 +1,6 @@
-"""A small training run for tests/test_distributed.py, launched with torchrun (2 processes, gloo) or alone.
+"""A small training run for tests/distributed/test_distributed.py, launched with torchrun (2 processes, gloo) or alone.
 
-python tests/ddp_script.py OUT [--bs B] [--epochs E] [--shuffle] [--ckpt] [--resume] [--kill-at K] [--fail-rank R]
+python tests/distributed/ddp_script.py OUT [--bs B] [--epochs E] [--shuffle] [--ckpt] [--resume] [--kill-at K] [--fail-rank R]
                                [--early] [--count-writes] [--n-valid N] [--dropout P] [--device D] [--dist-order]
 Rank 0 saves the result in OUT/result.pt: final weights, optimizer state, recorder losses and values, get_preds."""
 import argparse, builtins, os, signal, sys, tempfile, time

@@ -2,7 +2,7 @@
 `CheckpointCallback(every_n_steps=5)` and without, killed by SIGKILL and resumed with resume='auto', fitted twice in a
 row, on one process and on two (DDP, gloo), and resumed on another number of processes: every run ends with the
 weights, the recorded losses and table, and the next `torch.rand(3)` of the run that never checkpointed.
-Runs tests/transparent_script.py (in this process, or in subprocesses bounded by timeouts)."""
+Runs tests/checkpoint/transparent_script.py (in this process, or in subprocesses bounded by timeouts)."""
 import shutil, subprocess, sys, warnings
 from pathlib import Path
 import pytest, torch

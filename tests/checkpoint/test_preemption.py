@@ -72,7 +72,7 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_resumes_by_itself(tmp_pat
     out = tmp_path/'restarted'
     out.mkdir()
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--max-restarts=2',
-           f'--master-port={free_port()}', str(HERE/'ddp_script.py'), str(out), *common, '--kill-once', str(out/'killed')]
+           f'--master-port={free_port()}', str(HERE.parent/'distributed'/'ddp_script.py'), str(out), *common, '--kill-once', str(out/'killed')]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     assert (out/'killed').exists() and "resume='auto': resuming the run from" in res.stdout   # killed once, restarted

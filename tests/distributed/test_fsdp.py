@@ -1,4 +1,4 @@
-"""FSDP2 and sharded checkpoints on the CPU with gloo: tests/ddp_script.py launched by torchrun, each run
+"""FSDP2 and sharded checkpoints on the CPU with gloo: tests/distributed/ddp_script.py launched by torchrun, each run
 bounded by a timeout. An MLP of 3 blocks, each block an FSDP unit; AdamW, so the optimizer has state to shard."""
 import shutil, subprocess, sys
 from pathlib import Path

@@ -5,7 +5,7 @@ import json, signal, socket, subprocess, sys, textwrap
 from pathlib import Path
 import pytest, torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 def docs_cell(notebook, start):
     "The code cell of `nbs/notebook` that starts with `start`: the class as the docs show it"

@@ -1,7 +1,7 @@
-"""A seeded run for tests/test_transparent.py: the same training with checkpoints or without, killed and resumed, on
+"""A seeded run for tests/checkpoint/test_transparent.py: the same training with checkpoints or without, killed and resumed, on
 one process or several (torchrun: `distrib_ctx`, gloo).
 
-python tests/transparent_script.py OUT [--ckpt] [--kill-at K] [--workers W] [--bs B] [--fits F] [--dropout P]
+python tests/checkpoint/transparent_script.py OUT [--ckpt] [--kill-at K] [--workers W] [--bs B] [--fits F] [--dropout P]
                                        [--strategy ddp|fsdp] [--global-batch N] [--ckpt-path P]
 With --ckpt the fit checkpoints every 5 steps and resumes with resume='auto' from OUT/checkpoints (or --ckpt-path,
 a folder or a URL). Rank 0 saves

@@ -6,6 +6,7 @@ number of stops does not depend on the machine's speed. Bounded by submitit's ti
 import os
 from functools import partial
 from pathlib import Path
+from conftest import tests_pythonpath
 import pytest, torch
 from fastcore.nbio import read_nb
 submitit = pytest.importorskip('submitit', reason='submitit is not installed (pip install submitit)')
@@ -14,7 +15,7 @@ HERE = Path(__file__).parent
 
 def recipe_module(folder):
     "The cell of the cluster page that defines `Train`, as a module the job's processes can import"
-    cell = next(c.source for c in read_nb(HERE.parent/'nbs'/'23d_cluster.ipynb').cells
+    cell = next(c.source for c in read_nb(HERE.parents[1]/'nbs'/'23d_cluster.ipynb').cells
                 if 'class Train(submitit.helpers.Checkpointable)' in c.source)
     (folder/'cluster_recipe.py').write_text(cell)
 
@@ -32,7 +33,7 @@ def run_job(folder, out, timeout_min, n_held=0, tasks=1):
 def test_submitit_requeues_at_the_time_limit_and_the_job_resumes_exactly(tmp_path, monkeypatch, tasks):
     recipe_module(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv('PYTHONPATH', os.pathsep.join([str(tmp_path), str(HERE), os.environ.get('PYTHONPATH', '')]))
+    monkeypatch.setenv('PYTHONPATH', tests_pythonpath(tmp_path))
     monkeypatch.setenv('OMP_NUM_THREADS', '1')
     starts, ref = run_job(tmp_path/'ref', tmp_path/'ref_out', timeout_min=5, tasks=tasks)
     assert starts == 1 and ref['train_iter'] == 36 // tasks

@@ -1,4 +1,4 @@
-"""Checkpoints survive a crash and resume bit-exactly (issue: checkpoints). Runs tests/resume_script.py in
+"""Checkpoints survive a crash and resume bit-exactly (issue: checkpoints). Runs tests/checkpoint/resume_script.py in
 subprocesses that SIGKILL themselves at chosen points, then resume them and compare with an uninterrupted run."""
 import os, pickle, random, signal, subprocess, sys, time, warnings
 from concurrent.futures import ThreadPoolExecutor
