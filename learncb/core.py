@@ -236,6 +236,7 @@ class Order:
     ACCUMULATE = 5        # GradientAccumulation: cancels steps before the others see them
     MIXED_PRECISION = 10  # MixedPrecision: scales the loss and unscales the gradients
     CLIP = 20             # GradientClip: after the gradients are unscaled
+    STEP = 30             # before_step from here on: only steps that are taken, on the gradients the optimizer uses
     EVALUATE = 40         # EvaluateCallback: adds columns before the Recorder writes the row
     RECORDER = 50         # Recorder: losses, metrics, the epoch's row
     NAN_GUARD = 55        # TerminateOnNaNCallback: reads the loss the Recorder saw
@@ -349,5 +350,5 @@ class Callback:
 fit_attrs = {'epoch': 0, 'n_epoch': 1, 'train_iter': 0, 'pct_train': 0.}
 "Where a fit is, with the values before any fit: what a checkpoint's loop position restores"
 phase_attrs = {'dl': None, 'iter': 0, 'n_iter': 0, 'batch': None, 'xb': None, 'yb': None, 'pred': None, 'loss': None,
-               'loss_grad': None}
+               'loss_grad': None, 'step_taken': False}
 "What the current phase and batch hold, with the values before any fit"

@@ -208,6 +208,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         except cancel_exc:
             done = False
             self._fire(after_cancel)
+        if stage == 'step': self.step_taken = done      # what `after_step` handlers read: did the optimizer step?
         self._fire(after)
         return done
 

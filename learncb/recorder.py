@@ -37,6 +37,7 @@ class Recorder(Callback):
         self.lrs,self.iters,self.values,self._losses = [],[],[],[]
         self._pending,self._pending_bs = [],[]          # training losses still on the device, and their batch sizes
         self._smooth,self._count,self._on_device,self._loss_device = 0.,0,None,None
+        self._fit_columns = None                        # the extra columns of the history, once its fit has ended
         self._clear_epoch()
 
     def _clear_epoch(self):
@@ -73,7 +74,8 @@ class Recorder(Callback):
 
     @property
     def extra_columns(self):
-        "Columns asked for by other callbacks through their `recorder_columns` attribute"
+        "Columns asked for by other callbacks through their `recorder_columns` attribute; after a fit, that fit's"
+        if self._fit_columns is not None and not self.learn.fitting: return self._fit_columns    # its callbacks may be gone
         return [c for cb in self.learn.cbs
                 for c in getattr(type(cb), 'recorder_columns', None) and cb.recorder_columns or []]
 
@@ -286,7 +288,10 @@ class Recorder(Callback):
             self._header_logged = True
         self.learn.logger(row)
 
-    def after_fit(self): self._flush()
+    def after_fit(self):
+        self._flush()
+        self._fit_columns = None
+        self._fit_columns = self.extra_columns       # the names of the history's columns, kept with it
 
     def plot_loss(self, skip_start=5, with_valid=True, ax=None):
         "Plot the smoothed training loss, and the validation loss at the end of each epoch"

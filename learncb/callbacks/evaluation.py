@@ -8,14 +8,17 @@ Docs: https://learncb.github.io/learncb/evaluation.html.md"""
 __all__ = ['validate_aside', 'FirstBatches', 'SanityCheckCallback', 'EvaluateCallback']
 
 # %% ../../nbs/15_evaluation.ipynb #dc3ecb10
-import itertools
+import itertools, math
 from contextlib import contextmanager
+from pathlib import Path
 from ..core import *
 from ..utils import *
 from ..learner import *
 from ..metrics import *
 from ..recorder import *
 from ..preds import *
+from ..ranks import is_rank0
+from .monitors import greater_is_better_for, resolve_monitor
 
 # %% ../../nbs/15_evaluation.ipynb #02a151a1
 def _sits_out(cb): return isinstance(cb, Recorder) or cb.remove_on_fetch
@@ -72,12 +75,19 @@ class SanityCheckCallback(Callback):
 
 # %% ../../nbs/15_evaluation.ipynb #e1913278
 class EvaluateCallback(Callback):
-    "Evaluates `dl` every `every` epochs; its loss and metrics become the columns `{name}_loss`, `{name}_{metric}`"
+    "Evaluates `dl` every `every` epochs (or when `watch_monitor` improves); its loss and metrics become columns `{name}_...`"
     remove_on_lr_find = True
     order = Order.EVALUATE     # before the Recorder's after_epoch (50) writes the epoch's row
     _state_attrs = ('history',)
-    def __init__(self, dl, every=1, name='extra', metrics=None):
+    def __init__(self, dl, every=1, name='extra', metrics=None, watch_monitor=None, watch_greater_is_better=None,
+                 keep_best=0, best_monitor=None):
         check_int(every, 'every', ge=1, who='EvaluateCallback', hint='evaluate every `every` epochs')
+        check_int(keep_best, 'keep_best', ge=0, who='EvaluateCallback', hint='how many best weights files to keep')
+        if not (watch_monitor is None or isinstance(watch_monitor, str) or callable(watch_monitor)): raise TypeError(
+            f"EvaluateCallback: watch_monitor must be a column of the validation (e.g. 'valid_loss') or a function "
+            f"f(learn) -> float, not {watch_monitor!r}")
+        self.watch_monitor,self.watch_greater_is_better = watch_monitor,watch_greater_is_better
+        self.keep_best,self.best_monitor,self.kept = keep_best,best_monitor,[]
         if not (isinstance(name, str) and name.isidentifier()):
             raise arg_error(name, 'name', "an identifier such as 'test'", who='EvaluateCallback',
                             hint='it prefixes the columns')
@@ -92,8 +102,11 @@ class EvaluateCallback(Callback):
         return [f'{self.name}_loss', *(f'{self.name}_{metric_name(m)}' for m in metrics)]
 
     def before_fit(self):
-        self.history = []
+        self.history,self.kept,self._watch_best = [],[],None
         rec = getattr(self.learn, 'recorder', None)
+        if self.watch_monitor is not None and not callable(self.watch_monitor) and not isinstance(rec, Recorder):
+            raise ValueError(f"EvaluateCallback(watch_monitor={self.watch_monitor!r}) reads the Recorder's validation "
+                             f"values, but the learner has no Recorder: add one, or pass a function f(learn) -> float")
         if not isinstance(rec, Recorder): return
         names = rec.metric_names
         if (clash := [c for c in self.recorder_columns if names.count(c) > 1]): raise ValueError(
@@ -102,9 +115,42 @@ class EvaluateCallback(Callback):
 
     def after_epoch(self):
         learn = self.learn
-        if (learn.epoch + 1) % self.every: return
+        if self.watch_monitor is not None:
+            if not self._watched_improved(): return
+        elif (learn.epoch + 1) % self.every: return
         values = validate_aside(learn, self.eval_dl, self.eval_metrics)
         self.history.append((learn.epoch, values))
         rec = getattr(learn, 'recorder', None)
         if isinstance(rec, Recorder) and values is not None:
             for col,v in zip(self.recorder_columns, values): rec.record(col, v)
+        if self.keep_best and values is not None: self._keep(values)
+
+    def _watched_value(self):
+        "This epoch's value of `watch_monitor`: a value of the validation the Recorder has just made, or `f(learn)`"
+        if callable(self.watch_monitor): return self.watch_monitor(self.learn), getattr(self.watch_monitor, '__name__', '')
+        rec = self.learn.recorder
+        name = resolve_monitor(self.watch_monitor, rec.valid_names)
+        return (None if rec.last_valid is None else rec.last_valid[rec.valid_names.index(name)]),name
+
+    def _watched_improved(self):
+        "Whether `watch_monitor` is better this epoch than at every epoch before in this fit (then the evaluation runs)"
+        value,name = self._watched_value()
+        if value is None or not math.isfinite(value): return False
+        greater = self.watch_greater_is_better
+        if greater is None: greater = greater_is_better_for(name)
+        best = self._watch_best
+        if best is not None and not (value > best if greater else value < best): return False
+        self._watch_best = value
+        return True
+
+    def _keep(self, values):
+        "Save the weights of this epoch if they are among the `keep_best` best by `best_monitor`; remove the one dropped"
+        cols = self.recorder_columns
+        col = resolve_monitor(self.best_monitor or f'{self.name}_loss', cols)
+        value,greater,learn = values[cols.index(col)],greater_is_better_for(col),self.learn
+        if value is None or not math.isfinite(value): return
+        path = learn.save(f'{self.name}_best_epoch_{learn.epoch}', with_opt=False)
+        self.kept = sorted([*self.kept, (value, learn.epoch, path)], key=lambda o: -o[0] if greater else o[0])
+        for _,_,gone in self.kept[self.keep_best:]:
+            if is_rank0(): Path(gone).unlink(missing_ok=True)
+        self.kept = self.kept[:self.keep_best]

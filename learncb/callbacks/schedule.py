@@ -6,7 +6,7 @@ Docs: https://learncb.github.io/learncb/schedule.html.md"""
 
 # %% auto #0
 __all__ = ['SchedLin', 'SchedCos', 'SchedNo', 'SchedExp', 'SchedPoly', 'combine_scheds', 'combined_cos', 'hp_location', 'set_hp',
-           'check_has_len', 'ParamScheduler', 'has_momentum', 'LRSchedulerCallback', 'WarmupCallback']
+           'check_has_len', 'ParamScheduler', 'has_momentum', 'LRSchedulerCallback', 'fit_steps', 'WarmupCallback']
 
 # %% ../../nbs/11_schedule.ipynb #d9c31cae
 import bisect, math, warnings
@@ -386,21 +386,35 @@ class LRSchedulerCallback(Callback):
         self._resume_lrs(self.scheduler.optimizer)
 
 # %% ../../nbs/11_schedule.ipynb #fc74d0ba
+def fit_steps(learn):
+    "The optimizer steps of `learn`'s fit: its epochs times the steps of an epoch (`steps_in` of an accumulating callback)"
+    dl,n_epoch = learn.dls.train,learn.n_epoch
+    n = n_batches(dl)
+    if n is None: raise ValueError(
+        "a share of the fit's optimizer steps needs their number, but the training dataloader has no length: give a "
+        "number of steps instead (e.g. WarmupCallback(100))")
+    per_epoch = next((cb.steps_in(dl) for cb in learn.cbs if name_is_own(cb, 'steps_in')), n)
+    return n_epoch * per_epoch
+
 class WarmupCallback(Callback):
-    "Scales the lr of the first `n_steps` optimizer steps of a fit by a factor rising linearly from `start_factor` to 1"
+    "Scales the lr of the first `n_steps` optimizer steps of a fit (a float in (0, 1): that share of the fit's steps) by a factor rising linearly from `start_factor` to 1"
     order = Order.WARMUP
     def __init__(self, n_steps, start_factor=0.):
-        check_int(n_steps, 'n_steps', ge=0, who='WarmupCallback', hint='a number of optimizer steps')
+        if isinstance(n_steps, float) and not n_steps.is_integer():
+            check_fraction(n_steps, 'n_steps', who='WarmupCallback', hint="a share of the fit's optimizer steps")
+        else: check_int(n_steps, 'n_steps', ge=0, who='WarmupCallback', hint='a number of optimizer steps, or a share of them (0.1)')
         check_fraction(start_factor, 'start_factor', who='WarmupCallback')
-        self.n_steps,self.start_factor = n_steps,start_factor
-        self.factors,self.n_done,self._saved,self._cancelled_at = [],0,None,-1
+        self.warmup,self.start_factor = n_steps,start_factor
+        self.n_steps = int(n_steps) if float(n_steps).is_integer() else None     # a share: counted when the fit starts
+        self.factors,self.n_done,self._saved = [],0,None
 
     def factor(self, k):
         "The lr factor of optimizer step `k` (from 0): linear from `start_factor` (k=0) to 1 (k=n_steps)"
         return 1. if k >= self.n_steps else self.start_factor + (1 - self.start_factor) * k / self.n_steps
 
     def before_fit(self):
-        self.factors,self.n_done,self._saved,self._cancelled_at = [],0,None,-1
+        self.factors,self.n_done,self._saved = [],0,None
+        if not float(self.warmup).is_integer(): self.n_steps = round(self.warmup * fit_steps(self.learn))
         if self.n_steps == 0: self.run = False
 
     def before_step(self):
@@ -414,13 +428,9 @@ class WarmupCallback(Callback):
         for pg,lr in zip(self.learn.opt.param_groups, self._saved): pg['lr'] = lr
         self._saved = None
 
-    def after_cancel_step(self):
-        self._cancelled_at = self.learn.train_iter
-        self._restore()
-
     def after_step(self):
         self._restore()
-        if self.learn.train_iter == self._cancelled_at: return
+        if not self.learn.step_taken: return          # cancelled (GradientAccumulation, a skipped fp16 step)
         self.factors.append(self.factor(self.n_done))
         self.n_done += 1
         if self.n_done >= self.n_steps: self.run = False     # warmup over: out of the dispatch tables for this fit

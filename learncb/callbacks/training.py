@@ -9,7 +9,7 @@ __all__ = ['GradientAccumulation', 'GradientClip', 'autocast_for', 'MixedPrecisi
            'ChannelsLast']
 
 # %% ../../nbs/13_training.ipynb #4ce9135a
-import contextlib, warnings
+import contextlib, math, warnings
 from functools import partial
 import torch
 from torch import nn
@@ -61,6 +61,12 @@ class GradientAccumulation(Callback):
         if count < self.n_acc and not _is_last_batch(learn): raise CancelStepException()
         if count and count != self.n_acc: _scale_grads(learn, self.n_acc / count)
         self.count = 0
+
+    def steps_in(self, dl):
+        "The optimizer steps an epoch over `dl` takes: one every `n_acc` samples, and one for the rest at the epoch's end"
+        n,bs = n_batches(dl),getattr(dl, 'batch_size', None)
+        if not n or not bs: return n
+        return math.ceil(n / math.ceil(self.n_acc / bs))
 
     def after_fit(self):
         "Drop the gradients of samples that never got their step"
