@@ -32,25 +32,70 @@ def local_ray(tmp_path, monkeypatch):
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
 
-def run(out, storage, fail_at=None):
+def run(out, storage, fail_at=None, checkpoint=None):
     from ray.train import ScalingConfig, RunConfig, FailureConfig
     from ray.train.torch import TorchTrainer
     from ray_recipe import train_func
     from ray_job import job_learner
     out.mkdir()
-    trainer = TorchTrainer(train_func, train_loop_config={'make_learner': partial(job_learner, out, fail_at), 'n_epoch': 3},
+    trainer = TorchTrainer(train_func, train_loop_config={'make_learner': partial(job_learner, out, fail_at), 'n_epoch': 3,
+                                              'checkpoint': checkpoint},
                            scaling_config=ScalingConfig(num_workers=2),
                            run_config=RunConfig(storage_path=str(storage), name=out.name,
                                                 failure_config=FailureConfig(max_failures=2)))
     result = trainer.fit()
     return result, torch.load(out/'final.pt', weights_only=False)
 
+def restored_copies(): return sorted(Path(tempfile.gettempdir()).glob('learncb-ray-*'))
+
 def test_ray_train_restarts_a_failed_worker_and_the_run_ends_exactly(local_ray):
     tmp = local_ray
-    _, ref = run(tmp/'ref', tmp/'storage')
+    before = restored_copies()
+    first, ref = run(tmp/'ref', tmp/'storage')
     result, got = run(tmp/'failed', tmp/'storage', fail_at=8)
     assert (tmp/'failed'/'failed').exists() and got['train_iter'] == ref['train_iter'] == 18
     for k in ref['model']: assert torch.equal(got['model'][k], ref['model'][k]), k
     assert got['values'] == ref['values']
     assert result.metrics['train_iter'] == 18 and result.checkpoint is not None      # the last one reported
     assert result.metrics['valid_loss'] == ref['values'][-1][1]
+    assert restored_copies() == before                    # the restarted workers' copies of the checkpoint are gone
+
+def test_a_run_starts_from_another_runs_checkpoint_and_leaves_no_copy(local_ray):
+    "`ray_checkpoint(result.checkpoint)`: a new run goes on from another run's last checkpoint (here its end)"
+    tmp = local_ray
+    before = restored_copies()
+    first, ref = run(tmp/'first', tmp/'storage')
+    again, got = run(tmp/'again', tmp/'storage', checkpoint=first.checkpoint)
+    assert got['train_iter'] == ref['train_iter'] == 18 and got['values'] == ref['values']
+    for k in ref['model']: assert torch.equal(got['model'][k], ref['model'][k]), k
+    assert not list((tmp/'again').glob('worker*/checkpoints/checkpoint_*'))   # nothing trained again: resumed at the end
+    assert restored_copies() == before
+
+v1_script = """
+import os, sys, tempfile
+from functools import partial
+from pathlib import Path
+import ray, torch
+from ray.train import ScalingConfig, RunConfig
+from ray.train.torch import TorchTrainer
+from ray_recipe import train_func
+from ray_job import job_learner
+out = Path(sys.argv[1])
+temp = tempfile.mkdtemp(prefix='ray')
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
+trainer = TorchTrainer(train_func, train_loop_config={'make_learner': partial(job_learner, out), 'n_epoch': 2},
+                       scaling_config=ScalingConfig(num_workers=2), run_config=RunConfig(storage_path=str(out/'storage')))
+result = trainer.fit()
+print('REPORTED', result.metrics['train_iter'], result.checkpoint is not None)
+"""
+
+def test_the_older_ray_train_api_reports_the_checkpoints_without_a_preemption_notice(tmp_path, monkeypatch):
+    "`RAY_TRAIN_V2_ENABLED=0`: no `get_preemption_info`; the callback says so before the first batch, and reports"
+    import subprocess, sys
+    recipe_module(tmp_path)
+    (tmp_path/'v1.py').write_text(v1_script)
+    env = dict(os.environ, RAY_TRAIN_V2_ENABLED='0', PYTHONPATH=tests_pythonpath(tmp_path), OMP_NUM_THREADS='1')
+    res = subprocess.run([sys.executable, str(tmp_path/'v1.py'), str(tmp_path/'out')], capture_output=True, text=True,
+                         timeout=420, env=env)
+    assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-4000:])
+    assert 'REPORTED 12 True' in res.stdout, res.stdout[-2000:]
