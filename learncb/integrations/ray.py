@@ -60,6 +60,7 @@ class RayTrainReportCallback(Callback):
         self.reported,self.preempted = self.ckpt.last,None     # a resumed run's checkpoint: Ray has it already
 
     def before_train(self): remove_restored()                  # the copy a resume read is not needed any more
+    def after_fit(self): remove_restored()                     # (a fit resumed at its end trains no epoch)
 
     def after_batch(self):
         written = self.ckpt.last != self.reported            # the CheckpointCallback wrote one after this batch

@@ -82,7 +82,7 @@ from ray_recipe import train_func
 from ray_job import job_learner
 out = Path(sys.argv[1])
 temp = tempfile.mkdtemp(prefix='ray')
-ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
+ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _temp_dir=temp)   # the older API: a CPU for its trainer
 trainer = TorchTrainer(train_func, train_loop_config={'make_learner': partial(job_learner, out), 'n_epoch': 2},
                        scaling_config=ScalingConfig(num_workers=2), run_config=RunConfig(storage_path=str(out/'storage')))
 result = trainer.fit()
