@@ -400,12 +400,12 @@ class WarmupCallback(Callback):
     "Scales the lr of the first `n_steps` optimizer steps of a fit (a float in (0, 1): that share of the fit's steps) by a factor rising linearly from `start_factor` to 1"
     order = Order.WARMUP
     def __init__(self, n_steps, start_factor=0.):
-        if isinstance(n_steps, float) and not n_steps.is_integer():
-            check_fraction(n_steps, 'n_steps', who='WarmupCallback', hint="a share of the fit's optimizer steps")
-        else: check_int(n_steps, 'n_steps', ge=0, who='WarmupCallback', hint='a number of optimizer steps, or a share of them (0.1)')
+        share = isinstance(n_steps, float) and 0 < n_steps < 1          # a share of the fit's steps: counted at its start
+        if not share: check_int(n_steps, 'n_steps', ge=0, who='WarmupCallback',
+                                hint='a number of optimizer steps, or a share of them in (0, 1), e.g. 0.1')
         check_fraction(start_factor, 'start_factor', who='WarmupCallback')
         self.warmup,self.start_factor = n_steps,start_factor
-        self.n_steps = int(n_steps) if float(n_steps).is_integer() else None     # a share: counted when the fit starts
+        self.n_steps = None if share else n_steps
         self.factors,self.n_done,self._saved = [],0,None
 
     def factor(self, k):
@@ -414,7 +414,7 @@ class WarmupCallback(Callback):
 
     def before_fit(self):
         self.factors,self.n_done,self._saved = [],0,None
-        if not float(self.warmup).is_integer(): self.n_steps = round(self.warmup * fit_steps(self.learn))
+        if isinstance(self.warmup, float): self.n_steps = round(self.warmup * fit_steps(self.learn))     # a share
         if self.n_steps == 0: self.run = False
 
     def before_step(self):
