@@ -7,14 +7,14 @@ from learncb.test_utils import synth_dls, synth_learner, EventLog   # the tests 
 
 # The tests mirror the source folders (tests/checkpoint/ for learncb/checkpoint/, ...), each folder with its helper
 # scripts. A test imports another folder's helpers by module name (`from transparent_script import make_learner`):
-# every folder is on the path here, and `tests_pythonpath()` gives it to the processes a test starts.
+# every folder is on the path here, and `child_pythonpath()` gives it to the processes a test starts.
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 test_folders = [TESTS, *(TESTS/d for d in ('callbacks', 'checkpoint', 'distributed', 'inference', 'integrations'))]
 for folder in reversed(test_folders):
     if str(folder) not in sys.path: sys.path.insert(0, str(folder))
 
-def tests_pythonpath(*first):
+def child_pythonpath(*first):
     "`PYTHONPATH` for a process a test starts: `first`, the test folders, then the one of this process"
     return os.pathsep.join([*map(str, first), *map(str, test_folders), os.environ.get('PYTHONPATH', '')])
 

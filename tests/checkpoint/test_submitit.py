@@ -6,7 +6,7 @@ number of stops does not depend on the machine's speed. Bounded by submitit's ti
 import os
 from functools import partial
 from pathlib import Path
-from conftest import tests_pythonpath
+from conftest import child_pythonpath
 import pytest, torch
 from fastcore.nbio import read_nb
 submitit = pytest.importorskip('submitit', reason='submitit is not installed (pip install submitit)')
@@ -33,7 +33,7 @@ def run_job(folder, out, timeout_min, n_held=0, tasks=1):
 def test_submitit_requeues_at_the_time_limit_and_the_job_resumes_exactly(tmp_path, monkeypatch, tasks):
     recipe_module(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv('PYTHONPATH', tests_pythonpath(tmp_path))
+    monkeypatch.setenv('PYTHONPATH', child_pythonpath(tmp_path))
     monkeypatch.setenv('OMP_NUM_THREADS', '1')
     starts, ref = run_job(tmp_path/'ref', tmp_path/'ref_out', timeout_min=5, tasks=tasks)
     assert starts == 1 and ref['train_iter'] == 36 // tasks

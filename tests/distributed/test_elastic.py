@@ -5,7 +5,7 @@ uninterrupted one did, within 1e-6. Each change's recovery time (from the kill, 
 step in the new world) is printed. Bounded by timeouts."""
 import os, signal, subprocess, sys, time
 from pathlib import Path
-from conftest import tests_pythonpath
+from conftest import child_pythonpath
 import torch
 from test_preemption import free_port
 
@@ -25,7 +25,7 @@ def agent(out, port, log):
     opts = [o.replace('$HEAD:29400', f'127.0.0.1:{port}') for o in opts]
     cmd = [sys.executable, '-m', 'torch.distributed.run', *opts, str(HERE/'elastic_script.py'), str(out), '--secs', '0.25', '--hold']
     env = dict(os.environ, **env_vars, OMP_NUM_THREADS='1',
-               PYTHONPATH=tests_pythonpath())
+               PYTHONPATH=child_pythonpath())
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 def descendants(pid):
@@ -67,7 +67,7 @@ def test_the_page_command_is_elastic():
 
 def test_elastic_world_shrinks_and_grows_and_the_run_ends_as_the_uninterrupted_one(tmp_path):
     ref = subprocess.run([sys.executable, str(HERE/'elastic_script.py'), str(tmp_path/'ref')], capture_output=True,
-                         text=True, timeout=300, env=dict(os.environ, PYTHONPATH=tests_pythonpath()))
+                         text=True, timeout=300, env=dict(os.environ, PYTHONPATH=child_pythonpath()))
     assert ref.returncode == 0, ref.stderr[-3000:]
     out, port = tmp_path/'run', free_port()
     with open(tmp_path/'a.log', 'w') as la, open(tmp_path/'b.log', 'w') as lb, open(tmp_path/'b2.log', 'w') as lb2:

@@ -6,7 +6,7 @@ finds its checkpoint through Ray only."""
 import os, shutil, tempfile
 from functools import partial
 from pathlib import Path
-from conftest import tests_pythonpath
+from conftest import child_pythonpath
 import pytest, torch
 from fastcore.nbio import read_nb
 ray = pytest.importorskip('ray', reason='ray is not installed (pip install "learncb[ray]")')
@@ -22,7 +22,7 @@ def recipe_module(folder):
 def local_ray(tmp_path, monkeypatch):
     recipe_module(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv('PYTHONPATH', tests_pythonpath(tmp_path))
+    monkeypatch.setenv('PYTHONPATH', child_pythonpath(tmp_path))
     monkeypatch.setenv('OMP_NUM_THREADS', '1')
     monkeypatch.setenv('RAY_DEDUP_LOGS', '0')
     temp = tempfile.mkdtemp(prefix='ray')                   # short: Ray's socket paths must fit in 107 bytes
@@ -94,7 +94,7 @@ def test_the_older_ray_train_api_reports_the_checkpoints_without_a_preemption_no
     import subprocess, sys
     recipe_module(tmp_path)
     (tmp_path/'v1.py').write_text(v1_script)
-    env = dict(os.environ, RAY_TRAIN_V2_ENABLED='0', PYTHONPATH=tests_pythonpath(tmp_path), OMP_NUM_THREADS='1')
+    env = dict(os.environ, RAY_TRAIN_V2_ENABLED='0', PYTHONPATH=child_pythonpath(tmp_path), OMP_NUM_THREADS='1')
     res = subprocess.run([sys.executable, str(tmp_path/'v1.py'), str(tmp_path/'out')], capture_output=True, text=True,
                          timeout=420, env=env)
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-4000:])
