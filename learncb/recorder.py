@@ -290,8 +290,7 @@ class Recorder(Callback):
 
     def after_fit(self):
         self._flush()
-        self._fit_columns = None
-        self._fit_columns = self.extra_columns       # the names of the history's columns, kept with it
+        self._fit_columns = self.extra_columns       # still fitting: this fit's columns, kept with its history
 
     def plot_loss(self, skip_start=5, with_valid=True, ax=None):
         "Plot the smoothed training loss, and the validation loss at the end of each epoch"

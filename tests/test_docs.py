@@ -53,7 +53,7 @@ def test_the_coming_from_page_maps_each_foreign_event_as_the_hints_do():
     from fastcore.nbio import read_nb
     from learncb.core import foreign_events
     def names(cell): return re.findall(r'`([a-z_]+)`', cell) if not cell.strip().startswith(('(', '-')) else []
-    nb = read_nb(Path(__file__).parent.parent/'nbs'/'18_coming_from.ipynb')
+    nb = read_nb(ROOT/'nbs'/'18_coming_from.ipynb')
     page = next(c.source for c in nb.cells if '| learncb | fastai | pytorch-accelerated' in c.source)
     checked = []
     for row in (l for l in page.splitlines() if l.startswith('| `')):

@@ -18,7 +18,7 @@ from ..metrics import *
 from ..recorder import *
 from ..preds import *
 from ..ranks import is_rank0
-from .monitors import greater_is_better_for, resolve_monitor
+from .monitors import beats, greater_is_better_for, resolve_monitor
 
 # %% ../../nbs/15_evaluation.ipynb #02a151a1
 def _sits_out(cb): return isinstance(cb, Recorder) or cb.remove_on_fetch
@@ -135,11 +135,9 @@ class EvaluateCallback(Callback):
     def _watched_improved(self):
         "Whether `watch_monitor` is better this epoch than at every epoch before in this fit (then the evaluation runs)"
         value,name = self._watched_value()
-        if value is None or not math.isfinite(value): return False
         greater = self.watch_greater_is_better
         if greater is None: greater = greater_is_better_for(name)
-        best = self._watch_best
-        if best is not None and not (value > best if greater else value < best): return False
+        if not beats(value, self._watch_best, greater): return False
         self._watch_best = value
         return True
 

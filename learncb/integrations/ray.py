@@ -31,7 +31,7 @@ def remove_restored():
 def _alive(pid):
     try: os.kill(pid, 0)
     except ProcessLookupError: return False
-    except PermissionError: return True
+    except PermissionError: pass                     # alive, another user's
     return True
 
 atexit.register(remove_restored)
@@ -59,8 +59,10 @@ class RayTrainReportCallback(Callback):
             "Set RAY_TRAIN_V2_ENABLED=1 (Ray Train's current API) for both, or pass check_every=0 to silence this")
         self.reported,self.preempted = self.ckpt.last,None     # a resumed run's checkpoint: Ray has it already
 
-    def before_train(self): remove_restored()                  # the copy a resume read is not needed any more
-    def after_fit(self): remove_restored()                     # (a fit resumed at its end trains no epoch)
+    def before_train(self):                                    # the copy a resume read is not needed any more
+        if _restored: remove_restored()
+    def after_fit(self):                                       # (a fit resumed at its end trains no epoch)
+        if _restored: remove_restored()
 
     def after_batch(self):
         written = self.ckpt.last != self.reported            # the CheckpointCallback wrote one after this batch
