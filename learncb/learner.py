@@ -170,7 +170,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
 
     def one_batch(self, i, b):
         "Move batch `b` to the model's device, split it into `xb`/`yb` and run it with its events"
-        self.iter = i
+        self.iter,self.step_taken = i,None          # `None` until this batch's step stage is over
         try:
             self.batch = b = self._move(b) if self._move else b
             if isinstance(b, (tuple, list)): self.xb,self.yb,self._kw = tuple(b[:self.n_inp]),tuple(b[self.n_inp:]),False

@@ -33,6 +33,17 @@ def store_for(learn, folder=None, background=True):
     sharded = getattr(learn.strategy, 'sharded', False)     # every rank writes its shards (DCP), or rank 0 the file
     return store_at(folder, sharded, map_location=model_device(learn.model, learn.device), background=background)
 
+def _stepped_uncounted(learn, pos):
+    "Whether the current training batch is past its step stage (the weights have seen it) but not yet counted"
+    new_batch = (learn.epoch, learn.iter) != (pos['epoch'], pos['iter'])
+    return new_batch and learn.step_taken is not None and learn.train_iter == pos['train_iter']
+
+def _count_batch(learn):
+    "Finish the current training batch as the loop would: gradients zeroed after a step taken, the batch counted"
+    if learn.step_taken: learn.opt.zero_grad()
+    counter = getattr(learn, 'train_eval', None)
+    if counter is not None: counter.after_batch()
+
 def _where(store): return getattr(store, 'folder', store)
 
 def _name(ref): return Path(str(ref)).name
@@ -148,8 +159,9 @@ class CheckpointCallback(Callback):
             self._writer.close()
 
     def _settle_position(self):
-        "Where a training batch that was interrupted leaves the run: that batch if it was counted, else the one before"
+        "Where a training batch that was interrupted leaves the run: that batch once its step stage is over, else the one before"
         learn,pos = self.learn,self._pos
+        if _stepped_uncounted(learn, pos): _count_batch(learn)
         if learn.train_iter > pos['train_iter']:         # counted by TrainEvalCallback: stepped, done; exact
             pos.update(at='batch', epoch=learn.epoch, iter=learn.iter, train_iter=learn.train_iter,
                        pct_train=learn.pct_train, dirty=False)
