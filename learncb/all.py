@@ -20,6 +20,7 @@ from .callbacks.lr_find import *
 from .callbacks.training import *
 from .callbacks.loggers import *
 from .callbacks.evaluation import *
+from .callbacks.guards import *
 from .checkpoint.sharded import *
 from .checkpoint.preemption import *
 from .sampler import *

@@ -9,7 +9,7 @@ __all__ = ['loop_outline', 'batch_events', 'stage_events', 'foreign_events', 'ev
            'CancelBackward', 'CancelTrain', 'CancelValid', 'CancelEpoch', 'CancelFit', 'fit_attrs', 'phase_attrs',
            'closest_event', 'did_you_mean', 'CancelException', 'CancelBatchException', 'CancelStepException',
            'CancelBackwardException', 'CancelTrainException', 'CancelValidException', 'CancelEpochException',
-           'CancelFitException', 'snake_name', 'name_is_own', 'check_order', 'Order', 'Callback']
+           'CancelFitException', 'RollbackException', 'snake_name', 'name_is_own', 'check_order', 'Order', 'Callback']
 
 # %% ../nbs/00_core.ipynb #fdd1603a
 import difflib, functools, operator, re, warnings
@@ -192,6 +192,9 @@ class CancelEpochException(CancelException):
     "Skip the rest of this epoch and go to `after_epoch`"
 class CancelFitException(CancelException):
     "Stop training now: `after_cancel_fit` then `after_fit` fire"
+class RollbackException(CancelException):
+    "Raised by a callback that put the run back as it was before training batch `start` of this epoch: the loop goes on from there"
+    def __init__(self, start, *args): super().__init__(*args); self.start = start
 
 CancelBatch,CancelStep,CancelBackward = CancelBatchException,CancelStepException,CancelBackwardException
 CancelTrain,CancelValid = CancelTrainException,CancelValidException
@@ -248,6 +251,7 @@ class Order:
     CHECKPOINT = 95       # CheckpointCallback: saves what every callback before it has set
     SANITY = 100          # SanityCheckCallback: sees the setup the other callbacks' before_fit made
     LAST = 200            # resuming, Optuna: after every other callback's before_fit (or after_fit)
+    GUARD = 210           # SpikeGuard: snapshots the run as every other callback (resuming too) has left it
     FINAL = 10_000        # the ranks' agreement of a distributed fit
 
 # %% ../nbs/00_core.ipynb #acc45a64
@@ -347,7 +351,7 @@ class Callback:
     def __repr__(self): return type(self).__name__ if self._name is None else f'{type(self).__name__}({self._name!r})'
 
 # %% ../nbs/00_core.ipynb #100a3833
-fit_attrs = {'epoch': 0, 'n_epoch': 1, 'train_iter': 0, 'pct_train': 0.}
+fit_attrs = {'epoch': 0, 'n_epoch': 1, 'train_iter': 0, 'pct_train': 0., 'skipped_batches': ()}
 "Where a fit is, with the values before any fit: what a checkpoint's loop position restores"
 phase_attrs = {'dl': None, 'iter': 0, 'n_iter': 0, 'batch': None, 'xb': None, 'yb': None, 'pred': None, 'loss': None,
                'loss_grad': None, 'step_taken': None}

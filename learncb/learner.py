@@ -162,10 +162,18 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             with torch.no_grad(): self._with_events(self.all_batches, 'validate', CancelValidException)
 
     def all_batches(self):
-        "Run `one_batch` on every batch of `self.dl`, numbered from `start_iter` (0 unless resuming part-way)"
+        "Run `one_batch` on the batches of `self.dl` from `start_iter` (0 unless resuming); after a rollback, from its batch"
         start,self.start_iter = self.start_iter,0
+        while True:
+            try: return self._run_batches(start)
+            except RollbackException as e: start = e.start
+
+    def _run_batches(self, start):
+        "Run `one_batch` on each batch of `self.dl` numbered from `start`, but those `skipped_batches` names"
+        skip = {i for e,i in self.skipped_batches if e == self.epoch} if self.training else ()
         i = start - 1
-        for i,b in enumerate(self._batches(start), start): self.one_batch(i, b)
+        for i,b in enumerate(self._batches(start), start):
+            if i not in skip: self.one_batch(i, b)
         if i < 0: raise ValueError(f"the dataloader {self.dl!r} yielded no batches: check its dataset and sampler")
 
     def one_batch(self, i, b):
@@ -233,7 +241,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
                 self._opt_for_fit(reset_opt)
                 self._set_hypers(lr=self.lr if lr is None else lr, wd=self.wd if wd is None else wd)
                 self.n_epoch,self.exception,self.stop_reason,self._raised_in = n_epoch,None,None,None
-                self.start_epoch,self.start_iter = 0,0
+                self.start_epoch,self.start_iter,self.skipped_batches = 0,0,()
                 with self.added_cbs(resume_cbs(self, resume)):
                     try:
                         self.fitting,self.resume_from = True,resume or None

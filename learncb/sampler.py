@@ -6,7 +6,7 @@ Docs: https://learncb.github.io/learncb/sampler.html.md"""
 
 # %% auto #0
 __all__ = ['ResumableSampler', 'has_state', 'sampler_of', 'cannot_resume_reason', 'data_shape', 'user_train_dl',
-           'resumable_sampler', 'resumable_dataloader', 'restore_order']
+           'resumable_sampler', 'resumable_dataloader', 'restore_order', 'take_order', 'give_order_back']
 
 # %% ../nbs/16e_sampler.ipynb #5be1e0d9
 import math
@@ -134,3 +134,17 @@ def restore_order(dl):
     "Give a dataloader that `resumable_dataloader` changed in place its own sampler back"
     sampler = getattr(getattr(dl, 'batch_sampler', None), 'sampler', None)
     if isinstance(sampler, ResumableSampler) and hasattr(sampler, 'replaced'): dl.batch_sampler.sampler = sampler.replaced
+
+def take_order(learn):
+    "Order `learn`'s training dataloader by a `ResumableSampler` for a fit: `(the user's, the ordered one)`, or `None` (nothing to do, or it cannot be)"
+    dl = learn.dls.train
+    if user_train_dl(learn) is not dl or has_state(dl) or cannot_resume_reason(dl) is not None: return None
+    learn.dls.train = ordered = resumable_dataloader(dl)      # a strategy's share for the fit is ordered already
+    return dl,ordered
+
+def give_order_back(learn, taken):
+    "Give `learn` the training dataloader the user gave, from what `take_order` returned, when the fit ends"
+    if taken is None: return
+    dl,ordered = taken
+    if learn.dls.train is ordered: learn.dls.train = dl
+    restore_order(dl)

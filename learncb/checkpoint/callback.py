@@ -103,20 +103,23 @@ class CheckpointCallback(Callback):
 
     def _take_order(self):
         "Order the training dataloader by a `ResumableSampler` for this fit, as its own sampler would; or say why not"
-        learn,self._user_dl = self.learn,None
+        learn = self.learn
         dl = learn.dls.train
-        if user_train_dl(learn) is not dl: return None      # a strategy's share for this fit: ordered already
-        reason = cannot_resume_reason(dl)
-        if reason is None and not has_state(dl): self._user_dl = dl,resumable_dataloader(dl)
-        if self._user_dl is not None: learn.dls.train = self._user_dl[1]
+        reason = None if user_train_dl(learn) is not dl else cannot_resume_reason(dl)   # a strategy's share: ordered
+        self._user_dl = take_order(learn)
         return reason
 
     def _give_order_back(self):
         "Give the learner the training dataloader the user gave, when the fit ends"
-        if self._user_dl is None: return
-        (dl,ordered),self._user_dl = self._user_dl,None
-        if self.learn.dls.train is ordered: self.learn.dls.train = dl
-        restore_order(dl)
+        taken,self._user_dl = self._user_dl,None
+        give_order_back(self.learn, taken)
+
+    def after_rollback(self):
+        "A callback put the run back to an earlier batch of this epoch (`SpikeGuard`): that is the last complete point now"
+        learn = self.learn
+        at = 'batch' if learn.iter >= 0 else ('epoch_end' if learn.epoch > 0 else None)
+        self._pos.update(at=at, epoch=learn.epoch if at == 'batch' else learn.epoch - 1, iter=learn.iter,
+                         train_iter=learn.train_iter, pct_train=learn.pct_train, dirty=False)
 
     def before_validate(self): self._pos['dirty'] = True       # validation draws from the random generators
 
@@ -206,6 +209,7 @@ class CheckpointCallback(Callback):
     def save(self):
         "Write a checkpoint as of the run's last complete point (a training batch or an epoch), then remove old ones"
         learn,pos = self.learn,self._pos
+        if learn.exception is None: learn('before_checkpoint')    # a callback may check the run first (SpikeGuard)
         state = learn.state_dict()
         state['loop'].update(epoch=pos['epoch'], iter=pos['iter'], train_iter=pos['train_iter'], pct_train=pos['pct_train'])
         state.update(at=pos['at'], exact=not pos['dirty'], checkpointing=dict(every_n_steps=self.every_n_steps,
