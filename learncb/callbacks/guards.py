@@ -7,7 +7,7 @@ Docs: https://learncb.github.io/learncb/guards.html.md"""
 # %% auto #0
 __all__ = ['SpikeGuard']
 
-# %% ../../nbs/34_guards.ipynb #a249f20c
+# %% ../../nbs/34_guards.ipynb #a35f8b00
 import math, statistics, warnings
 import torch
 from ..core import *
@@ -17,7 +17,7 @@ from ..sampler import *
 from ..state import *
 from ..resume import replay_pass
 
-# %% ../../nbs/34_guards.ipynb #3617ad80
+# %% ../../nbs/34_guards.ipynb #0e5660f9
 def _skips_on_device(opt):
     "Whether `opt` can skip a step on the device: a fused torch optimizer reads a `found_inf` flag, as `GradScaler` sets it"
     return bool(getattr(opt, 'defaults', {}).get('fused')) and getattr(opt, '_step_supports_amp_scaling', False)
@@ -143,9 +143,10 @@ class SpikeGuard(Callback):
             f"{list(skipped)}. The learner holds the run as it was before batch {start} of epoch {learn.epoch}, "
             f"before the spike. Look at these batches, lower the lr, or raise max_rollbacks")
         self.rollbacks,learn.skipped_batches = rollbacks,skipped
-        warnings.warn(f"SpikeGuard: the training loss spiked at epoch {learn.epoch}, batch {spiked}: the run goes "
-                      f"back to batch {start}, skips batch {spiked} and goes on (rollback {rollbacks} of at most "
-                      f"{self.max_rollbacks}); learn.skipped_batches holds every batch skipped", RuntimeWarning)
+        if is_rank0(): warnings.warn(
+            f"SpikeGuard: the training loss spiked at epoch {learn.epoch}, batch {spiked}: the run goes back to batch "
+            f"{start}, skips batch {spiked} and goes on (rollback {rollbacks} of at most {self.max_rollbacks}); "
+            f"learn.skipped_batches holds every batch skipped", RuntimeWarning)
         self._clear()
         self._last = _last_batch(learn)
         dl = learn.dls.train

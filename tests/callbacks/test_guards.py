@@ -1,0 +1,113 @@
+"""`SpikeGuard`: a poisoned batch rolled back and skipped, so that the run ends equal to the run on data that never
+held it (one process, and two under DDP where one rank alone sees the bad batch); a run killed after a rollback and
+resumed skips the same batches; the snapshot reuses its memory; no step on a non-finite loss with a fused optimizer."""
+import subprocess, sys, warnings
+from functools import partial
+from pathlib import Path
+import pytest, torch
+from learncb.all import *
+from learncb.state import LearnerSnapshot
+from guard_script import regression, regression_learner, N, BS, BAD
+
+SCRIPT = Path(__file__).parent/'guard_script.py'
+
+def weights_equal(a, b): return all(torch.equal(a[k], b[k]) for k in a)
+
+def fit(dls, cbs=(), epochs=3, **kwargs):
+    learn = regression_learner(dls, **kwargs)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        learn.fit(epochs, cbs=list(cbs))
+    learn.said = [str(x.message) for x in w if 'SpikeGuard' in str(x.message)]
+    return learn
+
+@pytest.fixture(scope='module')
+def clean(): return fit(regression(drop=True))
+
+@pytest.mark.parametrize('poison', ['scale', 'inf'])
+@pytest.mark.parametrize('guard', [dict(), dict(check_every=4, snapshot_every=4, warmup=4)], ids=['defaults', 'snapshots-in-epoch'])
+def test_a_poisoned_batch_is_skipped_and_the_run_equals_the_one_without_it(clean, poison, guard):
+    guarded, ruined = fit(regression(poison=poison), [SpikeGuard(**guard)]), fit(regression(poison=poison))
+    assert weights_equal(guarded.model.state_dict(), clean.model.state_dict())
+    assert not weights_equal(ruined.model.state_dict(), clean.model.state_dict())
+    ruined_loss = ruined.recorder.losses[-1]
+    assert not (ruined_loss < 100 * clean.recorder.losses[-1])           # far off, or not even finite
+    assert [tuple(b) for b in guarded.skipped_batches] == [(0, BAD), (1, BAD), (2, BAD)]
+    assert guarded.train_iter == clean.train_iter == 3 * (N // BS - 1)
+    assert len(guarded.said) == 3 and f'batch {BAD}' in guarded.said[0]
+
+def test_after_max_rollbacks_the_fit_stops_naming_the_batches_with_the_weights_before_the_spike(clean):
+    learn = regression_learner(regression())
+    with pytest.raises(RuntimeError, match=r'max_rollbacks=1.*\(0, 5\), \(1, 5\)') as e, warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        learn.fit(3, cbs=SpikeGuard(max_rollbacks=1))
+    one_epoch = fit(regression(drop=True), epochs=1)      # the clean run's first epoch: where the second spike was
+    assert weights_equal(learn.model.state_dict(), one_epoch.model.state_dict())
+    assert learn.fit(1) is None                            # the learner is usable after the error
+
+def test_the_snapshot_reuses_its_buffers():
+    learn = regression_learner(regression(drop=True))
+    learn.fit(1)
+    snap = LearnerSnapshot(learn)
+    ptrs = [t.data_ptr() for t in snap.state['model'].values()]
+    before = {k: v.clone() for k, v in learn.model.state_dict().items()}
+    learn.fit(1)
+    snap.take()
+    assert [t.data_ptr() for t in snap.state['model'].values()] == ptrs           # the same memory, new values
+    assert weights_equal(snap.state['model'], learn.model.state_dict())
+    assert not weights_equal(snap.state['model'], before)
+
+def test_no_step_is_taken_on_a_non_finite_loss_with_a_fused_optimizer():
+    "The fused kernel skips the step on the device: the weights and the step count stay; no check until the epoch's end"
+    seen = {}
+    class Watch(Callback):
+        order = Order.LAST + 100
+        def before_step(self):
+            if self.iter == BAD: seen['before'] = [p.detach().clone() for p in self.model.parameters()]
+        def after_step(self):
+            if self.iter == BAD:
+                seen['after'] = [p.detach().clone() for p in self.model.parameters()]
+                seen['steps'] = {int(s['step']) for s in self.opt.state.values()}
+    learn = regression_learner(regression(poison='inf'), opt_func=partial(torch.optim.Adam, fused=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        learn.fit(1, cbs=[SpikeGuard(check_every=1000), Watch()])
+    assert all(torch.equal(a, b) for a, b in zip(seen['before'], seen['after']))
+    assert seen['steps'] == {BAD}                          # steps 0..BAD-1 taken, the bad one not counted
+    assert [tuple(b) for b in learn.skipped_batches] == [(0, BAD)]
+    assert not hasattr(learn.opt, 'found_inf')             # the flag leaves the optimizer with the fit
+
+def test_a_dataloader_that_cannot_replay_is_refused_before_the_first_batch():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self): return iter([(torch.randn(4), torch.randn(1)) for _ in range(16)])
+    learn = regression_learner(DataLoaders(torch.utils.data.DataLoader(Stream(), batch_size=4)))
+    with pytest.raises(ValueError, match='SpikeGuard replays the batches.*IterableDataset'): learn.fit(1, cbs=SpikeGuard())
+    assert learn.train_iter == 0
+
+def run(out, *args, nproc=1, timeout=300, check=True):
+    "The guard script in `nproc` processes (torchrun, gloo) or in one, never longer than `timeout`"
+    from test_distributed import free_port
+    launcher = ([sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}', f'--master-port={free_port()}']
+                if nproc > 1 else [sys.executable])
+    res = subprocess.run([*launcher, str(SCRIPT), str(out), *args], capture_output=True, text=True, timeout=timeout)
+    if check: assert res.returncode == 0, res.stderr[-4000:]
+    return res
+
+def result(out): return torch.load(Path(out)/'result.pt', weights_only=False)
+
+def test_two_processes_agree_on_the_rollback_when_one_rank_sees_the_spike(tmp_path):
+    run(tmp_path/'guarded', '--guard', '--poison-rank', '0', nproc=2)
+    run(tmp_path/'clean', '--drop', nproc=2)
+    run(tmp_path/'ruined', '--poison-rank', '0', nproc=2)
+    guarded, clean, ruined = (result(tmp_path/k) for k in ('guarded', 'clean', 'ruined'))
+    assert weights_equal(guarded['model'], clean['model']) and not weights_equal(ruined['model'], clean['model'])
+    assert guarded['skipped'] == [(0, BAD), (1, BAD), (2, BAD)] and guarded['train_iter'] == clean['train_iter']
+
+def test_a_run_killed_after_a_rollback_resumes_skipping_the_same_batches(tmp_path):
+    res = run(tmp_path/'run', '--guard', '--ckpt', '--kill-at', '12', check=False)
+    assert res.returncode == -9, res.stderr[-3000:]                                # killed after the first rollback
+    run(tmp_path/'run', '--guard', '--ckpt')                                       # resume='auto'
+    run(tmp_path/'clean', '--drop')
+    resumed, clean = result(tmp_path/'run'), result(tmp_path/'clean')
+    assert resumed['skipped'] == [(0, BAD), (1, BAD), (2, BAD)]
+    assert weights_equal(resumed['model'], clean['model']) and resumed['train_iter'] == clean['train_iter']
