@@ -77,6 +77,30 @@ def test_no_step_is_taken_on_a_non_finite_loss_with_a_fused_optimizer():
     assert [tuple(b) for b in learn.skipped_batches] == [(0, BAD)]
     assert not hasattr(learn.opt, 'found_inf')             # the flag leaves the optimizer with the fit
 
+class StopAfter(Callback):
+    def __init__(self, n): self.n = n
+    def after_batch(self):
+        if self.training and self.train_iter == self.n: raise CancelFitException()
+
+def test_terminate_on_nan_stops_at_the_bad_batch_with_the_weights_before_it():
+    learn = regression_learner(regression(poison='inf'))
+    with pytest.warns(RuntimeWarning, match=f'training loss is NaN or infinite at epoch 0, batch {BAD}: training stopped$'):
+        learn.fit(3, cbs=TerminateOnNaNCallback())
+    assert (learn.epoch, learn.train_iter) == (0, BAD)          # no step on it: batches 0..BAD-1 counted
+    before = regression_learner(regression(poison='inf'))
+    before.fit(3, cbs=StopAfter(BAD))
+    assert weights_equal(learn.model.state_dict(), before.model.state_dict())
+    assert not weights_equal(learn.model.state_dict(), regression_learner(regression(poison='inf')).model.state_dict())
+
+def test_terminate_on_nan_with_a_dataloader_that_cannot_replay_stops_at_its_check():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            g = torch.Generator().manual_seed(0)
+            return iter([(torch.randn(4, generator=g), torch.tensor([float('inf') if i == 9 else 0.])) for i in range(64)])
+    learn = regression_learner(DataLoaders(torch.utils.data.DataLoader(Stream(), batch_size=4)))
+    with pytest.warns(RuntimeWarning, match='batch 2: training stopped at batch 7 .*IterableDataset'):
+        learn.fit(1, cbs=TerminateOnNaNCallback(check_every=8))
+
 def test_a_dataloader_that_cannot_replay_is_refused_before_the_first_batch():
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self): return iter([(torch.randn(4), torch.randn(1)) for _ in range(16)])
