@@ -184,8 +184,11 @@ class StateHost:
         return self.load_state_dict(read_checkpoint(store_for(self, path.parent), path), strict=strict, where=str(path))
 
 # %% ../nbs/16c_state.ipynb #7fb9b7a2
+_atoms = (int, float, bool, str, type(None))
+
 def copy_into(buf, o):
     "A copy of `o` (nested dicts, lists, tuples of tensors and values) that reuses the tensors of `buf`, an earlier copy, where they fit"
+    if type(o) in _atoms: return o
     if isinstance(o, torch.Tensor):
         fits = isinstance(buf, torch.Tensor) and (buf.shape,buf.dtype,buf.device) == (o.shape,o.dtype,o.device)
         return buf.copy_(o) if fits else o.detach().clone()

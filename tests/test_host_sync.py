@@ -63,3 +63,14 @@ def test_activation_stats_keep_their_values_on_the_device():
         return c.counts
     few, many = syncs(100), syncs(300)
     assert few == many, f'100 batches: {dict(few)}, 300 batches: {dict(many)}'
+
+@pytest.mark.parametrize('snapshot_every, extra', [(1000, 2), (100, 4)])
+def test_spike_guard_syncs_once_per_check_not_per_batch(snapshot_every, extra):
+    "One `tolist` per check (every 100 batches), and one per snapshot (the Recorder's state reads its losses)"
+    def syncs(n_batches):
+        learn = synth_learner(dls=synth_dls(n_train=16 * n_batches, n_valid=16 * 4), opt_func=torch.optim.SGD)
+        with SyncCounter() as c: learn.fit(1, cbs=SpikeGuard(check_every=100, snapshot_every=snapshot_every))
+        assert learn.train_iter == n_batches
+        return c.counts
+    few, many = syncs(100), syncs(300)                 # 200 more batches: 2 more checks (and 2 more snapshots)
+    assert many - few == Counter(tolist=extra), f'100 batches: {dict(few)}, 300 batches: {dict(many)}'

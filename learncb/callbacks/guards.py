@@ -7,7 +7,7 @@ Docs: https://learncb.github.io/learncb/guards.html.md"""
 # %% auto #0
 __all__ = ['SpikeGuard', 'TerminateOnNaNCallback']
 
-# %% ../../nbs/34_guards.ipynb #45486c41
+# %% ../../nbs/34_guards.ipynb #d3691d61
 import math, statistics, warnings
 import torch
 from ..core import *
@@ -17,7 +17,7 @@ from ..sampler import *
 from ..state import *
 from ..resume import replay_pass
 
-# %% ../../nbs/34_guards.ipynb #3247adad
+# %% ../../nbs/34_guards.ipynb #d9d07fb4
 def _skips_on_device(opt):
     "Whether `opt` can skip a step on the device: a fused torch optimizer reads a `found_inf` flag, as `GradScaler` sets it"
     return bool(getattr(opt, 'defaults', {}).get('fused')) and getattr(opt, '_step_supports_amp_scaling', False)
@@ -26,6 +26,11 @@ def _grad_norm(params):
     "The global 2-norm of the gradients of `params`, a tensor on the device"
     grads = [p.grad for p in params if p.grad is not None]
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
+
+def _values(losses):
+    "The losses as Python floats: one host sync (a loss of several values counts as its mean)"
+    if all(l.ndim == 0 for l in losses): return torch.stack(losses).float().tolist()
+    return torch.stack([l.float().mean() for l in losses]).tolist()
 
 def _last_batch(learn):
     "The number of the last batch of this epoch that is not skipped (`None` for a dataloader without a length)"
@@ -121,7 +126,7 @@ class SpikeGuard(Callback):
     def _check(self):
         "One host sync (and one collective across ranks): roll back if a batch since the last check spiked"
         if not self._losses: return
-        iters,values = self._iters,torch.stack([l.float().mean() for l in self._losses]).tolist()
+        iters,values = self._iters,_values(self._losses)
         spiked = self._spikes(values, self.history['loss'])
         norms = torch.stack(self._norms).tolist() if self._norms else []
         for i,s in zip(self._norm_iters, self._spikes(norms, self.history['grad_norm'])):
