@@ -3,7 +3,7 @@ process or several (torchrun: DDP, gloo), with `SpikeGuard` or without, on the p
 that batch; checkpointed, killed after a rollback and resumed.
 
 python tests/callbacks/guard_script.py OUT [--poison scale|inf|none] [--poison-rank R] [--drop] [--guard]
-                                       [--ckpt] [--kill-at K] [--epochs E]
+                                       [--ckpt] [--kill-at K] [--epochs E] [--strategy ddp|fsdp]
 Rank 0 saves OUT/result.pt: the weights, learn.skipped_batches, train_iter."""
 import argparse, os, signal
 from pathlib import Path
@@ -52,7 +52,7 @@ def main():
     p.add_argument('out'); p.add_argument('--poison', default='scale'); p.add_argument('--poison-rank', type=int)
     p.add_argument('--drop', action='store_true'); p.add_argument('--guard', action='store_true')
     p.add_argument('--ckpt', action='store_true'); p.add_argument('--kill-at', type=int)
-    p.add_argument('--epochs', type=int, default=3)
+    p.add_argument('--epochs', type=int, default=3); p.add_argument('--strategy', default='ddp')
     args = p.parse_args()
     out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
@@ -61,10 +61,11 @@ def main():
     cbs = [SpikeGuard(check_every=4, snapshot_every=4, warmup=4)] if args.guard else []
     if args.ckpt: cbs.append(CheckpointCallback(every_n_steps=5))
     if args.kill_at is not None: cbs.append(KillAfterRollback(args.kill_at))
-    with learn.distrib_ctx(timeout=60):
+    with learn.distrib_ctx(strategy=args.strategy, timeout=60):
         learn.fit(args.epochs, cbs=cbs, resume='auto' if args.ckpt else None)
+        state = whole_state(learn.model.state_dict())          # FSDP: the whole tensors, gathered (every rank)
     if is_rank0():
-        torch.save({'model': learn.model.state_dict(), 'skipped': [tuple(b) for b in learn.skipped_batches],
+        torch.save({'model': state, 'skipped': [tuple(b) for b in learn.skipped_batches],
                     'train_iter': learn.train_iter}, out/'result.pt')
 
 if __name__ == '__main__': main()

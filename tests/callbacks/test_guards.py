@@ -1,5 +1,5 @@
 """`SpikeGuard`: a poisoned batch rolled back and skipped, so that the run ends equal to the run on data that never
-held it (one process, and two under DDP where one rank alone sees the bad batch); a run killed after a rollback and
+held it (one process, and two under DDP and FSDP where one rank alone sees the bad batch); a run killed after a rollback and
 resumed skips the same batches; the snapshot reuses its memory; no step on a non-finite loss with a fused optimizer."""
 import subprocess, sys, warnings
 from functools import partial
@@ -119,13 +119,16 @@ def run(out, *args, nproc=1, timeout=300, check=True):
 
 def result(out): return torch.load(Path(out)/'result.pt', weights_only=False)
 
-def test_two_processes_agree_on_the_rollback_when_one_rank_sees_the_spike(tmp_path):
-    run(tmp_path/'guarded', '--guard', '--poison-rank', '0', nproc=2)
-    run(tmp_path/'clean', '--drop', nproc=2)
-    run(tmp_path/'ruined', '--poison-rank', '0', nproc=2)
-    guarded, clean, ruined = (result(tmp_path/k) for k in ('guarded', 'clean', 'ruined'))
-    assert weights_equal(guarded['model'], clean['model']) and not weights_equal(ruined['model'], clean['model'])
+@pytest.mark.parametrize('strategy', ['ddp', 'fsdp'])
+def test_two_processes_agree_on_the_rollback_when_one_rank_sees_the_spike(tmp_path, strategy):
+    run(tmp_path/'guarded', '--guard', '--poison-rank', '0', '--strategy', strategy, nproc=2)
+    run(tmp_path/'clean', '--drop', '--strategy', strategy, nproc=2)
+    guarded, clean = result(tmp_path/'guarded'), result(tmp_path/'clean')
+    assert weights_equal(guarded['model'], clean['model'])
     assert guarded['skipped'] == [(0, BAD), (1, BAD), (2, BAD)] and guarded['train_iter'] == clean['train_iter']
+    if strategy == 'ddp':                                  # and without the guard, the spike ruins the run
+        run(tmp_path/'ruined', '--poison-rank', '0', nproc=2)
+        assert not weights_equal(result(tmp_path/'ruined')['model'], clean['model'])
 
 def test_a_run_killed_after_a_rollback_resumes_skipping_the_same_batches(tmp_path):
     res = run(tmp_path/'run', '--guard', '--ckpt', '--kill-at', '12', check=False)
