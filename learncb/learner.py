@@ -170,7 +170,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
 
     def _run_batches(self, start):
         "Run `one_batch` on each batch of `self.dl` numbered from `start`, but those `skipped_batches` names"
-        skip = {i for e,i in self.skipped_batches if e == self.epoch} if self.training else ()
+        skip = {i for e,i in self.skipped_batches if e == self.epoch} if self.training and self.skipped_batches else ()
         i = start - 1
         for i,b in enumerate(self._batches(start), start):
             if i not in skip: self.one_batch(i, b)
