@@ -185,6 +185,7 @@ class StateHost:
 
 # %% ../nbs/16c_state.ipynb #7fb9b7a2
 _atoms = (int, float, bool, str, type(None))
+_atom_set = set(_atoms)
 
 def copy_into(buf, o):
     "A copy of `o` (nested dicts, lists, tuples of tensors and values) that reuses the tensors of `buf`, an earlier copy, where they fit"
@@ -194,6 +195,7 @@ def copy_into(buf, o):
         return buf.copy_(o) if fits else o.detach().clone()
     if isinstance(o, dict): return {k: copy_into(buf.get(k) if isinstance(buf, dict) else None, v) for k,v in o.items()}
     if isinstance(o, (list, tuple)) and type(o) in (list, tuple):
+        if set(map(type, o)) <= _atom_set: return list(o) if type(o) is list else o     # a history of numbers: one C copy
         bufs = buf if isinstance(buf, (list, tuple)) and len(buf) == len(o) else [None] * len(o)
         return type(o)(copy_into(b, v) for b,v in zip(bufs, o))
     return copy.deepcopy(o)

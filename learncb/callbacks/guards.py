@@ -7,7 +7,7 @@ Docs: https://learncb.github.io/learncb/guards.html.md"""
 # %% auto #0
 __all__ = ['SpikeGuard', 'TerminateOnNaNCallback']
 
-# %% ../../nbs/34_guards.ipynb #73c5947b
+# %% ../../nbs/34_guards.ipynb #bb83ff97
 import math, statistics, warnings
 import torch
 from ..core import *
@@ -17,7 +17,7 @@ from ..sampler import *
 from ..state import *
 from ..resume import replay_pass
 
-# %% ../../nbs/34_guards.ipynb #3077f99c
+# %% ../../nbs/34_guards.ipynb #816d26ef
 def _skips_on_device(opt):
     "Whether `opt` can skip a step on the device: a fused torch optimizer reads a `found_inf` flag, as `GradScaler` sets it"
     return bool(getattr(opt, 'defaults', {}).get('fused')) and getattr(opt, '_step_supports_amp_scaling', False)
@@ -51,7 +51,7 @@ class SpikeGuard(Callback):
         self.max_rollbacks = check_int(max_rollbacks, 'max_rollbacks', ge=0, who=who)
         self.n_history,self.warmup = check_int(n_history, 'n_history', ge=1, who=who),check_int(warmup, 'warmup', ge=0, who=who)
         self.grad_norm,self.history,self.rollbacks,self.replayable = bool(grad_norm),{'loss': [], 'grad_norm': []},0,True
-        self._snap,self._start,self._since,self._taken,self._found_inf,self._last = None,0,0,None,None,-1
+        self._snap,self._start,self._snap_at,self._taken,self._found_inf,self._last = None,0,0,None,None,-1
         self._clear()
 
     def _clear(self): self._losses,self._iters,self._norms,self._norm_iters = [],[],[],[]
@@ -90,7 +90,7 @@ class SpikeGuard(Callback):
         if not self.replayable: return
         if self._snap is None: self._snap = LearnerSnapshot(self.learn)
         else: self._snap.take()
-        self._start,self._since = start,0
+        self._start,self._snap_at = start,self.learn.train_iter
 
     def after_loss(self):
         learn = self.learn
@@ -110,10 +110,9 @@ class SpikeGuard(Callback):
 
     def after_batch(self):
         learn = self.learn
-        self._since += 1
         if len(self._losses) >= self.check_every or (self._last is not None and learn.iter >= self._last):
             self._check()
-            if self._since >= self.snapshot_every: self._snapshot(learn.iter + 1)
+            if learn.train_iter - self._snap_at >= self.snapshot_every: self._snapshot(learn.iter + 1)
 
     def after_train(self):
         "The batches left unchecked by a dataloader without a length (one that cannot replay): checked at the end"
