@@ -7,7 +7,7 @@ Docs: https://learncb.github.io/learncb/guards.html.md"""
 # %% auto #0
 __all__ = ['SpikeGuard', 'TerminateOnNaNCallback']
 
-# %% ../../nbs/34_guards.ipynb #bb83ff97
+# %% ../../nbs/34_guards.ipynb #8e5bf649
 import math, statistics, warnings
 import torch
 from ..core import *
@@ -17,7 +17,7 @@ from ..sampler import *
 from ..state import *
 from ..resume import replay_pass
 
-# %% ../../nbs/34_guards.ipynb #816d26ef
+# %% ../../nbs/34_guards.ipynb #17e6db81
 def _skips_on_device(opt):
     "Whether `opt` can skip a step on the device: a fused torch optimizer reads a `found_inf` flag, as `GradScaler` sets it"
     return bool(getattr(opt, 'defaults', {}).get('fused')) and getattr(opt, '_step_supports_amp_scaling', False)
@@ -149,13 +149,17 @@ class SpikeGuard(Callback):
     def on_spike(self, spiked):
         "Roll the run back to the snapshot, skip batch `spiked` from now on, and go on from the snapshot"
         learn,start = self.learn,self._start
-        skipped,rollbacks = (*learn.skipped_batches, (learn.epoch, spiked)),self.rollbacks + 1
+        before,rollbacks = learn.skipped_batches,self.rollbacks + 1
+        skipped = (*before, (learn.epoch, spiked))
         self._restore_snapshot()
-        if rollbacks > self.max_rollbacks: raise RuntimeError(
-            f"SpikeGuard: the training loss spiked at epoch {learn.epoch}, batch {spiked}, after {self.rollbacks} "
-            f"rollbacks in this fit (max_rollbacks={self.max_rollbacks}); the batches (epoch, batch) that spiked: "
-            f"{list(skipped)}. The learner holds the run as it was before batch {start} of epoch {learn.epoch}, "
-            f"before the spike. Look at these batches, lower the lr, or raise max_rollbacks")
+        if rollbacks > self.max_rollbacks:
+            learn.skipped_batches = before            # those skipped so far (the snapshot may be older than some)
+            learn('after_rollback')                   # a checkpoint written on this error is of the snapshot
+            raise RuntimeError(
+                f"SpikeGuard: the training loss spiked at epoch {learn.epoch}, batch {spiked}, after {self.rollbacks} "
+                f"rollbacks in this fit (max_rollbacks={self.max_rollbacks}); the batches (epoch, batch) that spiked: "
+                f"{list(skipped)}. The learner holds the run as it was before batch {start} of epoch {learn.epoch}, "
+                f"before the spike. Look at these batches, lower the lr, or raise max_rollbacks")
         self.rollbacks,learn.skipped_batches = rollbacks,skipped
         if is_rank0(): warnings.warn(
             f"SpikeGuard: the training loss spiked at epoch {learn.epoch}, batch {spiked}: the run goes back to batch "
@@ -166,7 +170,7 @@ class SpikeGuard(Callback):
     def _restore_snapshot(self):
         "Put the run back as it was at the snapshot, before batch `_start` of this epoch"
         self._snap.restore()
-        self.learn.iter = self._start - 1
+        self.learn.iter,self.learn.step_taken = self._start - 1,None      # no batch begun since
         self._clear()
 
     def _replay(self):

@@ -168,7 +168,7 @@ class CheckpointCallback(Callback):
         if learn.train_iter > pos['train_iter']:         # counted by TrainEvalCallback: stepped, done; exact
             pos.update(at='batch', epoch=learn.epoch, iter=learn.iter, train_iter=learn.train_iter,
                        pct_train=learn.pct_train, dirty=False)
-        elif (learn.epoch, learn.iter) != (pos['epoch'], pos['iter']):
+        elif (learn.epoch, learn.iter) != (pos['epoch'], pos['iter']) and learn.iter >= 0:   # -1: put back before
             pos['dirty'] = True           # begun since the last complete point: resumed from there, not exactly
 
     def after_fit(self):

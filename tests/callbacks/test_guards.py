@@ -36,13 +36,22 @@ def test_a_poisoned_batch_is_skipped_and_the_run_equals_the_one_without_it(clean
     assert guarded.train_iter == clean.train_iter == 3 * (N // BS - 1)
     assert len(guarded.said) == 3 and f'batch {BAD}' in guarded.said[0]
 
-def test_after_max_rollbacks_the_fit_stops_naming_the_batches_with_the_weights_before_the_spike(clean):
-    learn = regression_learner(regression())
+def test_after_max_rollbacks_the_fit_stops_naming_the_batches_with_the_weights_before_the_spike(clean, tmp_path):
+    from learncb.checkpoint.callback import checkpoints_in
+    from learncb.state import read_checkpoint
+    learn = regression_learner(regression(), path=tmp_path)
     with pytest.raises(RuntimeError, match=r'max_rollbacks=1.*\(0, 5\), \(1, 5\)') as e, warnings.catch_warnings():
         warnings.simplefilter('ignore')
-        learn.fit(3, cbs=SpikeGuard(max_rollbacks=1))
+        learn.fit(3, cbs=[SpikeGuard(max_rollbacks=1), CheckpointCallback(every_epoch=False)])
     one_epoch = fit(regression(drop=True), epochs=1)      # the clean run's first epoch: where the second spike was
     assert weights_equal(learn.model.state_dict(), one_epoch.model.state_dict())
+    assert [tuple(b) for b in learn.skipped_batches] == [(0, BAD)]
+    notes = '\n'.join(e.value.__notes__)                   # the checkpoint written on the error is of that state, exact
+    assert 'the run is saved in' in notes and 'not exact' not in notes, notes
+    folder = tmp_path/'checkpoints'
+    saved = read_checkpoint(FileStore(folder), checkpoints_in(folder)[-1])
+    assert saved['loop']['train_iter'] == learn.train_iter == one_epoch.train_iter
+    assert weights_equal(saved['model'], learn.model.state_dict())
     assert learn.fit(1) is None                            # the learner is usable after the error
 
 def test_the_snapshot_reuses_its_buffers():
@@ -138,3 +147,25 @@ def test_a_run_killed_after_a_rollback_resumes_skipping_the_same_batches(tmp_pat
     resumed, clean = result(tmp_path/'run'), result(tmp_path/'clean')
     assert resumed['skipped'] == [(0, BAD), (1, BAD), (2, BAD)]
     assert weights_equal(resumed['model'], clean['model']) and resumed['train_iter'] == clean['train_iter']
+
+def test_a_shuffled_run_with_many_rollbacks_ended_by_an_exit_resumes_to_the_uninterrupted_run(tmp_path):
+    "The bad items scattered by shuffling: a rollback in most epochs' first batches; an exit mid-run; resume='auto'"
+    def shuffled():
+        return DataLoaders(torch.utils.data.DataLoader(regression().train.dataset, batch_size=BS, shuffle=True,
+                                                       generator=torch.Generator().manual_seed(1)))
+    class ExitAfterRollback(Callback):
+        order = Order.LAST + 100
+        def after_batch(self):
+            if self.learn.skipped_batches and self.train_iter == 30: raise SystemExit(1)
+    def run(path, *extra, resume=None):
+        learn = regression_learner(shuffled(), path=path)
+        guard = SpikeGuard(check_every=4, snapshot_every=4, warmup=4, max_rollbacks=50)
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            learn.fit(3, cbs=[guard, CheckpointCallback(every_n_steps=5), *extra], resume=resume)
+        return learn
+    whole = run(tmp_path/'whole')
+    with pytest.raises(SystemExit): run(tmp_path/'run', ExitAfterRollback())
+    resumed = run(tmp_path/'run', resume='auto')
+    assert len(whole.skipped_batches) > 10 and resumed.skipped_batches == whole.skipped_batches
+    assert weights_equal(resumed.model.state_dict(), whole.model.state_dict()) and resumed.train_iter == whole.train_iter
