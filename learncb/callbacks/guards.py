@@ -7,7 +7,7 @@ Docs: https://learncb.github.io/learncb/guards.html.md"""
 # %% auto #0
 __all__ = ['SpikeGuard', 'TerminateOnNaNCallback']
 
-# %% ../../nbs/34_guards.ipynb #8e5bf649
+# %% ../../nbs/34_guards.ipynb #37bdb5cb
 import math, statistics, warnings
 import torch
 from ..core import *
@@ -17,7 +17,7 @@ from ..sampler import *
 from ..state import *
 from ..resume import replay_pass
 
-# %% ../../nbs/34_guards.ipynb #17e6db81
+# %% ../../nbs/34_guards.ipynb #1bacb688
 def _skips_on_device(opt):
     "Whether `opt` can skip a step on the device: a fused torch optimizer reads a `found_inf` flag, as `GradScaler` sets it"
     return bool(getattr(opt, 'defaults', {}).get('fused')) and getattr(opt, '_step_supports_amp_scaling', False)
@@ -58,7 +58,7 @@ class SpikeGuard(Callback):
 
     def before_fit(self):
         learn = self.learn
-        self.history,self.rollbacks,self._snap = {'loss': [], 'grad_norm': []},0,None
+        self.rollbacks,self._snap = 0,None        # `history` starts empty (a resumed fit has it back from its checkpoint)
         self._take_order()
         self._params = [p for g in learn.opt.param_groups for p in g['params']]
         device = model_device(learn.model, learn.device)
@@ -184,6 +184,7 @@ class SpikeGuard(Callback):
         raise RollbackException(start)
 
     def after_fit(self):
+        self.history = {'loss': [], 'grad_norm': []}          # the next fit judges its own losses
         give_order_back(self.learn, self._taken)
         opt = self.learn.opt
         if self._found_inf is not None and getattr(opt, 'found_inf', None) is self._found_inf: del opt.found_inf

@@ -169,3 +169,19 @@ def test_a_shuffled_run_with_many_rollbacks_ended_by_an_exit_resumes_to_the_unin
     resumed = run(tmp_path/'run', resume='auto')
     assert len(whole.skipped_batches) > 10 and resumed.skipped_batches == whole.skipped_batches
     assert weights_equal(resumed.model.state_dict(), whole.model.state_dict()) and resumed.train_iter == whole.train_iter
+
+def test_a_run_resumed_at_an_epoch_end_keeps_the_guards_history(tmp_path):
+    "What the guard judges by (the recent losses) comes back with the checkpoint, so a resumed run judges as the whole run"
+    class Seen(Callback):
+        order = Order.GUARD + 1
+        def before_train(self): self.at = list(self.learn.spike_guard.history['loss'])
+    class ExitAtEpoch1(Callback):
+        def before_batch(self):
+            if self.epoch == 1: raise SystemExit(1)
+    def run(path, *extra, resume=None):
+        learn, seen = regression_learner(regression(drop=True), path=path), Seen()
+        learn.fit(2, cbs=[SpikeGuard(), CheckpointCallback(), seen, *extra], resume=resume)
+        return seen.at
+    whole = run(tmp_path/'whole')
+    with pytest.raises(SystemExit): run(tmp_path/'run', ExitAtEpoch1())
+    assert run(tmp_path/'run', resume='auto') == whole and len(whole) == 39
