@@ -7,7 +7,7 @@ Docs: https://learncb.github.io/learncb/guards.html.md"""
 # %% auto #0
 __all__ = ['SpikeGuard', 'TerminateOnNaNCallback']
 
-# %% ../../nbs/34_guards.ipynb #37bdb5cb
+# %% ../../nbs/34_guards.ipynb #735fcf62
 import math, statistics, warnings
 import torch
 from ..core import *
@@ -17,7 +17,7 @@ from ..sampler import *
 from ..state import *
 from ..resume import replay_pass
 
-# %% ../../nbs/34_guards.ipynb #1bacb688
+# %% ../../nbs/34_guards.ipynb #326d0aac
 def _skips_on_device(opt):
     "Whether `opt` can skip a step on the device: a fused torch optimizer reads a `found_inf` flag, as `GradScaler` sets it"
     return bool(getattr(opt, 'defaults', {}).get('fused')) and getattr(opt, '_step_supports_amp_scaling', False)
