@@ -242,7 +242,7 @@ class Order:
     STEP = 30             # before_step from here on: only steps that are taken, on the gradients the optimizer uses
     EVALUATE = 40         # EvaluateCallback: adds columns before the Recorder writes the row
     RECORDER = 50         # Recorder: losses, metrics, the epoch's row
-    NAN_GUARD = 55        # TerminateOnNaNCallback: reads the loss the Recorder saw
+    NAN_GUARD = 55        # unused by learncb now (TerminateOnNaNCallback is a guard, at GUARD); kept for orders set by it
     TRACKER = 60          # monitors (early stopping, save best): read the Recorder's row
     PROGRESS = 60         # ProgressCallback: draws the row
     LOGGER = 70           # loggers and experiment trackers: write what the Recorder and the bars have

@@ -194,7 +194,7 @@ def copy_into(buf, o):
         fits = isinstance(buf, torch.Tensor) and (buf.shape,buf.dtype,buf.device) == (o.shape,o.dtype,o.device)
         return buf.copy_(o) if fits else o.detach().clone()
     if isinstance(o, dict): return {k: copy_into(buf.get(k) if isinstance(buf, dict) else None, v) for k,v in o.items()}
-    if isinstance(o, (list, tuple)) and type(o) in (list, tuple):
+    if type(o) in (list, tuple):                    # a namedtuple or a subclass is deep-copied below
         if set(map(type, o)) <= _atom_set: return list(o) if type(o) is list else o     # a history of numbers: one C copy
         bufs = buf if isinstance(buf, (list, tuple)) and len(buf) == len(o) else [None] * len(o)
         return type(o)(copy_into(b, v) for b,v in zip(bufs, o))

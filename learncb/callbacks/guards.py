@@ -23,9 +23,9 @@ def _skips_on_device(opt):
     return bool(getattr(opt, 'defaults', {}).get('fused')) and getattr(opt, '_step_supports_amp_scaling', False)
 
 def _grad_norm(params):
-    "The global 2-norm of the gradients of `params`, a tensor on the device"
+    "The global 2-norm of the gradients of `params`, a tensor on their device"
     grads = [p.grad for p in params if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else params[0].new_zeros(())
 
 def _values(losses):
     "The losses as Python floats: one host sync (a loss of several values counts as its mean)"
@@ -34,8 +34,8 @@ def _values(losses):
 
 def _last_batch(learn):
     "The number of the last batch of this epoch that is not skipped (`None` for a dataloader without a length)"
-    skipped = {i for e,i in learn.skipped_batches if e == learn.epoch}
     if learn.n_iter is None: return None
+    skipped = {i for e,i in learn.skipped_batches if e == learn.epoch}
     return next((i for i in range(learn.n_iter - 1, -1, -1) if i not in skipped), -1)
 
 class SpikeGuard(Callback):
@@ -138,6 +138,7 @@ class SpikeGuard(Callback):
 
     def _spikes(self, values, history):
         "Which of `values` spike: not finite, or over `factor` times the median of them and the values checked before"
+        if math.isinf(self.factor): return [not math.isfinite(v) for v in values]     # no level to compute
         known = history[-self.n_history:] + [v for v in values if math.isfinite(v)]
         level = statistics.median(known) if len(known) >= max(self.warmup, 1) else None
         return [not math.isfinite(v) or (level is not None and v > self.factor * level) for v in values]
