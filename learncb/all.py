@@ -21,6 +21,7 @@ from .callbacks.training import *
 from .callbacks.loggers import *
 from .callbacks.evaluation import *
 from .callbacks.guards import *
+from .callbacks.microbatch import *
 from .checkpoint.sharded import *
 from .checkpoint.preemption import *
 from .sampler import *
