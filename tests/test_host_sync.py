@@ -41,8 +41,9 @@ def test_reading_the_history_syncs_once():
     assert sum(c.counts.values()) == 0                  # already floats after the epoch
 
 @pytest.mark.parametrize('make,did_its_work', [(ThroughputCallback, lambda cb, n: len(cb.history) == 1),
-                                               (lambda: EMACallback(0.9), lambda cb, n: cb.n_averaged == n)],
-                         ids=['throughput', 'ema'])
+                                               (lambda: EMACallback(0.9), lambda cb, n: cb.n_averaged == n),
+                                               (AutoMicrobatch, lambda cb, n: cb.since_change == n and not cb.history)],
+                         ids=['throughput', 'ema', 'microbatch'])
 def test_callbacks_that_do_not_sync_per_batch(make, did_its_work):
     def syncs(n_batches):
         learn = synth_learner(dls=synth_dls(n_train=16 * n_batches, n_valid=16 * 4), opt_func=torch.optim.SGD)
