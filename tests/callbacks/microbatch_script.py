@@ -54,21 +54,32 @@ def cap_memory(mb):
     limit = mapped_bytes() + mb * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
+class CapMemory(Callback):
+    "Under DDP: caps the address space `mb` MiB above what is mapped once the process group is up and the model wrapped"
+    order = Order.SETUP + 2
+    def __init__(self, mb): self.mb = mb
+    def before_fit(self):
+        limit = mapped_bytes() + self.mb * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument('out'); p.add_argument('--auto', action='store_true'); p.add_argument('--inject', type=int)
-    p.add_argument('--inject-rank', type=int); p.add_argument('--cap-mb', type=int); p.add_argument('--epochs', type=int, default=2)
+    p.add_argument('--inject-rank', type=int); p.add_argument('--cap-mb', type=int); p.add_argument('--cap-rank', type=int)
+    p.add_argument('--epochs', type=int, default=2)
     args = p.parse_args()
     out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     world, rank = int(os.environ.get('WORLD_SIZE', '1')), int(os.environ.get('RANK', '0'))
     inject = args.inject if args.inject_rank in (None, rank) else None
-    if args.cap_mb: cap_memory(args.cap_mb)
+    capped = args.cap_mb and args.cap_rank in (None, rank)
+    if capped and world == 1: cap_memory(args.cap_mb)
     learn = learner(inject, world, out)
     auto = AutoMicrobatch(grow_every=3)
+    cbs = ([auto] if args.auto else []) + ([CapMemory(args.cap_mb)] if capped and world > 1 else [])
     try:
         with learn.distrib_ctx(timeout=60) if world > 1 else contextlib.nullcontext():
-            learn.fit(args.epochs, cbs=[auto] if args.auto else [])
+            learn.fit(args.epochs, cbs=cbs)
     except Exception as e:
         (out/f'error{rank}.txt').write_text(''.join(traceback.format_exception(e)))
         sys.exit(3)

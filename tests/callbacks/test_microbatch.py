@@ -32,10 +32,15 @@ def test_a_capped_address_space_fails_without_it_and_trains_to_the_same_weights_
     flat = lambda rows: [v for row in rows for v in row]
     assert flat(auto['values']) == pytest.approx(flat(ref['values']), rel=1e-5)   # the whole batches' losses
 
-def test_two_processes_agree_on_the_split_when_one_rank_runs_out(tmp_path):
+@pytest.mark.parametrize('out_of_memory', [('--inject', '100'), ('--cap-mb', '10')], ids=['injected', 'capped'])
+def test_two_processes_agree_on_the_split_when_one_rank_runs_out(tmp_path, out_of_memory):
+    "Rank 1 alone runs out (an injected error, or its address space capped); rank 0 has the memory"
     rc, err = run(tmp_path/'ref', nproc=2)
     assert rc == 0, err[-3000:]
-    rc, err = run(tmp_path/'auto', '--auto', '--inject', '100', '--inject-rank', '1', nproc=2)
+    if out_of_memory[0] == '--cap-mb':                  # without AutoMicrobatch the capped rank's allocator fails
+        rc, _ = run(tmp_path/'plain', *out_of_memory, '--cap-rank', '1', nproc=2)
+        assert rc != 0 and "can't allocate memory" in (tmp_path/'plain'/'error1.txt').read_text()
+    rc, err = run(tmp_path/'auto', '--auto', *out_of_memory, '--inject-rank', '1', '--cap-rank', '1', nproc=2)
     assert rc == 0, err[-3000:]
     for rank in (0, 1):
         ref, auto = result(tmp_path/'ref', rank), result(tmp_path/'auto', rank)
