@@ -89,6 +89,7 @@ class AutoMicrobatch(Callback):
 
     # the loop's model call comes here
     def before_fit(self):
+        "Send the loop's model call here (under DDP, after the model is wrapped); refuse FSDP"
         m = self.learn.model
         if getattr(self.learn.strategy, 'sharded', False): raise ValueError(
             "AutoMicrobatch does not run under FSDP yet (the ranks gather each shard in the forward, so they would "
@@ -101,11 +102,16 @@ class AutoMicrobatch(Callback):
         self._armed,self._graph,self._leaves = False,None,None
 
     def after_fit(self):
-        if self._forward_was is None: self._outer.__dict__.pop('forward', None)
-        else: self._outer.forward = self._forward_was
+        "Give the model its own forward back (after an error too)"
+        m,self._outer = getattr(self, '_outer', None),None
+        if m is None: return                                        # before_fit stopped before it patched
+        if self._forward_was is None: m.__dict__.pop('forward', None)
+        else: m.forward = self._forward_was
         self._graph = self._leaves = self._inputs = None
 
-    def before_batch(self): self._armed,self._cancelled = True,False
+    def before_batch(self):
+        "The loop's next model call is this batch's (a graph a cancelled batch left is let go)"
+        self._armed,self._cancelled,self._graph,self._leaves = True,False,None,None
     def after_cancel_backward(self): self._cancelled = True
 
     def _forward(self, *args, **kw):
