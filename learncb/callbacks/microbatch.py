@@ -77,6 +77,7 @@ def _sum_grads(total, grads):
     return [t if g is None else g if t is None else t.add_(g) for t,g in zip(total, grads)]
 
 _slots = 64       # halvings the ranks can agree on: one slot each in the collective
+_in_place = object()   # the gradients went into `.grad` as they would have in the loop's backward
 
 # %% ../../nbs/34a_microbatch.ipynb #497cbf0d
 class AutoMicrobatch(Callback):
@@ -98,8 +99,10 @@ class AutoMicrobatch(Callback):
         # the model's own forward, without the hooks around the call (they ran once, around the whole batch); under
         # DDP, the plain model's call: the gradients are averaged here, in one collective that carries the split too
         self._call = m.module if m is not self._inner else m.forward
+        self._params,self._world = list(self._inner.parameters()),num_distrib()
+        self._device = self._params[0].device if self._params else torch.device('cpu')
         self._forward_was,m.forward = m.__dict__.get('forward'),self._forward
-        self._armed,self._graph,self._leaves = False,None,None
+        self._armed,self._leaves = False,None
 
     def after_fit(self):
         "Give the model its own forward back (after an error too)"
@@ -107,11 +110,11 @@ class AutoMicrobatch(Callback):
         if m is None: return                                        # before_fit stopped before it patched
         if self._forward_was is None: m.__dict__.pop('forward', None)
         else: m.forward = self._forward_was
-        self._graph = self._leaves = self._inputs = None
+        self._leaves = self._inputs = self._params = None
 
     def before_batch(self):
         "The loop's next model call is this batch's (a graph a cancelled batch left is let go)"
-        self._armed,self._cancelled,self._graph,self._leaves = True,False,None,None
+        self._armed,self._cancelled,self._leaves = True,False,None
     def after_cancel_backward(self): self._cancelled = True
 
     def _forward(self, *args, **kw):
@@ -119,26 +122,30 @@ class AutoMicrobatch(Callback):
         if not self._armed: return self._call(*args, **kw)          # a callback's own call: as it is
         self._armed = False
         if not torch.is_grad_enabled(): return self._predict(args, kw)
-        self._inputs,self._device = (args, kw),next((p.device for p in self._inner.parameters()), torch.device('cpu'))
-        self._rng,self._cast = None,_autocast_like(self._device.type)
+        self._inputs,self._cast,self._rng = (args, kw),_autocast_like(self._device.type),None
         self._start,self._kept = self.halvings,0
         if self.halvings and self.since_change >= self.grow_every:
             self._kept,self.halvings,self.since_change = self.halvings,0,0     # try the whole batch again
         if not self.halvings:
-            try: self._graph = self._call(*args, **kw)
+            out = None
+            try: out = self._call(*args, **kw)
             except Exception as e:
                 if not is_oom(e): raise
-            if self._graph is not None: return self._leaves_of(self._graph)
+            if out is not None: return self._leaves_of(out)
             self._shrink()
         return self._leaves_of(self._split_forward(), split=True)
 
     def _leaves_of(self, out, split=False):
         "`out` with a leaf for each tensor with a graph (`split`: each float tensor): the loop's backward stops there"
+        has_grad = lambda t: isinstance(t, torch.Tensor) and (t.is_floating_point() if split else t.requires_grad)
+        if isinstance(out, torch.Tensor):                          # the usual output: one tensor
+            if not has_grad(out): return out
+            leaf = out.detach().requires_grad_()
+            self._leaves = [(0, None if split else out, leaf)]
+            return leaf
         flat,spec = tree_flatten(out)
-        has_grad = lambda t: (t.is_floating_point() or t.is_complex()) if split else t.requires_grad
-        self._leaves = [(i, t.detach().requires_grad_()) for i,t in enumerate(flat)
-                        if isinstance(t, torch.Tensor) and has_grad(t)]
-        for i,l in self._leaves: flat[i] = l
+        self._leaves = [(i, None if split else t, t.detach().requires_grad_()) for i,t in enumerate(flat) if has_grad(t)]
+        for i,_,l in self._leaves: flat[i] = l
         return tree_unflatten(flat, spec)
 
     def _size(self, n, halvings): return max(1, math.ceil(n / 2**halvings))
@@ -185,35 +192,38 @@ class AutoMicrobatch(Callback):
     # the backward the loop's stopped at the outputs
     def after_backward(self):
         "Carry the loop's backward into the model: for the whole batch, or micro-batch by micro-batch"
-        leaves,graph,self._leaves,self._graph = self._leaves,self._graph,None,None
+        leaves,self._leaves = self._leaves,None
         if self._cancelled or not leaves: return
-        grad_outs = [(i, l.grad) for i,l in leaves if l.grad is not None]
-        params = [p for p in self._inner.parameters() if p.requires_grad]
-        grads = None
-        if graph is not None:
-            try: grads = self._whole_backward(params, tree_flatten(graph)[0], grad_outs)
-            except Exception as e:
-                if not is_oom(e): raise
-            del graph
-            if grads is None: self._shrink()
+        params = [p for p in self._params if p.requires_grad]
+        grads = self._whole_backward(params, leaves) if leaves[0][1] is not None else None
+        grad_outs = [(i, l.grad) for i,_,l in leaves if l.grad is not None]
+        del leaves                                                  # the whole batch's graph, if it had one
         if grads is None: grads = self._split_backward(params, grad_outs)
-        if num_distrib() > 1: grads = self._averaged(params, grads)
-        for p,g in zip(params, grads):
-            if g is None: continue
-            if p.grad is None: p.grad = g
-            else: p.grad.add_(g)
+        if self._world > 1: grads = self._averaged(params, grads)
+        if grads is not _in_place:
+            for p,g in zip(params, grads):
+                if g is None: continue
+                if p.grad is None: p.grad = g
+                else: p.grad.add_(g)
         self._note_size()
 
-    def _whole_backward(self, params, outs, grad_outs):
-        "The gradients of `params` from the whole batch's graph; on an out-of-memory error, the gradients as they were"
-        outs,grad_outs = [outs[i] for i,_ in grad_outs],[g for _,g in grad_outs]
-        if any(p.grad is not None for p in params):        # gradients kept from earlier batches: leave them alone
-            return torch.autograd.grad(outs, params, grad_outs, allow_unused=True)
-        try: torch.autograd.backward(outs, grad_outs)      # the usual backward (autograd.grad costs more in Python)
-        finally:
+    def _whole_backward(self, params, leaves):
+        """The backward of the whole batch's graph: into `.grad` (then `_in_place`), or the gradients when `.grad` must
+        stay as it is (gradients kept from earlier batches, or to average over the ranks); `None` if out of memory"""
+        outs,grad_outs = zip(*[(t, l.grad) for _,t,l in leaves if l.grad is not None])
+        try:
+            if any(p.grad is not None for p in params): return torch.autograd.grad(outs, params, grad_outs, allow_unused=True)
+            try: torch.autograd.backward(outs, grad_outs)     # the usual backward (autograd.grad costs more in Python)
+            except BaseException:
+                for p in params: p.grad = None                 # the part it did
+                raise
+            if self._world == 1: return _in_place
             grads = [p.grad for p in params]
             for p in params: p.grad = None
-        return grads
+            return grads
+        except Exception as e:
+            if not is_oom(e): raise
+        self._shrink()
 
     def _note_size(self):
         "Count the steps at this size; a new size starts the count again, and goes in `history`"
@@ -250,9 +260,9 @@ class AutoMicrobatch(Callback):
     def _averaged(self, params, grads):
         "The gradients averaged over the ranks, in one collective that carries each rank's halvings too (the largest wins)"
         import torch.distributed as dist
-        world,ref = num_distrib(),params[0]
+        ref = params[0]
         flat = torch.cat([(torch.zeros_like(p) if g is None else g).flatten().to(ref.dtype) for p,g in zip(params, grads)])
-        flat.div_(world)
+        flat.div_(self._world)
         agree = flat.new_zeros(_slots)
         agree[min(self.halvings, _slots - 1)] = 1
         both = torch.cat([flat, agree]).to(ref.device)
