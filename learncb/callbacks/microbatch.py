@@ -260,16 +260,12 @@ class AutoMicrobatch(Callback):
     def _averaged(self, params, grads):
         "The gradients averaged over the ranks, in one collective that carries each rank's halvings too (the largest wins)"
         import torch.distributed as dist
-        ref = params[0]
-        flat = torch.cat([(torch.zeros_like(p) if g is None else g).flatten().to(ref.dtype) for p,g in zip(params, grads)])
-        flat.div_(self._world)
-        agree = flat.new_zeros(_slots)
-        agree[min(self.halvings, _slots - 1)] = 1
-        both = torch.cat([flat, agree]).to(ref.device)
+        sizes = [p.numel() for p in params]
+        both = params[0].new_zeros(sum(sizes) + _slots)      # the gradients, then a slot per number of halvings
+        views = both.split(sizes + [_slots])
+        for v,g in zip(views, grads):
+            if g is not None: v.copy_(g.flatten()).div_(self._world)
+        views[-1][min(self.halvings, _slots - 1)] = 1
         dist.all_reduce(both)
-        self.halvings = int(both[-_slots:].nonzero().max())
-        out,s = [],0
-        for p in params:
-            out.append(both[s:s+p.numel()].view_as(p).to(p.dtype))
-            s += p.numel()
-        return out
+        self.halvings = int(views[-1].nonzero().max())
+        return [v.view_as(p).to(p.dtype) for v,p in zip(views, params)]
