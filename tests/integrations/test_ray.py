@@ -25,6 +25,7 @@ def local_ray(tmp_path, monkeypatch):
     monkeypatch.setenv('PYTHONPATH', child_pythonpath(tmp_path))
     monkeypatch.setenv('OMP_NUM_THREADS', '1')
     monkeypatch.setenv('RAY_DEDUP_LOGS', '0')
+    monkeypatch.setenv('RAY_worker_niceness', '0')          # Ray lowers its workers' priority; on a busy machine they starve
     temp = tempfile.mkdtemp(prefix='ray')                   # short: Ray's socket paths must fit in 107 bytes
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
     try: yield tmp_path
@@ -94,7 +95,8 @@ def test_the_older_ray_train_api_reports_the_checkpoints_without_a_preemption_no
     import subprocess, sys
     recipe_module(tmp_path)
     (tmp_path/'v1.py').write_text(v1_script)
-    env = dict(os.environ, RAY_TRAIN_V2_ENABLED='0', PYTHONPATH=child_pythonpath(tmp_path), OMP_NUM_THREADS='1')
+    env = dict(os.environ, RAY_TRAIN_V2_ENABLED='0', PYTHONPATH=child_pythonpath(tmp_path), OMP_NUM_THREADS='1',
+               RAY_worker_niceness='0')
     res = subprocess.run([sys.executable, str(tmp_path/'v1.py'), str(tmp_path/'out')], capture_output=True, text=True,
                          timeout=420, env=env)
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-4000:])
