@@ -42,14 +42,6 @@ def cat_outputs(outs):
     return tree_unflatten(joined, flat[0][1])
 
 # %% ../../nbs/34a_microbatch.ipynb #879c41e5
-def _rng_of(device):
-    "The state of the generators a forward on `device` draws from (dropout): the CPU's, and `device`'s"
-    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == 'cuda' else None)
-
-def _set_rng(state, device):
-    torch.set_rng_state(state[0])
-    if state[1] is not None: torch.cuda.set_rng_state(state[1], device)
-
 def _autocast_like(device_type):
     "A context that autocasts as the one open now does on `device_type` (nothing when none is open)"
     if not torch.is_autocast_enabled(device_type): return contextlib.nullcontext()
@@ -171,10 +163,10 @@ class AutoMicrobatch(Callback):
 
     def _split_forward(self):
         "The whole batch's output made of its micro-batches', without a graph: the backward computes each again"
-        self._rng = _rng_of(self._device)          # each micro-batch's second forward draws as its first did
+        self._rng = rng_state()                    # each micro-batch's second forward draws as its first did
         with torch.no_grad():
             h,outs = self._micro(self._inputs, self.halvings, lambda a,k: self._call(*a, **k),
-                                 lambda: _set_rng(self._rng, self._device))
+                                 lambda: set_rng_state(self._rng))
         self.halvings = h
         return cat_outputs(outs)
 
@@ -237,8 +229,7 @@ class AutoMicrobatch(Callback):
 
     def _split_backward(self, params, grad_outs):
         "The gradients of `params`, summed over the micro-batches, each computed again with its graph"
-        total,now = None,_rng_of(self._device)
-        start = self._rng or now                   # the whole batch's forward drew its own: any start will do
+        total,start = None,self._rng or rng_state()   # the whole batch's forward drew its own: any start will do
         def backward(a, k):
             nonlocal total
             s = backward.start
@@ -251,10 +242,9 @@ class AutoMicrobatch(Callback):
         def restart():
             nonlocal total
             total,backward.start = None,0
-            _set_rng(start, self._device)
-        with _buffers_kept(self._inner), self._cast:
+            set_rng_state(start)
+        with rng_kept(), _buffers_kept(self._inner), self._cast:  # the generators go on as the loop left them
             self.halvings,_ = self._micro(self._inputs, self.halvings, backward, restart)
-        _set_rng(now, self._device)
         return total
 
     def _averaged(self, params, grads):
