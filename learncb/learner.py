@@ -112,7 +112,7 @@ def _empty_dl(what): return (f"the {what} dataloader is empty (len 0): check tha
 class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
     "Trains `model` on `dls` with `loss_func` and `opt_func`; every stage of the loop fires events for callbacks"
     label_key,pred_key,loss_key = 'labels','logits','loss'     # the entries of dict batches and dict outputs
-    def __init__(self, dls, model, loss_func=None, opt_func=torch.optim.Adam, lr=None, splitter=None, cbs=None,
+    def __init__(self, dls, model, loss_func=None, opt_func=fast_adam, lr=None, splitter=None, cbs=None,
                  metrics=None, path='.', model_dir='models', wd=None, device=None, default_cbs=True, n_inp=1,
                  vocab=None, train_bn=True):
         self.dls,self.model = to_dls(dls),check_model(model)

@@ -15,6 +15,7 @@ from .utils import *
 from .ranks import *
 from .files import *
 from .checks import *
+from .optim import keep_implementation
 
 # %% ../nbs/02c_weights.ipynb #64dc9ae0
 class WeightsHost:
@@ -58,7 +59,7 @@ class WeightsHost:
             if created: self.opt = None
             else: opt.state,opt.param_groups = before
         try:
-            opt.load_state_dict(opt_state_like(state, opt))
+            opt.load_state_dict(keep_implementation(opt_state_like(state, opt), opt))
             lacking = sorted({k for g in opt.param_groups for k in opt.defaults if k not in g})
             if lacking: raise ValueError(f"its parameter groups have no {lacking}")
         except Exception as e:
