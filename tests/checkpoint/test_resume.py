@@ -264,3 +264,20 @@ def test_ctrl_c_in_a_jupyter_kernel(tmp_path):
         assert result['status'] == 'ok', result
     finally:
         kc.stop_channels(); km.shutdown_kernel(now=True)
+
+@pytest.mark.parametrize('first, then', [(torch.optim.Adam, fast_adam), (fast_adam, torch.optim.Adam)],
+                         ids=['plain-then-fused', 'fused-then-plain'])
+def test_a_checkpoint_of_one_adam_resumes_with_the_other(tmp_path, first, then):
+    "The optimizer state moves between torch's implementations of Adam; each goes on as itself"
+    def run(path, opt_func, cbs=(), resume=None):
+        learn = small_learner(path, lambda: nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 2)))
+        learn.opt_func = opt_func
+        learn.fit_one_cycle(3, 1e-2, cbs=[CheckpointCallback(every_n_steps=2), *cbs], resume=resume)
+        return learn
+    ref = run(tmp_path/'ref', first)
+    with pytest.raises(RuntimeError, match='boom'): run(tmp_path/'run', first, cbs=[FailAfterEpoch()])
+    resumed = run(tmp_path/'run', then, resume=True)
+    assert bool(resumed.opt.param_groups[0]['fused']) == (then is fast_adam)
+    flat = lambda learn: torch.cat([p.detach().flatten() for p in learn.model.parameters()])
+    assert ((flat(resumed) - flat(ref)).norm() / flat(ref).norm()) < 1e-6
+    assert resumed.train_iter == ref.train_iter
