@@ -273,6 +273,10 @@ class Callback:
     "`True`: set aside while `FetchPredsCallback` runs its own `get_preds`"
     remove_on_lr_find = False
     "`True`: left out of `learn.lr_find` (it would act on the diverging loss)"
+    compiled_events = ()
+    "Events inside the step whose handlers are tensor code that `learn.compile(step=True)` traces into the compiled step"
+    deferred_events = ()
+    "Events (`after_pred`, `after_loss`, `after_step`) whose handlers may run eagerly right after a compiled step"
     learn,_name = None,None
     _state_attrs = ()   # attributes saved in checkpoints by the default `state_dict`
 

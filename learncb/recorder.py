@@ -22,6 +22,7 @@ from .metrics import *
 class Recorder(Callback):
     "Records losses, learning rates and metrics (of the training set too if `train_metrics`): `losses`, `values`..."
     order,removable_in_fit = Order.RECORDER,False      # other callbacks read `learn.recorder` until the fit ends
+    deferred_events = ('after_loss',)                  # it reads the loss and predictions: after a compiled step too
     _state_attrs = ('iters', 'values', '_pending_bs', '_smooth', '_count', '_train_sum', '_train_n', '_epoch_valid',
                     '_extra', 'last_valid', '_train_cols', '_train_bs')
                     # not `_header_logged`: a resumed fit prints a new table, header first

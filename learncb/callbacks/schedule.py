@@ -294,7 +294,7 @@ def _is_scheduler(o): return callable(getattr(o, 'step', None)) and hasattr(o, '
 # %% ../../nbs/11_schedule.ipynb #e529fd95
 class LRSchedulerCallback(Callback):
     "Steps a `torch.optim.lr_scheduler` after every optimizer step that happened (`step_on='batch'`) or every epoch"
-    order,run_valid = Order.DEFAULT,False
+    order,run_valid,deferred_events = Order.DEFAULT,False,('after_step',)
     def __init__(self, scheduler, step_on='batch', monitor='valid_loss'):
         check_choice(step_on, 'step_on', ('batch', 'epoch'), who='LRSchedulerCallback',
                      hint="'batch': after each optimizer step, 'epoch': after each epoch")

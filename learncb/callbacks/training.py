@@ -37,6 +37,7 @@ def _is_last_batch(learn):
 class GradientAccumulation(Callback):
     "Step the optimizer once every `n_acc` samples, with the gradient a batch of `n_acc` samples would give"
     order,run_valid,_state_attrs = Order.ACCUMULATE,False,('count',)
+    compiled_events = ('before_backward', 'before_step')
     def __init__(self, n_acc=32):
         self.n_acc,self.count = check_int(n_acc, 'n_acc (a number of samples)', ge=1, who='GradientAccumulation'),0
 
@@ -77,7 +78,7 @@ class GradientAccumulation(Callback):
 # %% ../../nbs/13_training.ipynb #c7eace64
 class GradientClip(Callback):
     "Clip the total norm of the model's gradients to `max_norm` before each optimizer step"
-    order,run_valid = Order.CLIP,False
+    order,run_valid,compiled_events = Order.CLIP,False,('before_step',)
     def __init__(self, max_norm=1., norm_type=2.):
         self.max_norm = check_number(max_norm, 'max_norm', gt=0, who='GradientClip')
         if norm_type in ('inf', 'Inf'): norm_type = float('inf')
@@ -143,6 +144,8 @@ def _to_float(o):
 class MixedPrecision(Callback):
     "Forward pass and loss under `torch.autocast`; with float16, a `GradScaler` skipping steps whose gradients overflow"
     order = Order.MIXED_PRECISION
+    compiled_events = ('before_backward', 'before_step', 'after_step')   # autocast is entered outside the step
+    deferred_events = ('after_loss',)      # leaving autocast after the step changes nothing: backward and step do not autocast
     def __init__(self, dtype=None, init_scale=2.**16, growth_interval=2000):
         self.dtype = _check_amp_dtype(dtype)
         self.init_scale = check_number(init_scale, 'init_scale', gt=0, who='MixedPrecision')

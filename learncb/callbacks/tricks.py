@@ -25,6 +25,7 @@ from ..preds import *
 class MixHandler(Callback):
     "Base of `MixUp` and `CutMix`: each training batch is mixed with a shuffled copy of itself, and its loss alike"
     run_valid = False                   # validation, `get_preds` and `predict` see the data as it is
+    compiled_events = ('after_loss',)   # the mixed loss: tensor code
     fold = True                         # λ taken as max(λ, 1-λ) (MixUp), or kept as drawn (CutMix)
     def __init__(self, alpha=0.4):
         self.alpha = check_number(alpha, 'alpha', gt=0, finite=True, who=type(self).__name__)

@@ -60,8 +60,10 @@ def main():
     p.add_argument('--resume', action='store_true'); p.add_argument('--out')
     p.add_argument('--term'); p.add_argument('--every', type=int, default=1)
     p.add_argument('--signal', default='SIGTERM'); p.add_argument('--requeue', action='store_true')
+    p.add_argument('--compile-step', action='store_true')
     a = p.parse_args()
     learn = make_learner(a.path)
+    if a.compile_step: learn.compile(step=True, fallback=False)
     cbs = [CheckpointCallback(every_n_steps=a.every or None, keep_last=3, signals=(a.signal,), requeue=a.requeue),
            GradientAccumulation(n_acc=16)]
     if a.term: cbs.append(TermAt(*map(int, a.term.split(',')), signal.Signals[a.signal]))

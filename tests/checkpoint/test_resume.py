@@ -281,3 +281,16 @@ def test_a_checkpoint_of_one_adam_resumes_with_the_other(tmp_path, first, then):
     flat = lambda learn: torch.cat([p.detach().flatten() for p in learn.model.parameters()])
     assert ((flat(resumed) - flat(ref)).norm() / flat(ref).norm()) < 1e-6
     assert resumed.train_iter == ref.train_iter
+
+def test_a_compiled_fit_killed_and_resumed_equals_the_uninterrupted_one(tmp_path):
+    "learn.compile(step=True), dropout, one-cycle and GradientAccumulation: SIGKILL, then resume='auto', compiled again"
+    ref = tmp_path/'ref'
+    run_script(ref, '--compile-step', '--out', str(ref/'final.pt'))
+    reference = load_torch_file(ref/'final.pt')
+    for i, point in enumerate([('after_batch', 1, 3, 'train'), ('before_batch', 2, 1, 'valid')]):
+        path, spec = tmp_path/f'run{i}', ','.join(map(str, point))
+        killed = run_script(path, '--compile-step', '--kill', spec, check=False)
+        assert killed.returncode == -signal.SIGKILL, f'{spec}: expected SIGKILL, got {killed.returncode}\n{killed.stderr}'
+        run_script(path, '--compile-step', '--resume', '--out', str(path/'final.pt'))
+        try: assert_same_run(reference, load_torch_file(path/'final.pt'))
+        except AssertionError as e: raise AssertionError(f'kill at {point}: {e}') from None

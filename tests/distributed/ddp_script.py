@@ -28,6 +28,7 @@ p.add_argument('--clip', action='store_true'); p.add_argument('--save-best', act
 p.add_argument('--term-at', type=int, default=None); p.add_argument('--kill-once', default=None)
 p.add_argument('--auto', action='store_true'); p.add_argument('--ema', action='store_true')
 p.add_argument('--prune-at', type=int, default=None); p.add_argument('--dist-order', action='store_true')
+p.add_argument('--compile-step', action='store_true')
 args = p.parse_args()
 out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
 torch.set_num_threads(1)
@@ -114,7 +115,8 @@ class Probe(Callback):
     def after_epoch(self):
         if args.stop_rank == rank_distrib() and self.epoch == 0: self.learn.stop_fit('asked on one rank')
 
-cbs = [Chaos(), Probe()]
+cbs = [] if args.compile_step else [Chaos(), Probe()]      # their handlers are Python: they would make a compiled fit eager
+if args.compile_step: learn.compile(step=True, fallback=False)
 if args.acc: cbs.append(GradientAccumulation(args.acc))
 if args.clip_bf16: cbs += [GradientClip(0.5), MixedPrecision('bf16')]
 if args.clip: cbs.append(GradientClip(0.05))                  # small: every step is clipped
@@ -151,5 +153,6 @@ if rank == 0:
     torch.save({'alone': alone, 'model': learn.model.state_dict(), 'opt': opt, 'losses': learn.recorder.losses,
                 'values': learn.recorder.values, 'preds': preds, 'targs': targs, 'world': world, 'syncs': syncs,
                 'sizes': all_sizes, 'x_valid': x[64:],
-                'is_plain': not isinstance(learn.model, torch.nn.parallel.DistributedDataParallel)},
+                'is_plain': not isinstance(learn.model, torch.nn.parallel.DistributedDataParallel),
+                'graphs': torch._dynamo.utils.counters['stats']['unique_graphs']},
                out/'result.pt')
