@@ -65,7 +65,16 @@ def keep_implementation(state, opt):
     groups = state.get('param_groups') if isinstance(state, dict) else None
     if not isinstance(groups, list) or len(groups) != len(opt.param_groups): return state
     mine = [{k: g[k] for k in _implementation if k in g} for g in opt.param_groups]
-    return {**state, 'param_groups': [{**g, **m} for g,m in zip(groups, mine)]}
+    return {**state, 'param_groups': [{**_typed_like(g, own), **m} for g,m,own in zip(groups, mine, opt.param_groups)]}
+
+def _typed_like(group, own):
+    "Saved `group`'s numbers as `own` holds them: tensors where a compiled step made them tensors, else numbers"
+    def like(v, o):
+        if isinstance(o, tuple) and isinstance(v, (tuple, list)) and len(o) == len(v): return tuple(map(like, v, o))
+        if isinstance(o, torch.Tensor) and o.ndim == 0 and is_number(v): return torch.tensor(float(v), dtype=o.dtype)
+        if is_number(o) and isinstance(v, torch.Tensor) and v.ndim == 0: return v.item()
+        return v
+    return {k: like(v, own[k]) if k in own and k != 'params' else v for k,v in group.items()}
 
 # %% ../nbs/02b_optim.ipynb #9c531332
 def _param_group(g, splitter):

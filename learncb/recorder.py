@@ -198,7 +198,8 @@ class Recorder(Callback):
         if learn.training:
             self._pending.append(learn.loss)
             self._pending_bs.append(find_bs(learn.yb))
-            self.lrs.append(learn.opt.param_groups[0]['lr'])
+            lr = learn.opt.param_groups[0]['lr']
+            self.lrs.append(float(lr) if isinstance(lr, torch.Tensor) else lr)     # a tensor in a compiled step
             if self._metrics_unchecked: self._try_metrics()
             if self._train_metrics:
                 self._train_bs.append(self._pending_bs[-1])

@@ -79,3 +79,16 @@ def test_spike_guard_syncs_once_per_check_not_per_batch(snapshot_every, extra):
         return c.counts
     few, many = syncs(100), syncs(300)                 # 200 more batches: 2 more checks (and 2 more snapshots)
     assert many - few == Counter(tolist=extra), f'100 batches: {dict(few)}, 300 batches: {dict(many)}'
+
+def test_a_compiled_step_does_not_sync_per_batch():
+    "learn.compile(step=True), with GradientClip traced into the step and the Recorder after it"
+    def syncs(n_batches):
+        learn = synth_learner(dls=synth_dls(n_train=16 * n_batches, n_valid=16 * 4), opt_func=torch.optim.SGD,
+                              cbs=GradientClip(1.))
+        learn.compile(step=True, fallback=False)
+        learn.fit(1)                                    # compiles: torch's own reads while it traces are not counted
+        with SyncCounter() as c: learn.fit(1)
+        assert learn.compiler.fell_back is None and learn.train_iter == n_batches
+        return c.counts
+    few, many = syncs(100), syncs(300)
+    assert few == many, f'100 batches: {dict(few)}, 300 batches: {dict(many)}'

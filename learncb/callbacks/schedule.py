@@ -105,11 +105,14 @@ def set_hp(groups, key, idx, value):
     "Set `value` (one for all groups, or a list with one per group) at `key` (or `key[idx]`, for betas) in `groups`"
     values = value if isinstance(value, (list, tuple)) else repeat(value)
     if idx is None:
-        for pg,v in zip(groups, values): pg[key] = v
+        for pg,v in zip(groups, values):
+            if isinstance(pg[key], torch.Tensor): pg[key].fill_(v)      # a compiled step reads it: in place
+            else: pg[key] = v
     else:
         for pg,v in zip(groups, values):
             old = pg[key]
-            pg[key] = (v, old[1]) if idx == 0 else (old[0], v)
+            if isinstance(old[idx], torch.Tensor): old[idx].fill_(v)
+            else: pg[key] = (v, old[1]) if idx == 0 else (old[0], v)
 
 # %% ../../nbs/11_schedule.ipynb #ce1395ce
 def check_has_len(dl, who):
