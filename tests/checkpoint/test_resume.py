@@ -282,8 +282,20 @@ def test_a_checkpoint_of_one_adam_resumes_with_the_other(tmp_path, first, then):
     assert ((flat(resumed) - flat(ref)).norm() / flat(ref).norm()) < 1e-6
     assert resumed.train_iter == ref.train_iter
 
+def assert_close_run(a, b, rtol=1e-6):
+    "`assert_same_run` within `rtol` of each tensor's largest value: a compiled run's kernels may round in another order"
+    close = lambda x, y: (x - y).abs().max() <= rtol * max(x.abs().max(), 1e-12)
+    for k in a['model']: assert close(a['model'][k], b['model'][k]), f'model {k} differs'
+    sa, sb = a['opt']['state'], b['opt']['state']
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for k in sa[i]: assert close(torch.as_tensor(sa[i][k]).double(), torch.as_tensor(sb[i][k]).double()), f'optimizer {i}.{k} differs'
+    for x, y in [(a['losses'], b['losses']), (a['values'], b['values']), (a['lrs'], b['lrs'])]:
+        assert torch.allclose(torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64), rtol=rtol, atol=0)
+
 def test_a_compiled_fit_killed_and_resumed_equals_the_uninterrupted_one(tmp_path):
-    "learn.compile(step=True), dropout, one-cycle and GradientAccumulation: SIGKILL, then resume='auto', compiled again"
+    """learn.compile(step=True), dropout, one-cycle and GradientAccumulation: SIGKILL, then resume='auto', compiled again.
+    Within 1e-6, not bitwise: the resumed process compiles its graphs in another order, which may round differently"""
     ref = tmp_path/'ref'
     run_script(ref, '--compile-step', '--out', str(ref/'final.pt'))
     reference = load_torch_file(ref/'final.pt')
@@ -292,5 +304,5 @@ def test_a_compiled_fit_killed_and_resumed_equals_the_uninterrupted_one(tmp_path
         killed = run_script(path, '--compile-step', '--kill', spec, check=False)
         assert killed.returncode == -signal.SIGKILL, f'{spec}: expected SIGKILL, got {killed.returncode}\n{killed.stderr}'
         run_script(path, '--compile-step', '--resume', '--out', str(path/'final.pt'))
-        try: assert_same_run(reference, load_torch_file(path/'final.pt'))
+        try: assert_close_run(reference, load_torch_file(path/'final.pt'))
         except AssertionError as e: raise AssertionError(f'kill at {point}: {e}') from None
