@@ -203,7 +203,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
     def _do_grad_opt(self):
         try:
             self._with_events(self._backward, 'backward', CancelBackwardException)
-            if self._with_events(self.opt.step, 'step', CancelStepException): self.opt.zero_grad()
+            if self._with_events(self.opt.step, 'step', CancelStepException): clear_grads(self.opt)
         except Exception as e: note_where(e, 'step'); raise     # backward and callbacks have marked theirs
 
     def _with_events(self, body, stage, cancel_exc):

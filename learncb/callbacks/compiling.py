@@ -17,6 +17,7 @@ from fastcore.basics import patch
 from ..core import *
 from ..utils import *
 from ..learner import *
+from ..optim import clear_grads
 
 # %% ../../nbs/27_compile.ipynb #0dd0ff70
 class CompiledModel(nn.Module):
@@ -153,7 +154,7 @@ class CompiledStep:
         except CancelBackwardException:
             self._defer(deferred, steps)
             learn._fire('after_cancel_backward'); learn._fire('after_backward')
-            if learn._with_events(self._opt_step, 'step', CancelStepException): learn.opt.zero_grad()
+            if learn._with_events(self._opt_step, 'step', CancelStepException): clear_grads(learn.opt)
             return
         except CancelStepException:
             self._defer(deferred, steps)
@@ -162,7 +163,7 @@ class CompiledStep:
             return
         if not learn.training: return self._defer(deferred, steps)
         self._defer(deferred, steps + ('after_step',))
-        learn.opt.zero_grad()             # as `Learner` does, after `after_step` (torch.compile would not trace it)
+        clear_grads(learn.opt)             # as `Learner` does, after `after_step` (torch.compile would not trace it)
 
     @staticmethod
     def _defer(deferred, names):
@@ -215,7 +216,7 @@ class CompileCallback(Callback):
             if not _compiler_error(e): raise
             lines = [l.strip() for l in str(e).splitlines() if l.strip()][:2]
             self._fall_back(f"torch.compile failed ({type(e).__name__}: {' '.join(lines)})")
-        if learn.training and _first_grad(learn) != grad: learn.opt.zero_grad()   # the failed step's gradients
+        if learn.training and _first_grad(learn) != grad: clear_grads(learn.opt)   # the failed step's gradients
         type(learn)._do_one_batch(learn)                                            # this batch again, eagerly
 
     def _fall_back(self, reason):

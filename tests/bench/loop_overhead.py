@@ -2,7 +2,8 @@
 
 Prints one line per configuration: microseconds per step, overhead per step, and the ratio to the raw loop.
 `python tests/bench/loop_overhead.py` for the full run, `--short` for the quick one CI runs."""
-import argparse, contextlib, cProfile, io, pstats, tempfile, time
+import argparse, contextlib, cProfile, io, pstats, tempfile, time, warnings
+from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -161,6 +162,94 @@ def ddp_us(n_batches, n_epoch, rounds, timeout, world=2):
     "Microseconds per step of the raw DDP loop and learncb's, in `world` CPU processes (gloo); or why there are none"
     return run_workers(ddp_worker, (n_batches, n_epoch, rounds), world, timeout)
 
+# The compile table (issue 32): batches made ahead, so that the figures time the step, not the DataLoader's collate
+def premade(n_batches, shape, n_classes, bs=32, seed=0):
+    "Training and validation batches, made once: lists of `(x, y)` (a list is a dataloader to learncb too)"
+    g = torch.Generator().manual_seed(seed)
+    batches = [(torch.randn(bs, *shape, generator=g), torch.randint(0, n_classes, (bs,), generator=g))
+               for _ in range(n_batches + n_batches // 6)]
+    return batches[:n_batches], batches[n_batches:]
+
+def wide_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 2))
+
+def cnn_model():
+    "gpu_cnn.py's CNN, on the CPU"
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(64, 10))
+
+def raw_epoch(model, step, vstep, train, valid):
+    "One epoch of a hand-written loop: `step` trains on a batch, `vstep` gives a validation loss"
+    model.train(); losses = [step(xb, yb) for xb, yb in train]
+    model.eval()
+    with torch.no_grad(): vlosses = [vstep(xb, yb) for xb, yb in valid]
+    torch.stack(losses).mean().item(); torch.stack(vlosses).mean().item()
+
+def raw_runner(make_model, opt_cls, train, valid, compiled):
+    "A hand-written loop (its optimizer as it comes), with its whole step in one `torch.compile` if `compiled`"
+    model, loss_func = make_model(), nn.CrossEntropyLoss()
+    opt = opt_cls(model.parameters(), lr=1e-3)
+    def step(xb, yb):
+        loss = loss_func(model(xb), yb); loss.backward(); opt.step(); opt.zero_grad()
+        return loss.detach()
+    def vstep(xb, yb): return loss_func(model(xb), yb)
+    if compiled: step, vstep = torch.compile(step), torch.compile(vstep)
+    return lambda: raw_epoch(model, step, vstep, train, valid)
+
+def learncb_runner(make_model, opt_func, train, valid, compile=None):
+    "learncb's fit (default callbacks, no bar), compiled as `learn.compile(**compile)` if given"
+    learn = Learner(DataLoaders(train, valid), make_model(), nn.CrossEntropyLoss(), lr=1e-3, device='cpu', opt_func=opt_func)
+    learn.remove_cb(ProgressCallback)
+    if compile is not None: learn.compile(**compile)
+    def fit():
+        with learn.no_logging(): learn.fit(1)
+    return fit, learn
+
+def default_opt(opt_cls):
+    "learncb's default for `opt_cls`: its default `fast_adam` for Adam, else the class as given"
+    return fast_adam if opt_cls is torch.optim.Adam else opt_cls
+
+def compile_rows(make_model, shape, n_classes, opt_cls, n_batches, rounds):
+    "us/step of each way to run the step, and the seconds of each first (compiling) epoch"
+    train, valid = premade(n_batches, shape, n_classes)
+    runners = {'raw': raw_runner(make_model, opt_cls, train, valid, False),
+               'raw_compiled': raw_runner(make_model, opt_cls, train, valid, True),
+               'default': learncb_runner(make_model, default_opt(opt_cls), train, valid)[0],
+               'model': learncb_runner(make_model, opt_cls, train, valid, {})[0]}
+    runners['step'], learn = learncb_runner(make_model, opt_cls, train, valid, {'step': True})
+    first = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        for k, f in runners.items():
+            t = time.perf_counter(); f(); first[k] = time.perf_counter() - t
+    n_steps = len(train) + len(valid)
+    best = best_times(runners, rounds)
+    return {k: v / n_steps * 1e6 for k, v in best.items()}, first, learn.compiler.fell_back
+
+def compile_table(short):
+    "Side by side: the hand-written loop eager and compiled, learncb eager (fused), `learn.compile()`, `(step=True)`"
+    import torch._dynamo
+    torch._dynamo.config.recompile_limit = 64          # every learner here compiles its own graphs: no eager fallback
+    torch._inductor.config.force_disable_caches = True  # the first compile's time as in a new environment
+    models = [('16-16-2 MLP', make_model, (16,), 2, 300)]
+    if not short: models += [('16-512-512-2 MLP', wide_model, (16,), 2, 150), ('CNN (gpu_cnn.py), CPU', cnn_model, (3, 32, 32), 10, 12)]
+    opts = [torch.optim.SGD, torch.optim.Adam] + ([] if short else [torch.optim.AdamW])
+    rounds = 3 if short else 5
+    print(f"compiling, side by side: batches of 32 made ahead (a list), an epoch of training and validation, best of {rounds}, "
+          f"1 thread; x: times faster than the hand-written eager loop (its optimizer as it comes); first: the first "
+          f"epoch, which compiles")
+    for name, make, shape, n_classes, n in models:
+        for opt_cls in opts:
+            us, first, fell_back = compile_rows(make, shape, n_classes, opt_cls, n, rounds)
+            cell = lambda k: f"{us[k]:7.0f} us {us['raw'] / us[k]:4.2f}x"
+            print(f"{name:<22} {opt_cls.__name__:<5}: hand-written {us['raw']:7.0f} us | its step compiled {cell('raw_compiled')} "
+                  f"(first {first['raw_compiled']:.1f} s) | learncb default {cell('default')} | "
+                  f"learn.compile() {cell('model')} (first {first['model']:.1f} s) | learn.compile(step=True) {cell('step')} "
+                  f"(first {first['step']:.1f} s)" + (f" FELL BACK: {fell_back}" if fell_back else ''))
+
 def main(short=False):
     torch.set_num_threads(1)
     n_batches, n_epoch, rounds = (200, 1, 3) if short else (600, 2, 5)
@@ -201,6 +290,7 @@ def main(short=False):
     else: print(f"2 processes (gloo, DDP)               : learncb {res['learncb']:7.1f} us/step, hand-written DDP loop "
                 f"{res['raw']:7.1f} us/step, ratio {res['learncb'] / res['raw']:.3f} "
                 f"({n_ddp} batches of 32 per rank, {n_epoch_ddp} epoch(s), best of {rounds_ddp}, 1 thread per process)")
+    compile_table(short)
 
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__)
