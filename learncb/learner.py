@@ -203,7 +203,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
     def _do_grad_opt(self):
         try:
             self._with_events(self._backward, 'backward', CancelBackwardException)
-            if self._with_events(self.opt.step, 'step', CancelStepException): clear_grads(self.opt)
+            if self._with_events(self._opt_step, 'step', CancelStepException): clear_grads(self.opt)
         except Exception as e: note_where(e, 'step'); raise     # backward and callbacks have marked theirs
 
     def _with_events(self, body, stage, cancel_exc):
@@ -220,6 +220,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         self._fire(after)
         return done
 
+    def _opt_step(self): opt_step(self.opt)
     def _backward(self):
         try: self.loss_grad.backward()
         except Exception as e:

@@ -1,4 +1,4 @@
-"""`learn.compile()`: fits run the compiled model; weight files, checkpoints and `export` keep the plain model's keys.
+"""`learn.compile()` compiles the model, `learn.compile(step=True)` the whole training step; weight files, checkpoints and `export` keep the plain model's keys.
 
 Docs: https://learncb.github.io/learncb/compile.html.md"""
 

@@ -33,13 +33,22 @@ def raw_loop(train, valid, n_epoch):
             tot.item()
     torch.cuda.synchronize()
 
-def learncb_loop(train, valid, n_epoch):
+def learncb_learner(train, valid, fused=False, compile=None):
+    "learncb on the CNN: SGD with momentum (`fused=True` if asked), compiled as `learn.compile(**compile)` if given"
     from learncb.all import Learner, DataLoaders, ProgressCallback
     learn = Learner(DataLoaders(train, valid), make_model(), nn.CrossEntropyLoss(), lr=0.01, device='cuda',
-                    opt_func=lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9))
+                    opt_func=lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9, fused=fused or None))
     learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
-    with learn.no_logging(): learn.fit(n_epoch)
-    torch.cuda.synchronize()
+    if compile is not None: learn.compile(**compile)
+    return learn
+
+def fit_of(learn, n_epoch):
+    def fit():
+        with learn.no_logging(): learn.fit(n_epoch)
+        torch.cuda.synchronize()
+    return fit
+
+def learncb_loop(train, valid, n_epoch): fit_of(learncb_learner(train, valid), n_epoch)()
 
 def main(short=False):
     if not torch.cuda.is_available(): return print('gpu cnn benchmark: skipped: no CUDA')
@@ -52,6 +61,12 @@ def main(short=False):
     print(f"small CNN on {torch.cuda.get_device_name()}, batches of 128 3x32x32, {n_batches} batches, "
           f"{n_epoch} epoch(s), best of {rounds}: raw loop {us['raw']:.1f} us/step, learncb {us['learncb']:.1f} us/step, "
           f"ratio {us['learncb'] / us['raw']:.3f}")
+    fits = {'fused SGD': fit_of(learncb_learner(train, valid, fused=True), n_epoch),      # each warmed up (compiled) first
+            'learn.compile(step=True)': fit_of(learncb_learner(train, valid, compile={'step': True}), n_epoch),
+            "learn.compile(step=True, mode='reduce-overhead')":
+                fit_of(learncb_learner(train, valid, compile={'step': True, 'mode': 'reduce-overhead'}), n_epoch)}
+    for name, t in best_times(fits, rounds).items():
+        print(f"learncb, {name}: {t / n_steps * 1e6:.1f} us/step, {us['raw'] / (t / n_steps * 1e6):.2f}x faster than the raw loop")
 
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__)
