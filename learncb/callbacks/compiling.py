@@ -11,6 +11,7 @@ __all__ = ['CompiledModel', 'step_plan', 'hypers_as_tensors', 'hypers_as_numbers
 # %% ../../nbs/27_compile.ipynb #e73a615e
 import warnings
 from contextlib import contextmanager
+from types import FunctionType, MethodType
 import torch
 from torch import nn
 from fastcore.basics import patch
@@ -92,6 +93,12 @@ def _tracing_backward(on):
     try: yield
     finally: cfg.trace_autograd_ops = old
 
+def _own_code(method):
+    "`method` on a copy of its code: torch caches graphs per code object, so each learner's stay apart (and few)"
+    fn = method.__func__
+    copy = FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return MethodType(copy, method.__self__)
+
 def _detached(o):
     "`o` (a tensor, or a tuple, list or dict of them) detached from its graph"
     if isinstance(o, torch.Tensor): return o.detach()
@@ -104,11 +111,11 @@ def _compiler_error(e):
 
 class CompiledStep:
     "The training and validation steps of `learn`, each one `torch.compile(**kwargs)` call, with the callbacks' compiled handlers inside"
-    def __init__(self, learn, **kwargs):
+    def __init__(self, learn, trace_backward=True, **kwargs):
         self.learn,self.kwargs,self.failed,self._plans = learn,kwargs,None,{}
-        self.traced_backward = backward_traceable(learn.model)     # one graph for the whole step; else torch's backward
-        self._train,self._valid = torch.compile(self._train_step, **kwargs),torch.compile(self._valid_step, **kwargs)
-        self._opt_step = torch.compile(self._eager_opt_step, **kwargs)
+        self.traced_backward = trace_backward and backward_traceable(learn.model)   # one graph; else torch's backward
+        self._train,self._valid,self._opt_step = (torch.compile(_own_code(m), **kwargs)
+                                                  for m in (self._train_step, self._valid_step, self._eager_opt_step))
 
     def plan(self, training):
         "The handlers of this phase, found again when the learner's callbacks changed; `None` when some must run eagerly"
@@ -174,8 +181,8 @@ class CompiledStep:
 class CompileCallback(Callback):
     "Fits run `torch.compile(model, **kwargs)`, or with `step=True` the whole step compiled; a compiler error falls back to eager"
     order,_name = Order.COMPILE,'compiler'          # `learn.compiler`: `learn.compile` is the method that adds it
-    def __init__(self, step=False, fallback=True, **kwargs):
-        self.kwargs,self.step,self.fallback = kwargs,step,fallback
+    def __init__(self, step=False, fallback=True, trace_backward=True, **kwargs):
+        self.kwargs,self.step,self.fallback,self.trace_backward = kwargs,step,fallback,trace_backward
         self.compiled,self.stepper,self.fell_back,self._tensor_hypers = None,None,None,False
 
     def before_fit(self):
@@ -190,7 +197,8 @@ class CompileCallback(Callback):
         if getattr(learn.strategy, 'sharded', False): raise ValueError(
             "learn.compile(step=True) does not compile an FSDP step: FSDP gathers and frees the shards around each "
             "layer in hooks the compiled step would have to trace; use learn.compile() (the model compiled) with FSDP")
-        if self.stepper is None or self.stepper.learn is not learn: self.stepper = CompiledStep(learn, **self.kwargs)
+        if self.stepper is None or self.stepper.learn is not learn:
+            self.stepper = CompiledStep(learn, trace_backward=self.trace_backward, **self.kwargs)
         blocked = list(dict.fromkeys(step_plan(learn, True)[2] + step_plan(learn, False)[2]))   # each named once
         if learn.loss_func is None: self._fall_back("the learner has no loss_func (the model's own loss is not compiled)")
         elif blocked: self._fall_back(_blocked_reason(blocked))
@@ -244,7 +252,7 @@ def _first_grad(learn):
     return None if g is None else (id(g), g._version)
 
 @patch
-def compile(self:Learner, step=False, fallback=True, **kwargs):
+def compile(self:Learner, step=False, fallback=True, trace_backward=True, **kwargs):
     "Fits run the model compiled with `torch.compile(model, **kwargs)`, or with `step=True` the whole training step; `learn.model` stays the plain model"
     self.remove_cbs([cb for cb in self.cbs if isinstance(cb, CompileCallback)])
-    return self.add_cb(CompileCallback(step=step, fallback=fallback, **kwargs))
+    return self.add_cb(CompileCallback(step=step, fallback=fallback, trace_backward=trace_backward, **kwargs))

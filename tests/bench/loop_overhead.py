@@ -212,7 +212,7 @@ def default_opt(opt_cls):
     "learncb's default for `opt_cls`: its default `fast_adam` for Adam, else the class as given"
     return fast_adam if opt_cls is torch.optim.Adam else opt_cls
 
-def compile_rows(make_model, shape, n_classes, opt_cls, n_batches, rounds):
+def compile_rows(make_model, shape, n_classes, opt_cls, n_batches, rounds, short_rows=False):
     "us/step of each way to run the step, and the seconds of each first (compiling) epoch"
     train, valid = premade(n_batches, shape, n_classes)
     runners = {'raw': raw_runner(make_model, opt_cls, train, valid, False),
@@ -220,6 +220,7 @@ def compile_rows(make_model, shape, n_classes, opt_cls, n_batches, rounds):
                'default': learncb_runner(make_model, default_opt(opt_cls), train, valid)[0],
                'model': learncb_runner(make_model, opt_cls, train, valid, {})[0]}
     runners['step'], learn = learncb_runner(make_model, opt_cls, train, valid, {'step': True})
+    if not short_rows: runners['step_engine'] = learncb_runner(make_model, opt_cls, train, valid, {'step': True, 'trace_backward': False})[0]
     first = {}
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
@@ -243,12 +244,13 @@ def compile_table(short):
           f"epoch, which compiles")
     for name, make, shape, n_classes, n in models:
         for opt_cls in opts:
-            us, first, fell_back = compile_rows(make, shape, n_classes, opt_cls, n, rounds)
+            us, first, fell_back = compile_rows(make, shape, n_classes, opt_cls, n, rounds, short)
             cell = lambda k: f"{us[k]:7.0f} us {us['raw'] / us[k]:4.2f}x"
             print(f"{name:<22} {opt_cls.__name__:<5}: hand-written {us['raw']:7.0f} us | its step compiled {cell('raw_compiled')} "
                   f"(first {first['raw_compiled']:.1f} s) | learncb default {cell('default')} | "
                   f"learn.compile() {cell('model')} (first {first['model']:.1f} s) | learn.compile(step=True) {cell('step')} "
-                  f"(first {first['step']:.1f} s)" + (f" FELL BACK: {fell_back}" if fell_back else ''))
+                  f"(first {first['step']:.1f} s)" + ('' if short else f" | (step=True, trace_backward=False) {cell('step_engine')}")
+                  + (f" FELL BACK: {fell_back}" if fell_back else ''))
 
 def main(short=False):
     torch.set_num_threads(1)
