@@ -112,13 +112,13 @@ def _compiler_error(e):
 class CompiledStep:
     "The training and validation steps of `learn`, each one `torch.compile(**kwargs)` call, with the callbacks' compiled handlers inside"
     def __init__(self, learn, trace_backward=True, **kwargs):
-        self.learn,self.kwargs,self.failed,self._plans = learn,kwargs,None,{}
+        self.learn,self.kwargs,self._plans = learn,kwargs,{}
         self.traced_backward = trace_backward and backward_traceable(learn.model)   # one graph; else torch's backward
         self._train,self._valid,self._opt_step = (torch.compile(_own_code(m), **kwargs)
                                                   for m in (self._train_step, self._valid_step, self._eager_opt_step))
 
     def plan(self, training):
-        "The handlers of this phase, found again when the learner's callbacks changed; `None` when some must run eagerly"
+        "`(tables, compiled, deferred, blocked)` of this phase (`step_plan`), found again when the callbacks changed"
         learn = self.learn
         tables,plan = learn._tables,self._plans.get(training)
         if plan is not None and plan[0] is tables: return plan
@@ -183,7 +183,7 @@ class CompileCallback(Callback):
     order,_name = Order.COMPILE,'compiler'          # `learn.compiler`: `learn.compile` is the method that adds it
     def __init__(self, step=False, fallback=True, trace_backward=True, **kwargs):
         self.kwargs,self.step,self.fallback,self.trace_backward = kwargs,step,fallback,trace_backward
-        self.compiled,self.stepper,self.fell_back,self._tensor_hypers = None,None,None,False
+        self.compiled,self.stepper,self.fell_back = None,None,None
 
     def before_fit(self):
         learn = self.learn
@@ -199,10 +199,11 @@ class CompileCallback(Callback):
             "layer in hooks the compiled step would have to trace; use learn.compile() (the model compiled) with FSDP")
         if self.stepper is None or self.stepper.learn is not learn:
             self.stepper = CompiledStep(learn, trace_backward=self.trace_backward, **self.kwargs)
+        self.stepper.traced_backward = self.trace_backward and backward_traceable(learn.model)  # DDP may wrap it now
         blocked = list(dict.fromkeys(step_plan(learn, True)[2] + step_plan(learn, False)[2]))   # each named once
         if learn.loss_func is None: self._fall_back("the learner has no loss_func (the model's own loss is not compiled)")
         elif blocked: self._fall_back(_blocked_reason(blocked))
-        if self.fell_back is None: self._tensor_hypers = hypers_as_tensors(learn.opt)   # schedules change them in place
+        if self.fell_back is None: hypers_as_tensors(learn.opt)         # schedules change them in place
         learn._do_one_batch = self._one_batch          # the learner's own, for this fit
 
     def _one_batch(self):
