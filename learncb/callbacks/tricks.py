@@ -154,6 +154,7 @@ class WeightAveraging(Callback):
 class EMACallback(WeightAveraging):
     "Keeps an exponential moving average of the weights, updated after every optimizer step by `decay`"
     order = Order.AVERAGING                          # after the callbacks that cancel steps, before those that save
+    deferred_events = ('after_step',)                # it reads the weights the step made: after a compiled step too
     def __init__(self, decay=0.999, validate=True, replace_at_end=True, update_every=1, start_step=0):
         self.decay = check_number(decay, 'decay', gt=0, finite=True, who='EMACallback')
         self.update_every = check_int(update_every, 'update_every', ge=1, who='EMACallback')

@@ -51,3 +51,15 @@ def test_an_error_of_the_model_itself_is_not_hidden():
     learn = synth_learner(model=Bad(2, 2))
     learn.compile(backend='aot_eager')
     with pytest.raises(RuntimeError, match='mat1 and mat2'): learn.fit(1)
+
+def test_a_compiled_step_keeps_an_ema_of_the_weights():
+    "EMACallback's after_step is deferred: it averages after each compiled step, and ends as the eager fit's average"
+    def fit(step):
+        learn = learner(cbs=[EMACallback(0.9)], opt_func=torch.optim.Adam)
+        if step: learn.compile(step=True, fallback=False)
+        learn.fit_one_cycle(3, 1e-2)
+        return learn
+    eager, compiled = fit(False), fit(True)
+    assert compiled.compiler.fell_back is None and compiled.ema._n == eager.ema._n > 0
+    for a, b in zip(eager.model.parameters(), compiled.model.parameters()):     # the averages (replace_at_end)
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max()
