@@ -60,15 +60,19 @@ def fast_adam(params, **kwargs):
 
 def clear_grads(opt):
     "`opt.zero_grad()`: for torch's own optimizers the same loop (gradients to `None`) without its profiler annotation"
-    if type(opt).zero_grad is not torch.optim.Optimizer.zero_grad: return opt.zero_grad()
+    if type(opt).zero_grad is not torch.optim.Optimizer.zero_grad or _profiling(): return opt.zero_grad()
     for pg in opt.param_groups:           # `zero_grad` opens a `record_function` each call: 8 us, a tiny model's step's 3%
         for p in pg['params']: p.grad = None
 
 def opt_step(opt):
-    "`opt.step()`; for a torch optimizer without step hooks its step itself, without the profiler annotation (8 us)"
+    "`opt.step()`; for a torch optimizer without step hooks, and no profiler on, its step itself without the annotation"
     step = type(opt).step
-    if not getattr(step, 'hooked', False) or 'step' in vars(opt) or _step_hooks(opt): return opt.step()
+    if not getattr(step, 'hooked', False) or 'step' in vars(opt) or _step_hooks(opt) or _profiling(): return opt.step()
     return step.__wrapped__(opt)       # what torch's wrapper calls, between its hooks (none here) in a `record_function`
+
+def _profiling():
+    "Whether torch's profiler records now: then the optimizer's calls keep their annotations, which it shows"
+    return torch.autograd._profiler_enabled()
 
 def _step_hooks(opt):
     "Whether hooks run around `opt.step` (its own or global ones), which only torch's `step` wrapper calls"
