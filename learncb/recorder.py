@@ -17,6 +17,7 @@ from .utils import *
 from .ranks import *
 from .diagnose import describe_value
 from .metrics import *
+from .optim import hyper_number
 
 # %% ../nbs/04_recorder.ipynb #bbe1a783
 class Recorder(Callback):
@@ -198,8 +199,7 @@ class Recorder(Callback):
         if learn.training:
             self._pending.append(learn.loss)
             self._pending_bs.append(find_bs(learn.yb))
-            lr = learn.opt.param_groups[0]['lr']
-            self.lrs.append(float(lr) if isinstance(lr, torch.Tensor) else lr)     # a tensor in a compiled step
+            self.lrs.append(hyper_number(learn.opt.param_groups[0]['lr']))
             if self._metrics_unchecked: self._try_metrics()
             if self._train_metrics:
                 self._train_bs.append(self._pending_bs[-1])

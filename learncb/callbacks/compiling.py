@@ -10,7 +10,6 @@ __all__ = ['CompiledModel', 'step_plan', 'hypers_as_tensors', 'hypers_as_numbers
 
 # %% ../../nbs/27_compile.ipynb #e73a615e
 import warnings
-from contextlib import contextmanager
 from types import FunctionType, MethodType
 import torch
 from torch import nn
@@ -18,7 +17,7 @@ from fastcore.basics import patch
 from ..core import *
 from ..utils import *
 from ..learner import *
-from ..optim import clear_grads
+from ..optim import clear_grads, hyper_number
 
 # %% ../../nbs/27_compile.ipynb #0dd0ff70
 class CompiledModel(nn.Module):
@@ -77,21 +76,13 @@ def hypers_as_numbers(opt):
     "Undo `hypers_as_tensors`: the numbers back in `opt`'s param groups, as an eager step needs them on the CPU"
     for pg in opt.param_groups:
         if not isinstance(pg.get('lr'), torch.Tensor) or not pg.get('capturable'): continue
-        pg['lr'],pg['betas'],pg['capturable'] = pg['lr'].item(),tuple(b.item() for b in pg['betas']),False
+        pg['lr'],pg['betas'],pg['capturable'] = hyper_number(pg['lr']),tuple(map(hyper_number, pg['betas'])),False
 
 def backward_traceable(model):
     "Whether torch.compile may trace `model`'s backward into the step's graph: no DDP, no hooks on its parameters"
     if isinstance(model, nn.parallel.DistributedDataParallel): return False        # its hooks average the gradients
     return not any(getattr(p, '_backward_hooks', None) or getattr(p, '_post_accumulate_grad_hooks', None)
                    for p in model.parameters())
-
-@contextmanager
-def _tracing_backward(on):
-    "torch.compile traces `loss.backward()` into the graph (as `autograd.grad` and gradient accumulation) while `on`"
-    cfg = torch._dynamo.config
-    old,cfg.trace_autograd_ops = cfg.trace_autograd_ops,on
-    try: yield
-    finally: cfg.trace_autograd_ops = old
 
 def _own_code(method):
     "`method` on a copy of its code: torch caches graphs per code object, so each learner's stay apart (and few)"
@@ -115,7 +106,7 @@ class CompiledStep:
         self.learn,self.kwargs,self._plans = learn,kwargs,{}
         self.traced_backward = trace_backward and backward_traceable(learn.model)   # one graph; else torch's backward
         self._train,self._valid,self._opt_step = (torch.compile(_own_code(m), **kwargs)
-                                                  for m in (self._train_step, self._valid_step, self._eager_opt_step))
+                                                  for m in (self._train_step, self._valid_step, self._step_alone))
 
     def plan(self, training):
         "`(tables, compiled, deferred, blocked)` of this phase (`step_plan`), found again when the callbacks changed"
@@ -136,7 +127,7 @@ class CompiledStep:
         for cb in cbs['after_loss']: cb.after_loss()
 
     def _valid_step(self, xb, yb, cbs): self._forward_loss(xb, yb, cbs)
-    def _eager_opt_step(self): self.learn.opt.step()       # compiled too: the hyper-parameters may be tensors
+    def _step_alone(self): self.learn.opt.step()       # compiled too: the hyper-parameters may be tensors
 
     def _train_step(self, xb, yb, cbs):
         learn = self.learn
@@ -155,9 +146,8 @@ class CompiledStep:
         learn = self.learn
         steps = ('after_pred', 'after_loss')
         try:
-            if not learn.training: self._valid(learn.xb, learn.yb, compiled)
-            else:
-                with _tracing_backward(self.traced_backward): self._train(learn.xb, learn.yb, compiled)
+            if learn.training: self._train(learn.xb, learn.yb, compiled)
+            else: self._valid(learn.xb, learn.yb, compiled)
         except CancelBackwardException:
             self._defer(deferred, steps)
             learn._fire('after_cancel_backward'); learn._fire('after_backward')
@@ -200,11 +190,24 @@ class CompileCallback(Callback):
         if self.stepper is None or self.stepper.learn is not learn:
             self.stepper = CompiledStep(learn, trace_backward=self.trace_backward, **self.kwargs)
         self.stepper.traced_backward = self.trace_backward and backward_traceable(learn.model)  # DDP may wrap it now
+        self._first = next(iter(learn.model.parameters()), None)   # its gradient tells whether a failed step wrote any
         blocked = list(dict.fromkeys(step_plan(learn, True)[2] + step_plan(learn, False)[2]))   # each named once
         if learn.loss_func is None: self._fall_back("the learner has no loss_func (the model's own loss is not compiled)")
         elif blocked: self._fall_back(_blocked_reason(blocked))
-        if self.fell_back is None: hypers_as_tensors(learn.opt)         # schedules change them in place
+        if self.fell_back is None: self._go_compiled()
         learn._do_one_batch = self._one_batch          # the learner's own, for this fit
+
+    def _go_compiled(self):
+        "For this fit: Adam's hyper-parameters as tensors (schedules change them in place), and the backward traced"
+        hypers_as_tensors(self.learn.opt)
+        cfg = torch._dynamo.config           # read while torch traces: from the first batch to the last recompile
+        self._traced_before,cfg.trace_autograd_ops = cfg.trace_autograd_ops,self.stepper.traced_backward
+
+    def _go_eager(self):
+        "Undo `_go_compiled`: numbers in the optimizer, torch's setting as it was"
+        if self.learn.opt is not None: hypers_as_numbers(self.learn.opt)
+        before = self.__dict__.pop('_traced_before', None)
+        if before is not None: torch._dynamo.config.trace_autograd_ops = before
 
     def _one_batch(self):
         "The learner's batch: compiled, unless this fit fell back or the batch has no targets (then the eager one)"
@@ -219,13 +222,13 @@ class CompileCallback(Callback):
 
     def _try_compiled(self, compiled, deferred):
         learn = self.learn
-        grad = _first_grad(learn)
+        grad = self._first_grad()
         try: return self.stepper.one_batch(compiled, deferred)
         except Exception as e:
             if not _compiler_error(e): raise
             lines = [l.strip() for l in str(e).splitlines() if l.strip()][:2]
             self._fall_back(f"torch.compile failed ({type(e).__name__}: {' '.join(lines)})")
-        if learn.training and _first_grad(learn) != grad: clear_grads(learn.opt)   # the failed step's gradients
+        if learn.training and self._first_grad() != grad: clear_grads(learn.opt)   # the failed step's gradients
         type(learn)._do_one_batch(learn)                                            # this batch again, eagerly
 
     def _fall_back(self, reason):
@@ -233,24 +236,24 @@ class CompileCallback(Callback):
         msg = f"learn.compile(step=True): {reason}; the fit runs the eager step"
         if not self.fallback: raise RuntimeError(msg + " (fallback=False: pass fallback=True to run it eagerly)")
         self.fell_back = reason
-        if self.learn.opt is not None: hypers_as_numbers(self.learn.opt)
+        self._go_eager()
         warnings.warn(msg, UserWarning, stacklevel=2)
+
+    def _first_grad(self):
+        "The first parameter's gradient and its version: whether a failed step touched the gradients"
+        g = None if self._first is None else self._first.grad
+        return None if g is None else (id(g), g._version)
 
     def after_fit(self):
         learn = self.learn
         learn.__dict__.pop('_do_one_batch', None)
-        if self.step and learn.opt is not None: hypers_as_numbers(learn.opt)
+        if self.step: self._go_eager()
         if learn.model is self.compiled: learn.model = self.compiled.unwrapped
 
 def _blocked_reason(blocked):
     return (f"{', '.join(blocked)} cannot run in a compiled step (a handler inside the step runs compiled only if its "
             f"callback lists the event in compiled_events, or after the step if in deferred_events)")
 
-def _first_grad(learn):
-    "The first parameter's gradient and its version: whether a failed step touched the gradients"
-    p = next(iter(learn.model.parameters()), None)
-    g = None if p is None else p.grad
-    return None if g is None else (id(g), g._version)
 
 @patch
 def compile(self:Learner, step=False, fallback=True, trace_backward=True, **kwargs):

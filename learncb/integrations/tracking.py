@@ -17,6 +17,7 @@ from ..utils import *
 from ..learner import *
 from ..recorder import *
 from ..callbacks.monitors import SaveModelCallback
+from ..optim import hyper_number
 
 # %% ../../nbs/24_tracking.ipynb #a1a19060
 def _installed(package):
@@ -87,10 +88,6 @@ def _numbers(names, values):
             if isinstance(v, (numbers.Real, torch.Tensor)) and not isinstance(v, bool)}
 
 # %% ../../nbs/24_tracking.ipynb #203d781d
-def _number(v):
-    "An lr as a number: a compiled step holds it as a 0-dim CPU tensor, which the writes must not share"
-    return float(v) if isinstance(v, torch.Tensor) else v
-
 class ExperimentTrackerCallback(Callback):
     "Base of the trackers: hyper-parameters, the epoch table, batch loss and lr without a sync per batch, resumable"
     order,run_valid,remove_on_lr_find,rank0_only = Order.LOGGER,False,True,True    # after the Recorder (50) and trackers (60)
@@ -189,7 +186,7 @@ class ExperimentTrackerCallback(Callback):
         learn = self.learn
         if not learn.training or learn.loss is None: return
         self._losses.append(learn.loss.detach())
-        self._lrs.append([_number(g['lr']) for g in learn.opt.param_groups])
+        self._lrs.append([hyper_number(g['lr']) for g in learn.opt.param_groups])
         self._steps.append(learn.train_iter + 1)           # the batch's number: train_iter once it is done
 
     def after_batch(self):
