@@ -68,7 +68,7 @@ def _sum_grads(total, grads):
     if total is None: return list(grads)
     return [t if g is None else g if t is None else t.add_(g) for t,g in zip(total, grads)]
 
-_slots = 64       # halvings the ranks can agree on: one slot each in the collective
+_chunk = 2**16    # items of a gradient reduced in one collective when memory is short
 _in_place = object()   # the gradients went into `.grad` as they would have in the loop's backward
 
 # %% ../../nbs/34a_microbatch.ipynb #497cbf0d
@@ -89,7 +89,7 @@ class AutoMicrobatch(Callback):
             "have to split alike before it): fit with DDP, or with a smaller batch")
         self._outer,self._inner = m,(m.module if isinstance(m, DistributedDataParallel) else m)
         # the model's own forward, without the hooks around the call (they ran once, around the whole batch); under
-        # DDP, the plain model's call: the gradients are averaged here, in one collective that carries the split too
+        # DDP, the plain model's call: the gradients are averaged here, after the ranks agree on the split
         self._call = m.module if m is not self._inner else m.forward
         self._params,self._world = list(self._inner.parameters()),num_distrib()
         self._device = self._params[0].device if self._params else torch.device('cpu')
@@ -248,14 +248,32 @@ class AutoMicrobatch(Callback):
         return total
 
     def _averaged(self, params, grads):
-        "The gradients averaged over the ranks, in one collective that carries each rank's halvings too (the largest wins)"
+        """The gradients averaged over the ranks, and the ranks' halvings agreed on (the largest wins); when memory is
+        short on any rank (it split, or could not hold one more copy of the gradients), in place, a chunk at a time"""
         import torch.distributed as dist
-        sizes = [p.numel() for p in params]
-        both = params[0].new_zeros(sum(sizes) + _slots)      # the gradients, then a slot per number of halvings
-        views = both.split(sizes + [_slots])
-        for v,g in zip(views, grads):
-            if g is not None: v.copy_(g.flatten()).div_(self._world)
-        views[-1][min(self.halvings, _slots - 1)] = 1
-        dist.all_reduce(both)
-        self.halvings = int(views[-1].nonzero().max())
-        return [v.view_as(p).to(p.dtype) for v,p in zip(views, params)]
+        flat = self._flat_grads(params, grads) if not self.halvings else None
+        agreed = torch.tensor([self.halvings, flat is None], device=self._device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        self.halvings,short = agreed.tolist()
+        if short: return self._averaged_in_place(params, grads)
+        dist.all_reduce(flat)
+        return [v.view_as(p).to(p.dtype) for v,p in zip(flat.split([p.numel() for p in params]), params)]
+
+    def _flat_grads(self, params, grads):
+        "The gradients divided by the world size in one flat buffer (one collective), or `None` if it does not fit"
+        try:
+            flat = params[0].new_zeros(sum(p.numel() for p in params))
+            for v,g in zip(flat.split([p.numel() for p in params]), grads):
+                if g is not None: v.copy_(g.flatten()).div_(self._world)
+            return flat
+        except Exception as e:
+            if not is_oom(e): raise
+
+    def _averaged_in_place(self, params, grads):
+        "The gradients averaged in their own memory, `_chunk` items a collective: nothing large allocated"
+        import torch.distributed as dist
+        grads = [torch.zeros_like(p) if g is None else g.contiguous() for p,g in zip(params, grads)]
+        for g in grads:
+            flat = g.div_(self._world).view(-1)
+            for s in range(0, flat.numel(), _chunk): dist.all_reduce(flat[s:s + _chunk])
+        return grads
