@@ -125,8 +125,12 @@ def test_export_then_load_where_the_model_class_cannot_be_imported(tmp_path, mon
     assert res.returncode == 0, res.stderr[-3000:]
     out = torch.load(tmp_path/'out.pt', weights_only=True)
     dec,probs = learn.predict(x[0])
-    assert torch.equal(out['preds'], learn.get_preds(dl=learn.test_dl(x))[0])
-    assert torch.equal(out['dec'], dec) and torch.equal(out['probs'], probs)
+    # the exported program and the eager model compute the same function with kernels each picks for itself (another
+    # process, another graph): equal to float rounding, not bit for bit
+    close = lambda a, b: torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    close(out['preds'], learn.get_preds(dl=learn.test_dl(x))[0])
+    close(out['probs'], probs)
+    assert torch.equal(out['dec'], dec)          # the class: the same unless two probabilities tie within rounding
     assert out['vocab'] == ['neg', 'pos'] and out['model'] == 'ExportedModel'
 
 class Branchy(nn.Module):
