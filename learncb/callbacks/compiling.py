@@ -10,14 +10,14 @@ __all__ = ['CompiledModel', 'step_plan', 'hypers_as_tensors', 'hypers_as_numbers
 
 # %% ../../nbs/27_compile.ipynb #e73a615e
 import warnings
-from types import FunctionType, MethodType
+from types import CellType, FunctionType, MethodType
 import torch
 from torch import nn
 from fastcore.basics import patch
 from ..core import *
 from ..utils import *
 from ..learner import *
-from ..optim import clear_grads, hyper_number
+from ..optim import clear_grads, hyper_number, bare_step
 
 # %% ../../nbs/27_compile.ipynb #0dd0ff70
 class CompiledModel(nn.Module):
@@ -86,9 +86,21 @@ def backward_traceable(model):
 
 def _own_code(method):
     "`method` on a copy of its code: torch caches graphs per code object, so each learner's stay apart (and few)"
-    fn = method.__func__
-    copy = FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return MethodType(copy, method.__self__)
+    return MethodType(_own_function(method.__func__), method.__self__)
+
+def _own_function(fn):
+    "A copy of function `fn` on a copy of its code, the functions it closes over (a decorator's) copied likewise"
+    cells = fn.__closure__ and tuple(CellType(_own_function(c.cell_contents)) if isinstance(c.cell_contents, FunctionType)
+                                     else c for c in fn.__closure__)
+    return FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, cells)
+
+def _own_step(opt):
+    """`opt`'s step (`bare_step`) on code of its own: torch's optimizer step breaks the graph, so its frames are compiled
+    apart, and on torch's code every optimizer of the class would share them (past torch's recompile limit, eagerly).
+    A fused optimizer's kernel is never traced: its step runs as it is, outside the graph"""
+    step = bare_step(opt)
+    if any(pg.get('fused') for pg in opt.param_groups): return torch.compiler.disable(step)
+    return _own_code(step) if isinstance(step, MethodType) else step
 
 def _detached(o):
     "`o` (a tensor, or a tuple, list or dict of them) detached from its graph"
@@ -97,16 +109,30 @@ def _detached(o):
     return {k: _detached(v) for k,v in o.items()} if isinstance(o, dict) else o
 
 def _compiler_error(e):
-    "Whether `e` comes from torch.compile itself (dynamo, a backend), not from the model or a callback"
-    return isinstance(e, torch._dynamo.exc.TorchDynamoException) and not isinstance(e, torch._dynamo.exc.TorchRuntimeError)
+    "Whether `e` comes from torch.compile itself (dynamo, a backend, its recompile limit), not from the model or a callback"
+    exc = torch._dynamo.exc
+    if isinstance(e, exc.FailOnRecompileLimitHit): return True
+    return isinstance(e, exc.TorchDynamoException) and not isinstance(e, exc.TorchRuntimeError)
+
+def _compiler_reason(e):
+    "Why the compiled step failed, in a line"
+    if isinstance(e, torch._dynamo.exc.FailOnRecompileLimitHit):
+        return (f"torch.compile reached its recompile limit (torch._dynamo.config.recompile_limit = "
+                f"{torch._dynamo.config.recompile_limit}) on a part of the step, which would have run eagerly")
+    lines = [l.strip() for l in str(e).splitlines() if l.strip()][:2]
+    return f"torch.compile failed ({type(e).__name__}: {' '.join(lines)})"
 
 class CompiledStep:
     "The training and validation steps of `learn`, each one `torch.compile(**kwargs)` call, with the callbacks' compiled handlers inside"
     def __init__(self, learn, trace_backward=True, **kwargs):
-        self.learn,self.kwargs,self._plans = learn,kwargs,{}
+        self.learn,self.kwargs,self._plans,self.opt_step = learn,kwargs,{},None
         self.traced_backward = trace_backward and backward_traceable(learn.model)   # one graph; else torch's backward
         self._train,self._valid,self._opt_step = (torch.compile(_own_code(m), **kwargs)
                                                   for m in (self._train_step, self._valid_step, self._step_alone))
+
+    def for_opt(self, opt):
+        "Step `opt` from here on: its step on code of its own (kept while the optimizer is the same: no recompile)"
+        if getattr(self.opt_step, '__self__', None) is not opt: self.opt_step = _own_step(opt)
 
     def plan(self, training):
         "`(tables, compiled, deferred, blocked)` of this phase (`step_plan`), found again when the callbacks changed"
@@ -127,7 +153,7 @@ class CompiledStep:
         for cb in cbs['after_loss']: cb.after_loss()
 
     def _valid_step(self, xb, yb, cbs): self._forward_loss(xb, yb, cbs)
-    def _step_alone(self): self.learn.opt.step()       # compiled too: the hyper-parameters may be tensors
+    def _step_alone(self): self.opt_step()              # compiled too: the hyper-parameters may be tensors
 
     def _train_step(self, xb, yb, cbs):
         learn = self.learn
@@ -137,7 +163,7 @@ class CompiledStep:
         learn.pred,learn.loss_grad = _detached(learn.pred),learn.loss_grad.detach()   # their graph is spent: none escapes
         for cb in cbs['after_backward']: cb.after_backward()
         for cb in cbs['before_step']: cb.before_step()
-        learn.opt.step()
+        self.opt_step()
         learn.step_taken = True
         for cb in cbs['after_step']: cb.after_step()
 
@@ -190,6 +216,7 @@ class CompileCallback(Callback):
         if self.stepper is None or self.stepper.learn is not learn:
             self.stepper = CompiledStep(learn, trace_backward=self.trace_backward, **self.kwargs)
         self.stepper.traced_backward = self.trace_backward and backward_traceable(learn.model)  # DDP may wrap it now
+        self.stepper.for_opt(learn.opt)
         self._first = next(iter(learn.model.parameters()), None)   # its gradient tells whether a failed step wrote any
         blocked = list(dict.fromkeys(step_plan(learn, True)[2] + step_plan(learn, False)[2]))   # each named once
         if learn.loss_func is None: self._fall_back("the learner has no loss_func (the model's own loss is not compiled)")
@@ -198,16 +225,17 @@ class CompileCallback(Callback):
         learn._do_one_batch = self._one_batch          # the learner's own, for this fit
 
     def _go_compiled(self):
-        "For this fit: Adam's hyper-parameters as tensors (schedules change them in place), and the backward traced"
+        """For this fit: Adam's hyper-parameters as tensors (schedules change them in place), the backward traced, and
+        torch's recompile limit an error (no part of the step runs eagerly without a word: the fit falls back, saying so)"""
         hypers_as_tensors(self.learn.opt)
         cfg = torch._dynamo.config           # read while torch traces: from the first batch to the last recompile
-        self._traced_before,cfg.trace_autograd_ops = cfg.trace_autograd_ops,self.stepper.traced_backward
+        self._config_before = {k: getattr(cfg, k) for k in _fit_config}
+        cfg.trace_autograd_ops,cfg.fail_on_recompile_limit_hit = self.stepper.traced_backward,True
 
     def _go_eager(self):
-        "Undo `_go_compiled`: numbers in the optimizer, torch's setting as it was"
+        "Undo `_go_compiled`: numbers in the optimizer, torch's settings as they were"
         if self.learn.opt is not None: hypers_as_numbers(self.learn.opt)
-        before = self.__dict__.pop('_traced_before', None)
-        if before is not None: torch._dynamo.config.trace_autograd_ops = before
+        for k,v in self.__dict__.pop('_config_before', {}).items(): setattr(torch._dynamo.config, k, v)
 
     def _one_batch(self):
         "The learner's batch: compiled, unless this fit fell back or the batch has no targets (then the eager one)"
@@ -226,8 +254,7 @@ class CompileCallback(Callback):
         try: return self.stepper.one_batch(compiled, deferred)
         except Exception as e:
             if not _compiler_error(e): raise
-            lines = [l.strip() for l in str(e).splitlines() if l.strip()][:2]
-            self._fall_back(f"torch.compile failed ({type(e).__name__}: {' '.join(lines)})")
+            self._fall_back(_compiler_reason(e))
         if learn.training and self._first_grad() != grad: clear_grads(learn.opt)   # the failed step's gradients
         type(learn)._do_one_batch(learn)                                            # this batch again, eagerly
 
@@ -249,6 +276,8 @@ class CompileCallback(Callback):
         learn.__dict__.pop('_do_one_batch', None)
         if self.step: self._go_eager()
         if learn.model is self.compiled: learn.model = self.compiled.unwrapped
+
+_fit_config = ('trace_autograd_ops', 'fail_on_recompile_limit_hit')    # torch._dynamo settings a compiled fit sets
 
 def _blocked_reason(blocked):
     return (f"{', '.join(blocked)} cannot run in a compiled step (a handler inside the step runs compiled only if its "
