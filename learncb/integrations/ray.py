@@ -59,12 +59,11 @@ class RayTrainReportCallback(Callback):
             "Set RAY_TRAIN_V2_ENABLED=1 (Ray Train's current API) for both, or pass check_every=0 to silence this")
         self.reported,self.preempted = self.ckpt.last,None     # a resumed run's checkpoint: Ray has it already
 
-    def before_train(self):                                    # the copy a resume read is not needed any more
-        if _restored: remove_restored()
-    def after_fit(self):                                       # (a fit resumed at its end trains no epoch)
+    def after_fit(self):                                       # (a fit resumed at its end trains no batch)
         if _restored: remove_restored()
 
     def after_batch(self):
+        if _restored: remove_restored()       # the copy a resume read: read by now (a sharded one in before_train)
         written = self.ckpt.last != self.reported            # the CheckpointCallback wrote one after this batch
         if self._preemption_notice() and not written: self.ckpt.save()
         if self.ckpt.last != self.reported: self._report()

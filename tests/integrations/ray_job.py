@@ -7,13 +7,14 @@ from learncb.all import *
 from transparent_script import make_learner, SaveAtEnd
 
 class FailOnce(Callback):
-    "Rank 1 raises after training batch `k` of the run, the first time only (a file in `out` remembers it)"
+    "Rank 1 (rank 0 alone) raises after training batch `k` of the run, the first time only (a file in `out` remembers it)"
     order = Order.LAST
     def __init__(self, out, k): self.flag,self.k = Path(out)/'failed',k
     def after_batch(self):
-        if self.training and self.train_iter == self.k and rank_distrib() == 1 and not self.flag.exists():
+        rank = rank_distrib()
+        if self.training and self.train_iter == self.k and rank == min(1, num_distrib() - 1) and not self.flag.exists():
             self.flag.touch()
-            raise RuntimeError(f'rank 1 fails after step {self.k}')
+            raise RuntimeError(f'rank {rank} fails after step {self.k}')
 
 def job_learner(out, fail_at=None):
     "The learner of one worker of the Ray run; its folder is the worker's own, as on nodes that share no disk"
@@ -21,3 +22,12 @@ def job_learner(out, fail_at=None):
     learn = make_learner(Path(out)/f'worker{os.getpid()}')
     learn.add_cbs([SaveAtEnd(out)] + ([FailOnce(out, fail_at)] if fail_at is not None else []))
     return learn
+
+def fsdp_train_func(config):
+    "The cluster page's recipe under FSDP, on a global batch of 16 whatever the number of workers (2: 8 items each)"
+    import ray.train
+    from learncb.integrations.ray import RayTrainReportCallback, ray_checkpoint
+    learn = config['make_learner']()
+    with learn.distrib_ctx(strategy='fsdp', global_batch=16):
+        learn.fit(config['n_epoch'], resume=ray_checkpoint(config.get('checkpoint')),
+                  cbs=[CheckpointCallback(every_n_steps=5, signals=()), RayTrainReportCallback()])

@@ -33,17 +33,19 @@ def local_ray(tmp_path, monkeypatch):
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
 
-def run(out, storage, fail_at=None, checkpoint=None):
+def run(out, storage, fail_at=None, checkpoint=None, fsdp=False, workers=2, max_failures=2):
+    "The recipe (`fsdp`: under FSDP) on `workers` Ray workers; its result, and what rank 0 saved at the end"
     from ray.train import ScalingConfig, RunConfig, FailureConfig
     from ray.train.torch import TorchTrainer
     from ray_recipe import train_func
-    from ray_job import job_learner
+    from ray_job import job_learner, fsdp_train_func
     out.mkdir()
-    trainer = TorchTrainer(train_func, train_loop_config={'make_learner': partial(job_learner, out, fail_at), 'n_epoch': 3,
+    trainer = TorchTrainer(fsdp_train_func if fsdp else train_func,
+                           train_loop_config={'make_learner': partial(job_learner, out, fail_at), 'n_epoch': 3,
                                               'checkpoint': checkpoint},
-                           scaling_config=ScalingConfig(num_workers=2),
+                           scaling_config=ScalingConfig(num_workers=workers),
                            run_config=RunConfig(storage_path=str(storage), name=out.name,
-                                                failure_config=FailureConfig(max_failures=2)))
+                                                failure_config=FailureConfig(max_failures=max_failures)))
     result = trainer.fit()
     return result, torch.load(out/'final.pt', weights_only=False)
 
@@ -60,6 +62,27 @@ def test_ray_train_restarts_a_failed_worker_and_the_run_ends_exactly(local_ray):
     assert result.metrics['train_iter'] == 18 and result.checkpoint is not None      # the last one reported
     assert result.metrics['valid_loss'] == ref['values'][-1][1]
     assert restored_copies() == before                    # the restarted workers' copies of the checkpoint are gone
+
+def test_an_fsdp_run_restarts_a_failed_worker_and_ends_exactly_also_on_one_worker(local_ray):
+    """Under FSDP the sharded checkpoint is read in `before_train`: the copy Ray restored must still be there. The run
+    restarts on its two workers and ends as the unfailed run; a run that gave up continues on one worker"""
+    from ray.train import Checkpoint
+    tmp = local_ray
+    before = restored_copies()
+    first, ref = run(tmp/'ref', tmp/'storage', fsdp=True)
+    result, got = run(tmp/'failed', tmp/'storage', fail_at=8, fsdp=True)
+    assert (tmp/'failed'/'failed').exists() and got['train_iter'] == ref['train_iter'] == 18
+    for k in ref['model']: assert torch.equal(got['model'][k], ref['model'][k]), k
+    assert got['values'] == ref['values'] and restored_copies() == before
+    with pytest.raises(Exception, match='rank 1 fails after step 8'):        # no restart: Ray gives up
+        run(tmp/'gave_up', tmp/'storage', fail_at=8, fsdp=True, max_failures=0)
+    last = next((tmp/'storage'/'gave_up').glob('checkpoint_*/checkpoint_00000005_batch')).parent   # mid-epoch: step 5
+    two_ranks = Checkpoint.from_directory(str(last))           # its shards, written by two ranks, read by one
+    _, one = run(tmp/'one', tmp/'storage', checkpoint=two_ranks, fsdp=True, workers=1)
+    result, one_failed = run(tmp/'one_failed', tmp/'storage', checkpoint=two_ranks, fsdp=True, workers=1, fail_at=8)
+    assert (tmp/'one_failed'/'failed').exists() and one_failed['train_iter'] == one['train_iter'] == 18
+    for k in one['model']: assert torch.equal(one_failed['model'][k], one['model'][k]), k
+    assert one_failed['values'] == one['values'] and len(one['values']) == 3 and restored_copies() == before
 
 def test_a_run_starts_from_another_runs_checkpoint_and_leaves_no_copy(local_ray):
     "`ray_checkpoint(result.checkpoint)`: a new run goes on from another run's last checkpoint (here its end)"
