@@ -7,9 +7,10 @@ Docs: https://learncb.github.io/learncb/core.html.md"""
 # %% auto #0
 __all__ = ['loop_outline', 'batch_events', 'stage_events', 'foreign_events', 'event', 'CancelBatch', 'CancelStep',
            'CancelBackward', 'CancelTrain', 'CancelValid', 'CancelEpoch', 'CancelFit', 'fit_attrs', 'phase_attrs',
-           'closest_event', 'did_you_mean', 'CancelException', 'CancelBatchException', 'CancelStepException',
-           'CancelBackwardException', 'CancelTrainException', 'CancelValidException', 'CancelEpochException',
-           'CancelFitException', 'RollbackException', 'snake_name', 'name_is_own', 'check_order', 'Order', 'Callback']
+           'foreign_meanings', 'closest_event', 'did_you_mean', 'CancelException', 'CancelBatchException',
+           'CancelStepException', 'CancelBackwardException', 'CancelTrainException', 'CancelValidException',
+           'CancelEpochException', 'CancelFitException', 'RollbackException', 'snake_name', 'name_is_own',
+           'check_order', 'Order', 'Callback']
 
 # %% ../nbs/00_core.ipynb #fdd1603a
 import difflib, functools, operator, re, warnings
@@ -90,10 +91,13 @@ on_training_run_start          before_fit         pytorch-accelerated
 on_training_run_end            after_fit          pytorch-accelerated
 on_epoch_begin                 before_epoch       Keras, fastai v1, Hugging Face
 on_epoch_start                 before_epoch       Lightning 1.x
-on_epoch_end                   after_epoch        Keras, Lightning 1.x, fastai v1, Hugging Face
-on_train_epoch_begin           before_epoch       fastNLP
-on_train_epoch_start           before_epoch       Lightning, pytorch-accelerated
-on_train_epoch_end             after_epoch        Lightning, fastNLP, pytorch-accelerated
+on_epoch_end                   after_epoch        Keras, Lightning 1.x, fastai v1
+on_epoch_end                   after_train        Hugging Face
+on_train_epoch_begin           before_train       fastNLP
+on_train_epoch_start           before_epoch       Lightning
+on_train_epoch_start           before_train       pytorch-accelerated
+on_train_epoch_end             after_train        pytorch-accelerated, fastNLP
+on_train_epoch_end             after_epoch        Lightning, fastNLP 0.8
 on_training_run_epoch_end      after_epoch        pytorch-accelerated
 on_batch_begin                 before_batch       Keras, fastai v1
 on_batch_start                 before_batch       Lightning 1.x
@@ -141,27 +145,38 @@ on_test_end                    after_validate     Keras
 on_exception                   after_exception    Lightning, fastNLP
 on_stop_training_error         after_exception    pytorch-accelerated
 '''
-# Handler names of other libraries: `name -> (the learncb event it most likely means, the libraries that use it)`
-foreign_events = {name: (ev, libs) for name,ev,libs in
-                  (re.split(r'\s{2,}', line.strip(), maxsplit=2) for line in _foreign_table.strip().splitlines())}
+# One row per place: a name another library gives a handler, the learncb event where that library fires it, the
+# libraries that fire it there (the same name may mean different places in different libraries)
+_foreign_rows = [tuple(re.split(r'\s{2,}', line.strip(), maxsplit=2)) for line in _foreign_table.strip().splitlines()]
+foreign_events = {}             # `library -> {handler name: the learncb event where the library fires it}`
+for _name,_ev,_libs in _foreign_rows:
+    for _lib in _libs.split(', '): foreign_events.setdefault(_lib, {})[_name] = _ev
+
+def foreign_meanings(name):
+    "`[(event, libraries)]`: where the libraries that name a handler `name` fire it, as learncb events (`[]`: none does)"
+    return [(ev, libs) for n,ev,libs in _foreign_rows if n == name]
 
 # %% ../nbs/00_core.ipynb #cdcae6f6
 @functools.lru_cache(maxsize=4096)          # asked again for the same method names at every fit: answered once
 def closest_event(name, cutoff=0.75):
-    "The event `name` most likely means: the one of `foreign_events`, else the closest name, else `None`"
-    if name in foreign_events: return foreign_events[name][0]
-    if f'on_{name}' in foreign_events: return foreign_events[f'on_{name}'][0]     # 'batch_end': 'on_batch_end'
+    "The event `name` most likely means: another library's (the first of `foreign_meanings`), else the closest name, else `None`"
+    for foreign in (name, f'on_{name}'):                   # 'batch_end': 'on_batch_end'
+        if (meanings := foreign_meanings(foreign)): return meanings[0][0]
     for suffix,prefix in (('_end', 'after_'), ('_begin', 'before_'), ('_start', 'before_')):
         if name.endswith(suffix) and (ours := prefix + name[:-len(suffix)]) in _events: return ours
     match = difflib.get_close_matches(name, _events, n=1, cutoff=cutoff)
     return match[0] if match else None
 
 def did_you_mean(name, cutoff=0.75):
-    "`'; did you mean ...?'` naming the closest event (and the libraries that use `name`), or an empty string"
+    "`'; did you mean ...?'` naming the closest event, or for another library's name where each library fires it; or `''`"
+    meanings = foreign_meanings(name)
+    fire = lambda libs: f"{libs} fire{'' if ', ' in libs else 's'}"
+    if len(meanings) == 1: return f"; did you mean {meanings[0][0]!r}? ({fire(meanings[0][1])} {name!r} there)"
+    if meanings:
+        places = [f"{ev!r} (where {fire(libs)} {'it' if i else repr(name)})" for i,(ev,libs) in enumerate(meanings)]
+        return f"; did you mean {' or '.join(places)}?"
     close = closest_event(name, cutoff)
-    if close is None: return ''
-    libs = f" ({name!r} is an event name of {foreign_events[name][1]})" if name in foreign_events else ''
-    return f"; did you mean {close!r}?{libs}"
+    return '' if close is None else f"; did you mean {close!r}?"
 
 class _EventNames:
     "Namespace of event names: `event.before_fit == 'before_fit'`, with tab completion and typo errors"

@@ -48,10 +48,10 @@ def test_learner_methods_documented():
 
 
 def test_the_coming_from_page_maps_each_foreign_event_as_the_hints_do():
-    "Each pytorch-accelerated and fastNLP event on the page's table is the learncb event `foreign_events` (the hints) gives"
+    "The page's events table agrees with `foreign_events` (the hints), and its table per library is `foreign_events` itself"
     import re
     from fastcore.nbio import read_nb
-    from learncb.core import foreign_events
+    from learncb.core import foreign_events, _events
     def names(cell): return re.findall(r'`([a-z_]+)`', cell) if not cell.strip().startswith(('(', '-')) else []
     nb = read_nb(ROOT/'nbs'/'18_coming_from.ipynb')
     page = next(c.source for c in nb.cells if '| learncb | fastai | pytorch-accelerated' in c.source)
@@ -60,7 +60,15 @@ def test_the_coming_from_page_maps_each_foreign_event_as_the_hints_do():
         ours,_,pa,fnlp = [c.strip() for c in row.strip('|').split('|')][:4]
         for col,lib in ((pa, 'pytorch-accelerated'), (fnlp, 'fastNLP')):
             for mine,theirs in zip(names(ours), names(col)):
-                if (found := foreign_events.get(f'on_{theirs}')) and lib in found[1]:
-                    assert found[0] == mine, f"the page maps {lib}'s on_{theirs} to {mine}, foreign_events to {found[0]}"
+                if (found := foreign_events[lib].get(f'on_{theirs}')):
+                    assert found == mine, f"the page maps {lib}'s on_{theirs} to {mine}, foreign_events to {found}"
                     checked.append(theirs)
     assert {'train_epoch_end', 'train_epoch_start', 'train_epoch_begin', 'before_backward'} <= set(checked), checked
+    libs = ['pytorch-accelerated', 'fastNLP', 'fastNLP 0.8', 'Lightning', 'Lightning 1.x', 'Keras', 'fastai v1', 'Hugging Face']
+    assert sorted(libs) == sorted(foreign_events)
+    rows = ['| learncb | ' + ' | '.join(libs) + ' |', '|---' * (len(libs) + 1) + '|']
+    for ev in _events:
+        cells = [', '.join(f'`{n}`' for n,e in foreign_events[lib].items() if e == ev) or '-' for lib in libs]
+        if any(c != '-' for c in cells): rows.append(f'| `{ev}` | ' + ' | '.join(cells) + ' |')
+    per_library = next(c.source for c in nb.cells if '### Where each library fires its handlers' in c.source)
+    assert '\n'.join(rows) in per_library, "the page's table per library is not foreign_events: make it again from it"
