@@ -113,16 +113,19 @@ def check_dataloader(dl, what='training'):
     raise TypeError(f"the {what} dataloader is {kind[0]}: {_fixes[kind[1]]}")
 
 # %% ../nbs/01b_checks.ipynb #e9875424
-def check_computes_loss(model, label_key='labels'):
-    "Without a `loss_func` the model computes the loss: refuse a model whose `forward` cannot take the labels"
+def check_computes_loss(model, label_key='labels', n_inp=1):
+    "Without a `loss_func` the model computes the loss: refuse a model whose `forward` can take neither the labels nor `n_inp > 1` inputs"
     model = plain_model(model)
     try: params = inspect.signature(model.forward).parameters.values()
     except (TypeError, ValueError): return                  # no signature to read: the first batch will tell
     if any(p.kind is p.VAR_KEYWORD or p.name == label_key for p in params): return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    if n_inp > 1 and (len(positional) >= n_inp or any(p.kind is p.VAR_POSITIONAL for p in positional)): return
     raise ValueError(f"this Learner has no loss_func, and {type(model).__name__}.forward takes no "
-                     f"{label_key!r} argument, so the model cannot compute a loss itself (as transformers "
-                     f"models do from a dict batch with {label_key!r}): pass one, e.g. "
-                     f"Learner(dls, model, loss_func=nn.CrossEntropyLoss())")
+                     f"{label_key!r} argument and n_inp={n_inp}, so the model gets no targets to compute a loss "
+                     f"itself (as transformers models do from a dict batch with {label_key!r}): pass one, e.g. "
+                     f"Learner(dls, model, loss_func=nn.CrossEntropyLoss()); or, for a model that takes its targets "
+                     f"as inputs (forward(x, targets)) and returns its loss, count them in n_inp (n_inp=2)")
 
 def meta_tensors(model):
     "The names of `model`'s parameters and buffers on the `meta` device: shapes without data (lazy layers aside)"

@@ -6,7 +6,7 @@ Docs: https://learncb.github.io/learncb/diagnose.html.md"""
 
 # %% auto #0
 __all__ = ['describe_value', 'FailedBatch', 'failed_batch', 'note_where', 'note_batch', 'explain_batch_error', 'batch_notes',
-           'why_no_grad', 'device_note', 'note_failure']
+           'why_no_grad', 'device_note', 'note_failure', 'no_targets_message', 'no_model_loss_message']
 
 # %% ../nbs/02d_diagnose.ipynb #33b2b2e0
 from collections.abc import Mapping
@@ -151,3 +151,23 @@ def note_failure(learn, e, where):
     "Record on `e` that `where` (`'model'`, `'loss'`) failed, with a note on devices when its error is about them"
     note_where(e, where)
     if isinstance(e, RuntimeError) and 'device' in str(e) and where in _what: add_note(e, device_note(learn, _what[where]))
+
+# %% ../nbs/02d_diagnose.ipynb #68dce2ea
+def no_targets_message(b, n_inp):
+    "Why training batch `b` has no loss, though the learner has a `loss_func`: nothing of it is left for targets"
+    n = len(b) if isinstance(b, (tuple, list)) else None
+    got = (f"the batch has {n} elements and n_inp={n_inp}, so all of them are the model's inputs" if n is not None else
+           f"the batch is {describe_value(b)}, which goes whole to the model as its one input")
+    fix = f"Learner(..., n_inp={n - 1})" if n and n > 1 else "a dataloader of (inputs, targets)"
+    return (f"this training batch has no targets for loss_func: {got}, and loss_func(pred, *targets) gets none. If the "
+            f"last elements are the targets, pass {fix}; if the model takes its targets as inputs and computes its "
+            f"own loss, leave loss_func out (Learner(dls, model, n_inp={n_inp}) without loss_func): learncb then "
+            f"reads the loss from the model's output")
+
+def no_model_loss_message(out, loss_key='loss'):
+    "Why a learner without `loss_func` has no loss for this training batch: the model's output holds none"
+    return (f"this Learner has no loss_func, so the loss must come from the model's output, and the model returned "
+            f"{describe_value(out)} with no loss in it (learncb reads a dict's {loss_key!r} entry, an object's "
+            f".{loss_key}, or the one 0-dim tensor of a tuple such as (logits, loss)). Pass a loss_func, e.g. "
+            f"Learner(dls, model, loss_func=nn.CrossEntropyLoss()), or give the model its targets (n_inp counts them "
+            f"among its inputs) so that it returns its loss")

@@ -198,7 +198,7 @@ class Recorder(Callback):
         learn = self.learn
         if learn.training:
             self._pending.append(learn.loss)
-            self._pending_bs.append(find_bs(learn.yb))
+            self._pending_bs.append(find_bs(learn.yb or learn.xb))     # a model that takes its targets: its inputs
             self.lrs.append(hyper_number(learn.opt.param_groups[0]['lr']))
             if self._metrics_unchecked: self._try_metrics()
             if self._train_metrics:
@@ -206,8 +206,8 @@ class Recorder(Callback):
                 with torch.no_grad(): self._compute_metrics(self._train_metrics, self._train_cols)
             if len(self._pending) >= self.flush_every: self._flush()
         else:
-            if not learn.yb: raise ValueError(_no_targets)
-            self._valid_bs.append(find_bs(learn.yb))
+            if learn.loss is None: raise ValueError(_no_targets)
+            self._valid_bs.append(find_bs(learn.yb or learn.xb))
             self._valid_cols[0].append(learn.loss)
             if self._valid_metrics: self._compute_metrics(self._valid_metrics, self._valid_cols[1:])
 

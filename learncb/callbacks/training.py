@@ -49,11 +49,11 @@ class GradientAccumulation(Callback):
         "Under DDP or FSDP, reduce the gradients over the ranks only in the backward of a batch that steps"
         if self._sync is not None:
             learn = self.learn
-            self._sync(self.count + find_bs(learn.yb) >= self.n_acc or _is_last_batch(learn))
+            self._sync(self.count + find_bs(learn.yb or learn.xb) >= self.n_acc or _is_last_batch(learn))
 
     def before_backward(self):
         learn = self.learn
-        bs = find_bs(learn.yb)
+        bs = find_bs(learn.yb or learn.xb)       # no targets: a model that takes them among its inputs
         self.count += bs
         learn.loss_grad = learn.loss_grad * (bs / self.n_acc)
 
