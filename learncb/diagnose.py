@@ -158,16 +158,17 @@ def no_targets_message(b, n_inp):
     n = len(b) if isinstance(b, (tuple, list)) else None
     got = (f"the batch has {n} elements and n_inp={n_inp}, so all of them are the model's inputs" if n is not None else
            f"the batch is {describe_value(b)}, which goes whole to the model as its one input")
-    fix = f"Learner(..., n_inp={n - 1})" if n and n > 1 else "a dataloader of (inputs, targets)"
-    return (f"this training batch has no targets for loss_func: {got}, and loss_func(pred, *targets) gets none. If the "
-            f"last elements are the targets, pass {fix}; if the model takes its targets as inputs and computes its "
+    fix = (f"the last elements are the targets, pass Learner(..., n_inp={n - 1})" if n and n > 1 else
+           "the batch holds the targets, make it a tuple (inputs, targets)")
+    return (f"this training batch has no targets for loss_func: {got}, and loss_func(pred, *targets) gets none. If "
+            f"{fix}; if the model takes its targets as inputs and computes its "
             f"own loss, leave loss_func out (Learner(dls, model, n_inp={n_inp}) without loss_func): learncb then "
             f"reads the loss from the model's output")
 
 def no_model_loss_message(out, loss_key='loss'):
     "Why a learner without `loss_func` has no loss for this training batch: the model's output holds none"
-    return (f"this Learner has no loss_func, so the loss must come from the model's output, and the model returned "
-            f"{describe_value(out)} with no loss in it (learncb reads a dict's {loss_key!r} entry, an object's "
+    return (f"this Learner has no loss_func, so the loss must come from the model's output, and the model's output "
+            f"(its prediction: {describe_value(out)}) holds no loss (learncb reads a dict's {loss_key!r} entry, an object's "
             f".{loss_key}, or the one 0-dim tensor of a tuple such as (logits, loss)). Pass a loss_func, e.g. "
             f"Learner(dls, model, loss_func=nn.CrossEntropyLoss()), or give the model its targets (n_inp counts them "
             f"among its inputs) so that it returns its loss")

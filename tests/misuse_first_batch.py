@@ -49,7 +49,8 @@ class Items(Dataset):
 def test_single_tensor_batch_says_what_xb_and_yb_are():
     learn, count = learner_on(Items(lambda i: X[i]))
     w = weights(learn)
-    with pytest.raises(IndexError) as info: learn.fit(1)
+    with pytest.raises(ValueError, match=r'no targets for loss_func.*make it a tuple \(inputs, targets\)') as info:
+        learn.fit(1)                                          # at the first batch, not an IndexError of the Recorder
     n = notes(info.value)
     assert 'the batch is a tensor of shape (16, 2), not a tuple or list' in n
     assert 'xb = batch[:n_inp]' in n and 'yb = batch[n_inp:]' in n and 'return (x, y) pairs' in n

@@ -55,7 +55,7 @@ def test_a_model_without_a_loss_says_to_pass_loss_func():
         'input_ids': self.ids[i], 'labels_': self.labels[i]}})
     learn.label_key = 'labels_'                                # targets found, but the model gets no labels: no loss
     learn.model.forward = (lambda f: lambda input_ids, labels_=None: f(input_ids=input_ids))(learn.model.forward)
-    with pytest.raises(ValueError, match="no loss_func, and the model did not compute a loss"): learn.fit(1)
+    with pytest.raises(ValueError, match="no loss_func, so the loss must come from the model.s output"): learn.fit(1)
 
 def test_names_are_configurable():
     learn = hf_learner()

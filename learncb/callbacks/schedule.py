@@ -129,20 +129,23 @@ _hp_hints = {'mom': "'mom' sets 'momentum', or betas[0] for Adam-like optimizers
 def _opt_keys(opt): return sorted(k for k in opt.param_groups[0] if k != 'params')
 
 class ParamScheduler(Callback):
-    "Sets hyper-parameters of every param group from schedules of `learn.pct_train` before each training batch"
+    "Sets hyper-parameters of every param group before each training batch from schedules of `learn.pct_train`, or with `by='step'` of the optimizer step's index"
     order,run_valid = Order.DEFAULT,False
-    def __init__(self, scheds):
+    deferred_events = ('after_step',)          # counting the steps taken may wait until a compiled step is over
+    def __init__(self, scheds, by='pct'):
+        self.by = check_choice(by, 'by', ('pct', 'step'), who='ParamScheduler',
+                               hint="'pct': the fraction of the fit's batches done; 'step': the optimizer step's index")
         if not isinstance(scheds, dict): raise TypeError(
             f"ParamScheduler takes a dict mapping hyper-parameter names to schedules, e.g. "
             f"{{'lr': SchedCos(1e-2, 1e-4)}}, not {type(scheds).__name__}")
         for name,s in scheds.items():
             if not callable(s):
                 raise TypeError(f"ParamScheduler: the schedule for {name!r} must be a function of pos, not {s!r}")
-        self.scheds,self.hps,self._plan = dict(scheds),{name: [] for name in scheds},[]
+        self.scheds,self.hps,self._plan,self.n_steps = dict(scheds),{name: [] for name in scheds},[],0
 
     def before_fit(self):
-        check_has_len(self.learn.dls.train, 'ParamScheduler')
-        opt = self.learn.opt
+        if self.by == 'pct': check_has_len(self.learn.dls.train, 'ParamScheduler')
+        opt,self.n_steps = self.learn.opt,0
         self.hps = {name: [] for name in self.scheds}
         self._plan = [(s, *self._locate(name, opt), self.hps[name]) for name,s in self.scheds.items()]
         for name,s in self.scheds.items(): self._check_value(name, s(0.), opt)
@@ -168,24 +171,29 @@ class ParamScheduler(Callback):
 
     def before_batch(self):
         learn = self.learn
-        pos,groups = learn.pct_train,learn.opt.param_groups
+        pos,groups = (learn.pct_train if self.by == 'pct' else self.n_steps),learn.opt.param_groups
         for sched,key,idx,history in self._plan:
             value = sched(pos)
             set_hp(groups, key, idx, value)
             history.append(value)
+
+    def after_step(self):
+        "Count the optimizer steps taken (`by='step'`: the next batches' position), not those a callback cancelled"
+        if self.learn.step_taken: self.n_steps += 1
 
     def after_fit(self):
         rec = getattr(self.learn, 'recorder', None)
         if isinstance(rec, Recorder): rec.hps = self.hps      # for `learn.recorder.plot_sched()`
 
     def state_dict(self):
-        "For checkpoints: the values set so far (`hps`); the position itself is `learn.pct_train`, saved with the loop"
-        return {'hps': {k: list(v) for k,v in self.hps.items()}}
+        "For checkpoints: the values set so far (`hps`) and the steps taken; `learn.pct_train` is saved with the loop"
+        return {'hps': {k: list(v) for k,v in self.hps.items()}, 'n_steps': self.n_steps}
 
     def load_state_dict(self, state):
-        "Put back `hps` (in place: a running fit goes on appending to the same lists)"
+        "Put back `hps` (in place: a running fit goes on appending to the same lists) and the steps taken"
         for k,v in state.get('hps', {}).items():
             if k in self.hps: self.hps[k][:] = v
+        self.n_steps = state.get('n_steps', 0)
 
     def plot_sched(self, figsize=None):
         "Plot the value of each scheduled hyper-parameter at every training batch of the last fit"
