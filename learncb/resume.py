@@ -48,14 +48,16 @@ class ResumeCallback(Callback):
         self._restore()
         learn,start = self.learn,self.iter + 1
         dl,learn.start_iter,rng = learn.dl,start,rank_rng(self.state)
+        learn.epoch_rng = epoch_rng = rank_epoch_rng(self.state)     # where this epoch started, for its next checkpoints
         if self.state.get('loader') is not None and has_state(dl): learn.dl = _RngAfterIter(dl, rng)
         elif sampler_of(dl) is not None: replay_pass(learn, dl, start, rng)
         else:
-            warnings.warn(f"the training dataloader cannot skip batches ({cannot_resume_reason(dl)}): the first "
-                          f"{start} batches of the epoch are read again and dropped; the order is the same only if it "
-                          f"does not depend on the random state. Use a torch DataLoader (shuffle=True or False) to "
-                          f"resume exactly.")
-            learn.dl = _Skip(dl, start)
+            if epoch_rng is None: warnings.warn(
+                f"the training dataloader cannot skip batches ({cannot_resume_reason(dl)}), and this checkpoint does not "
+                f"hold the random state its epoch started with (an older learncb wrote it): the first {start} batches "
+                f"are read again from the random state at hand and dropped, so the order is the same only if it does "
+                f"not depend on the random state. Checkpoints written now resume exactly")
+            learn.dl = replayed_from(dl, start, epoch_rng, rng)
 
 # %% ../nbs/16f_resume.ipynb #6b9f7b89
 def replay_pass(learn, dl, start, rng):
@@ -64,14 +66,6 @@ def replay_pass(learn, dl, start, rng):
     sampler.resume(start * dl.batch_size)            # the epoch's order again, from its seed, without the done batches
     if type(dl).__iter__ is DataLoader.__iter__: learn.dl = _RngAfterIter(dl, rng)   # its iterator draws: then rng
     else: learn.dl = _CheckedStart(dl, sampler, start, rng)
-
-class _Skip:
-    "A dataloader without its first `n` batches (read and dropped)"
-    def __init__(self, dl, n): self.dl,self.n = dl,n
-    def __iter__(self):
-        it = iter(self.dl)
-        for _ in range(self.n): next(it, None)
-        yield from it
 
 class _RngAfterIter:
     "A dataloader whose iterator, once made, puts the random generators back to `rng`"

@@ -6,7 +6,8 @@ Docs: https://learncb.github.io/learncb/sampler.html.md"""
 
 # %% auto #0
 __all__ = ['ResumableSampler', 'has_state', 'sampler_of', 'cannot_resume_reason', 'data_shape', 'user_train_dl',
-           'resumable_sampler', 'resumable_dataloader', 'restore_order', 'take_order', 'give_order_back']
+           'resumable_sampler', 'resumable_dataloader', 'restore_order', 'take_order', 'give_order_back',
+           'epoch_start_state', 'replayed_from']
 
 # %% ../nbs/16e_sampler.ipynb #5be1e0d9
 import math
@@ -148,3 +149,23 @@ def give_order_back(learn, taken):
     dl,ordered = taken
     if learn.dls.train is ordered: learn.dls.train = dl
     restore_order(dl)
+
+# %% ../nbs/16e_sampler.ipynb #0d8db992
+def epoch_start_state(dl):
+    "The random state an epoch of `dl` starts from: the global generators', and those `dl` draws from (its own, its samplers')"
+    return {'rng': rng_state(), 'dl': [g.get_state() for g in dl_generators(dl)]}
+
+class replayed_from:
+    """An epoch of `dl` from batch `n`, for a dataloader that cannot skip: its first `n` batches are read again from the
+    random state the epoch started with (`start`, an `epoch_start_state`) and dropped, then the run's random state `rng`
+    is put back. Exact for any `dl` that reading again gives the same batches (a list, a sampler, a stream that draws
+    from torch's, numpy's or Python's generators); `start=None` (an older checkpoint) replays from the state at hand"""
+    def __init__(self, dl, n, start, rng): self.dl,self.n,self.start,self.rng = dl,n,start,rng
+    def __iter__(self):
+        if self.start is not None:
+            set_rng_state(self.start['rng'])
+            for g,st in zip(dl_generators(self.dl), self.start['dl']): g.set_state(st)
+        it = iter(self.dl)
+        for _ in range(self.n): next(it, None)
+        set_rng_state(self.rng)
+        yield from it

@@ -79,18 +79,17 @@ class CheckpointCallback(Callback):
         self._store.prepare()
         self._kept = self._store.list()[::-1]           # what `_prune` removes from, with what this fit writes
         resuming = getattr(learn, 'resume', None)       # a fit that resumes: its ResumeCallback, by name
-        reason = self._take_order()
+        self._take_order()
         if resuming is None:
             self._warn_earlier_run()
-            if reason: warnings.warn(f"the training dataloader cannot resume in the middle of an epoch exactly "
-                                     f"({reason}); checkpoints taken in an epoch will replay it from its start. Use a "
-                                     f"torch DataLoader (shuffle=True or False) to resume exactly.")
             self._pos.update(at=None, epoch=0, iter=-1, train_iter=learn.train_iter, pct_train=learn.pct_train, dirty=False)
         else:
             loop = resuming.state['loop']
             self._pos.update(at=resuming.at, epoch=resuming.epoch, iter=resuming.iter, train_iter=loop['train_iter'],
                              pct_train=loop['pct_train'], dirty=False)
         self._stateful,self._loader_end,self._stopped_at,self._pending = has_state(learn.dls.train),None,None,None
+        # a dataloader with neither a state nor a sampler learncb orders resumes by replaying its epoch: from its start
+        self._replays,learn.epoch_rng = not self._stateful and sampler_of(learn.dls.train) is None,None
         self._guard.hold_ctrl_c = self.on_exception     # Ctrl-C is held (to save at the end of the batch) with it
         self._guard.start(lambda: self.learn is not None and self.learn.fitting)
 
@@ -102,12 +101,12 @@ class CheckpointCallback(Callback):
                       f"run its own folder (CheckpointCallback(path=...)), or pass resume=True to continue that run")
 
     def _take_order(self):
-        "Order the training dataloader by a `ResumableSampler` for this fit, as its own sampler would; or say why not"
-        learn = self.learn
-        dl = learn.dls.train
-        reason = None if user_train_dl(learn) is not dl else cannot_resume_reason(dl)   # a strategy's share: ordered
-        self._user_dl = take_order(learn)
-        return reason
+        "Order the training dataloader by a `ResumableSampler` for this fit, as its own sampler would (if it can)"
+        self._user_dl = take_order(self.learn)
+
+    def before_train(self):
+        "The random state this epoch starts from, for a dataloader a resume replays (`ResumeCallback` puts back a resumed epoch's)"
+        if self._replays: self.learn.epoch_rng = epoch_start_state(self.learn.dl)
 
     def _give_order_back(self):
         "Give the learner the training dataloader the user gave, when the fit ends"

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest, torch
 from torch import nn
 from learncb.all import *
-from conftest import FailAfterEpoch
+from conftest import FailAfterEpoch, CrashAt
 
 HERE = Path(__file__).parent
 SCRIPT = HERE/'resume_script.py'
@@ -198,11 +198,22 @@ def test_error_inside_a_batch_saves_an_inexact_checkpoint_that_warns(tmp_path):
     with pytest.warns(UserWarning, match='written after an error in the middle of a batch'):
         in_process_run(tmp_path, resume=True)
 
-def test_dataloader_that_cannot_resume_warns(tmp_path):
-    learn = small_learner(tmp_path)
-    learn.dls.train = list(learn.dls.train)
-    with pytest.warns(UserWarning, match='cannot resume in the middle of an epoch exactly .*a list, not a torch DataLoader'):
-        learn.fit(1, cbs=CheckpointCallback(every_n_steps=1))
+def test_a_list_of_batches_resumes_exactly_without_a_warning(tmp_path):
+    "A list cannot skip: a resume reads it again up to the checkpoint's batch, from the epoch's random state"
+    def learner(path):
+        learn = small_learner(path)
+        torch.manual_seed(1)
+        learn.dls.train = list(learn.dls.train)         # shuffled once, here: each epoch the same batches
+        return learn
+    ref = learner(tmp_path/'ref')
+    ref.fit(2)
+    learn = learner(tmp_path/'run')
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        with pytest.raises(RuntimeError, match='went away'): learn.fit(2, cbs=[CheckpointCallback(every_n_steps=1), CrashAt(5)])
+        again = learner(tmp_path/'run')
+        again.fit(2, resume=True)
+    assert same_weights(ref, again) and again.recorder.values == ref.recorder.values
 
 def test_learner_state_dict_roundtrip(tmp_path):
     learn = in_process_run(tmp_path, n_epoch=1)
