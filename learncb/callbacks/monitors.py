@@ -195,8 +195,12 @@ class ReduceLROnPlateau(PatienceCallback):
         super().after_epoch()
         if not self.out_of_patience: return
         self.wait = 0
-        groups = self.learn.opt.param_groups
+        learn = self.learn
+        groups = learn.opt.param_groups
         old = [pg['lr'] for pg in groups]
         for pg in groups: pg['lr'] = max(pg['lr'] / self.factor, self.min_lr)
-        if [pg['lr'] for pg in groups] != old and self.learn.logger is not noop:
-            print(f'Epoch {self.learn.epoch}: reducing lr to {groups[0]["lr"]}')
+        new = [pg['lr'] for pg in groups]
+        if new == old: return
+        new = [float(v) for v in new]                           # (a compiled step's are 0-dim tensors)
+        learn.lr = new[0] if len(set(new)) == 1 else new       # the next fits start from it (fit sets learn.lr)
+        if learn.logger is not noop: print(f'Epoch {learn.epoch}: reducing lr to {new[0]}')
