@@ -9,6 +9,7 @@ __all__ = ['describe_value', 'FailedBatch', 'failed_batch', 'note_where', 'note_
            'why_no_grad', 'device_note', 'note_failure', 'no_targets_message', 'no_model_loss_message']
 
 # %% ../nbs/02d_diagnose.ipynb #33b2b2e0
+import re
 from collections.abc import Mapping
 import torch
 from torch import nn
@@ -73,6 +74,28 @@ def _n_inp_note(b, n_inp):
 
 def _n(k, noun): return f"{k} {noun}{'' if k == 1 else 's'}"
 
+_target_names = {'y', 'yb', 'target', 'targets', 'label', 'labels'}
+
+def _missing_state(e):
+    "The arguments a `TypeError` says the model's forward missed, when none is a target: a state the batch cannot hold"
+    if not isinstance(e, TypeError): return None
+    m = re.search(r"missing \d+ required positional arguments?: (.+)$", str(e))
+    names = re.findall(r"'(\w+)'", m.group(1)) if m else []
+    return names if names and not _target_names & set(names) else None
+
+def _state_note(missing):
+    args = ', '.join(map(repr, missing))
+    return (f"learncb: the model's forward also takes {args}, which is not in the batch: a state carried from one "
+            f"batch to the next (output, hidden = model(data, hidden))? HiddenStateCallback(init) passes each batch "
+            f"the state the last one returned; for a value the data holds, return it in the batch, before the targets, "
+            f"and count it in n_inp")
+
+def _tuple_pred_note(pred):
+    return (f"learncb: the model returned {describe_value(pred)}, and loss_func got all of it as pred. A model that "
+            f"returns (output, state) to carry a state across batches runs with HiddenStateCallback, which keeps the "
+            f"state and leaves the output in learn.pred; one that returns (output, loss) trains without loss_func; "
+            f"otherwise give loss_func the part it needs (loss_func=lambda out, y: f(out[0], y))")
+
 def _loss_value_note(value):
     alone = ' alone' if isinstance(value, (tuple, list, dict)) else ''
     return (f"learncb: loss_func returned {describe_value(value)}, not a tensor. learncb calls loss.backward() to "
@@ -105,6 +128,10 @@ def batch_notes(learn, e):
     elif not isinstance(b, (tuple, list)):
         if not (isinstance(b, torch.Tensor) and where == 'model' and f.stage == 'validate'):
             notes.append(_batch_kind_note(b, learn.n_inp))
+    elif where == 'model' and (missing := _missing_state(e)):
+        notes.append(_state_note(missing))
+    elif where == 'loss' and isinstance(learn.pred, (tuple, list)):
+        notes.append(_tuple_pred_note(learn.pred))
     elif where in ('model', 'loss') and (isinstance(e, TypeError) or (len(b) > 2 and learn.n_inp == 1)):
         notes.append(_n_inp_note(b, learn.n_inp))
     if where == 'loss value' and isinstance(e, AttributeError) and getattr(e, 'name', None) == 'detach':
