@@ -6,7 +6,7 @@ Docs: https://learncb.github.io/learncb/checks.html.md"""
 
 # %% auto #0
 __all__ = ['check_model', 'check_loss_func', 'is_optimizer', 'check_opt_func', 'check_metrics', 'default_lr', 'check_splitter',
-           'check_dataloader', 'check_computes_loss', 'meta_tensors', 'check_materialized']
+           'check_dataloader', 'check_computes_loss', 'meta_tensors', 'check_materialized', 'check_has_len']
 
 # %% ../nbs/01b_checks.ipynb #3c2a9e8e
 import importlib, inspect, itertools, warnings
@@ -140,3 +140,12 @@ def check_materialized(model):
                      f"them would compute nothing. Give them storage and values before fitting: "
                      f"model.to_empty(device='cpu') (or 'cuda'), then load the weights (model.load_state_dict(...)) "
                      f"or initialise each layer (reset_parameters())")
+
+# %% ../nbs/01b_checks.ipynb #0891d66e
+def check_has_len(dl, who):
+    "`dl` if it has a `len`, which a schedule of the fraction of training done needs; else a `ValueError` naming `who`"
+    if n_batches(dl) is not None: return dl
+    raise ValueError(f"{who}: the training dataloader ({type(dl).__name__}) has no len(), so the fraction of training "
+                     f"done (learn.pct_train) is unknown and the schedule would stay at its start: give it a length "
+                     f"(a dataset with __len__, an IterableDataset too), or schedule by optimizer steps with "
+                     f"LRSchedulerCallback or WarmupCallback, which need none")

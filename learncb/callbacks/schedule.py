@@ -6,7 +6,7 @@ Docs: https://learncb.github.io/learncb/schedule.html.md"""
 
 # %% auto #0
 __all__ = ['SchedLin', 'SchedCos', 'SchedNo', 'SchedExp', 'SchedPoly', 'combine_scheds', 'combined_cos', 'hp_location', 'set_hp',
-           'check_has_len', 'ParamScheduler', 'has_momentum', 'LRSchedulerCallback', 'fit_steps', 'WarmupCallback']
+           'ParamScheduler', 'has_momentum', 'LRSchedulerCallback', 'fit_steps', 'WarmupCallback']
 
 # %% ../../nbs/11_schedule.ipynb #d9c31cae
 import bisect, math, warnings
@@ -18,6 +18,7 @@ from ..core import *
 from ..utils import *
 from ..learner import *
 from ..optim import spread_lr
+from ..checks import check_has_len
 from ..recorder import *
 
 # %% ../../nbs/11_schedule.ipynb #4be0a57e
@@ -115,14 +116,6 @@ def set_hp(groups, key, idx, value):
             else: pg[key] = (v, old[1]) if idx == 0 else (old[0], v)
 
 # %% ../../nbs/11_schedule.ipynb #ce1395ce
-def check_has_len(dl, who):
-    "`dl` if it has a `len`, which a schedule of the fraction of training done needs; else a `ValueError` naming `who`"
-    if n_batches(dl) is not None: return dl
-    raise ValueError(f"{who}: the training dataloader ({type(dl).__name__}) has no len(), so the fraction of training "
-                     f"done (learn.pct_train) is unknown and the schedule would stay at its start: give it a length "
-                     f"(a dataset with __len__, an IterableDataset too), or schedule by optimizer steps with "
-                     f"LRSchedulerCallback or WarmupCallback, which need none")
-
 _hp_hints = {'mom': "'mom' sets 'momentum', or betas[0] for Adam-like optimizers", 'sqr_mom': "'sqr_mom' sets betas[1]",
              'wd': "'wd' sets 'weight_decay'", 'eps': "'eps' sets 'eps'"}
 
@@ -130,8 +123,7 @@ def _opt_keys(opt): return sorted(k for k in opt.param_groups[0] if k != 'params
 
 class ParamScheduler(Callback):
     "Sets hyper-parameters of every param group before each training batch from schedules of `learn.pct_train`, or with `by='step'` of the optimizer step's index"
-    order,run_valid = Order.DEFAULT,False
-    deferred_events = ('after_step',)          # counting the steps taken may wait until a compiled step is over
+    order,run_valid,deferred_events = Order.DEFAULT,False,('after_step',)   # counting the steps may wait for a compiled step
     def __init__(self, scheds, by='pct'):
         self.by = check_choice(by, 'by', ('pct', 'step'), who='ParamScheduler',
                                hint="'pct': the fraction of the fit's batches done; 'step': the optimizer step's index")
