@@ -74,14 +74,16 @@ def _n_inp_note(b, n_inp):
 
 def _n(k, noun): return f"{k} {noun}{'' if k == 1 else 's'}"
 
-_target_names = {'y', 'yb', 'target', 'targets', 'label', 'labels'}
+def _is_state_name(name):
+    "Whether a forward's argument is named as a state carried across batches (`hidden`, `state`, `hx`, `mems`, ...)"
+    return 'hid' in name or 'state' in name or name in {'h', 'hx', 'h0', 'hc', 'memory', 'mems', 'carry', 'past'}
 
 def _missing_state(e):
-    "The arguments a `TypeError` says the model's forward missed, when none is a target: a state the batch cannot hold"
+    "The arguments a `TypeError` says the model's forward missed, when they are named as a state the batch cannot hold"
     if not isinstance(e, TypeError): return None
     m = re.search(r"missing \d+ required positional arguments?: (.+)$", str(e))
     names = re.findall(r"'(\w+)'", m.group(1)) if m else []
-    return names if names and not _target_names & set(names) else None
+    return names if names and all(map(_is_state_name, names)) else None
 
 def _state_note(missing):
     args = ', '.join(map(repr, missing))

@@ -179,6 +179,7 @@ class CheckpointCallback(Callback):
         finally:
             self._guard.restore()
             self._writer.close()                                # its thread ends with the fit
+            self.learn.epoch_rng = None                         # kept for this fit's checkpoints only
             self._store = None                                  # and a default store's memory with it
             self._give_order_back()
         signum = self._guard.take()

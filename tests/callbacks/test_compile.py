@@ -81,12 +81,12 @@ def test_twelve_compiled_learners_in_one_process_each_compile_their_whole_step(o
             for a, b in zip(eager.model.parameters(), learn.model.parameters()): assert (a - b).abs().max() < 1e-5, i
     assert not [r for r in caplog.records if 'recompile_limit' in r.getMessage()]
 
-def test_the_recompile_limit_makes_the_fit_fall_back_saying_so(monkeypatch):
+def test_the_recompile_limit_makes_the_fit_fall_back_saying_so():
     "Where torch would run a part of the step eagerly without a word, the fit falls back to the eager step with a warning"
-    monkeypatch.setattr(torch._dynamo.config, 'recompile_limit', 1)
     eager, learn = learner(dls=synth_dls(n_train=68)), learner(dls=synth_dls(n_train=68))
     eager.fit(2)
     learn.compile(step=True)          # the last batch, of 4 items, is a second graph: one more than the limit
-    with pytest.warns(UserWarning, match=r'recompile limit .*recompile_limit = 1.*runs the eager step'): learn.fit(2)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        with pytest.warns(UserWarning, match=r'recompile limit .*recompile_limit = 1.*runs the eager step'): learn.fit(2)
     assert 'recompile limit' in learn.compiler.fell_back and torch._dynamo.config.fail_on_recompile_limit_hit is False
     for a, b in zip(eager.model.parameters(), learn.model.parameters()): assert (a - b).abs().max() < 1e-5
