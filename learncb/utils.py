@@ -8,10 +8,11 @@ Docs: https://learncb.github.io/learncb/utils.html.md"""
 __all__ = ['clock', 'default_device', 'model_device', 'plain_model', 'to_device', 'tensors_of', 'find_bs', 'n_batches', 'listify',
            'add_note', 'is_number', 'ArgTypeError', 'arg_error', 'check_number', 'check_lr', 'check_wd', 'check_int',
            'check_fraction', 'check_choice', 'numbers_tensor', 'rng_state', 'set_rng_state', 'rng_kept',
-           'dl_generators', 'rebuild_dataloader', 'Clock', 'FakeClock', 'short_list']
+           'dl_generators', 'rebuild_dataloader', 'Clock', 'FakeClock', 'short_list', 'rows_text', 'user_frame',
+           'warn_user']
 
 # %% ../nbs/01_utils.ipynb #4d5f189c
-import math, operator, os, random, time
+import math, operator, os, random, sys, time, warnings
 from array import array
 from contextlib import contextmanager
 from numbers import Real
@@ -240,3 +241,30 @@ def short_list(items, n=8):
     "`items` written as a list for a message, cut to its first `n` with the number left out"
     items = list(items)
     return f"{items[:n]} and {len(items) - n} more" if len(items) > n else f"{items}"
+
+# %% ../nbs/01_utils.ipynb #a1cd4ab3
+def rows_text(items, n=12):
+    "Sorted ints `items` (dataset rows) written short for a message: runs as `a-b`, cut after `n` runs with the count left out"
+    runs = []
+    for i in sorted(items):
+        if runs and i == runs[-1][1] + 1: runs[-1][1] = i
+        else: runs.append([i, i])
+    text = ', '.join(f'{a}' if a == b else f'{a}-{b}' for a,b in runs[:n])
+    return text + (f', ... ({len(items)} rows in all)' if len(runs) > n else '')
+
+_not_users = ('learncb', 'torch', 'contextlib', 'fastcore', 'fastprogress', 'threading', 'runpy')
+
+def user_frame(depth=1):
+    "The innermost frame of the caller's stack that is not learncb's, torch's or a library's between them and the user's code"
+    f = sys._getframe(depth + 1)
+    while f is not None and f.f_globals.get('__name__', '').split('.')[0] in _not_users: f = f.f_back
+    return f
+
+def warn_user(message, category=UserWarning):
+    """Warn with `message` every time (not once per place, as Python does), at the line of the user's code that led here,
+    so the warning shows that line and never one of learncb's"""
+    f = user_frame()
+    if f is None: return warnings.warn(message, category, stacklevel=2)
+    warnings.warn_explicit(message, category, f.f_code.co_filename, f.f_lineno, module=f.f_globals.get('__name__'),
+                           registry={}, module_globals=f.f_globals)
+
