@@ -370,7 +370,7 @@ class Callback:
     def __repr__(self): return type(self).__name__ if self._name is None else f'{type(self).__name__}({self._name!r})'
 
 # %% ../nbs/00_core.ipynb #100a3833
-fit_attrs = {'epoch': 0, 'n_epoch': 1, 'train_iter': 0, 'pct_train': 0., 'skipped_batches': ()}
+fit_attrs = {'epoch': 0, 'n_epoch': 1, 'train_iter': 0, 'pct_train': 0., 'skipped_batches': (), 'skipped_items': ()}
 "Where a fit is, with the values before any fit: what a checkpoint's loop position restores"
 phase_attrs = {'dl': None, 'iter': 0, 'n_iter': 0, 'batch': None, 'xb': None, 'yb': None, 'pred': None, 'loss': None,
                'loss_grad': None, 'step_taken': None}

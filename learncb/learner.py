@@ -245,7 +245,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
                 self._opt_for_fit(reset_opt)
                 self._set_hypers(lr=self.lr if lr is None else lr, wd=self.wd if wd is None else wd)
                 self.n_epoch,self.exception,self.stop_reason,self._raised_in = n_epoch,None,None,None
-                self.start_epoch,self.start_iter,self.skipped_batches = 0,0,()
+                self.start_epoch,self.start_iter,self.skipped_batches,self.skipped_items = 0,0,(),[]
                 with self.added_cbs(resume_cbs(self, resume)):
                     try:
                         self.fitting,self.resume_from = True,resume or None

@@ -8,7 +8,9 @@ Docs: https://learncb.github.io/learncb/guards.html.md"""
 __all__ = ['SpikeGuard', 'TerminateOnNaNCallback']
 
 # %% ../../nbs/34_guards.ipynb #735fcf62
-import math, statistics, warnings
+import bisect, math
+from fastcore.basics import noop
+from collections import deque
 import torch
 from ..core import *
 from ..utils import *
@@ -16,6 +18,7 @@ from ..ranks import *
 from ..sampler import *
 from ..state import *
 from ..resume import replay_pass
+from ..recorder import tell
 
 # %% ../../nbs/34_guards.ipynb #326d0aac
 def _skips_on_device(opt):
@@ -32,6 +35,31 @@ def _values(losses):
     if all(l.ndim == 0 for l in losses): return torch.stack(losses).float().tolist()
     return torch.stack([l.float().mean() for l in losses]).tolist()
 
+def _quantile(xs, q):
+    "The `q` quantile of `xs`, a sorted list"
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+def _judged(values, history, factor, n_history):
+    """`(spiked, medians)`: whether each of `values` spikes, and the median it was judged against (`None`: not judged).
+    A value spikes when it is not finite, or more than `factor` times the median of the (up to `n_history`) finite values
+    before it (those of `history` first) and more than `factor / 2` times their 90th percentile: losses that vary much
+    from batch to batch (a small-batch regression near its noise floor) raise no alarm. A first value is not judged"""
+    recent = deque(v for v in history[-n_history:] if math.isfinite(v))
+    known,spiked,levels = sorted(recent),[],[]
+    for v in values:
+        level = _quantile(known, 0.5) if known else None
+        high = level is not None and v > factor * level and v > factor / 2 * _quantile(known, 0.9)
+        spiked.append(not math.isfinite(v) or high); levels.append(level)
+        if not math.isfinite(v): continue
+        bisect.insort(known, v); recent.append(v)
+        if len(recent) > n_history: del known[bisect.bisect_left(known, recent.popleft())]
+    return spiked,levels
+
+def _order_repeats(dl):
+    "Whether each epoch of `dl` gives the same batches: a `ResumableSampler` that does not shuffle orders it"
+    sampler = sampler_of(dl)
+    return sampler is not None and not sampler.shuffle
+
 def _last_batch(learn):
     "The number of the last batch of this epoch that is not skipped (`None` for a dataloader without a length)"
     if learn.n_iter is None: return None
@@ -45,16 +73,25 @@ class SpikeGuard(Callback):
     def __init__(self, factor=5., check_every=25, snapshot_every=100, max_rollbacks=3, grad_norm=False, n_history=100,
                  warmup=10):
         who = 'SpikeGuard'
-        self.factor = check_number(factor, 'factor', gt=1, who=who, hint='how many times its recent median a spike is')
+        self.factor = check_number(factor, 'factor', gt=1, who=who, hint='how many times the median of the batches before it a spike is')
         self.check_every = check_int(check_every, 'check_every', ge=1, who=who)
         self.snapshot_every = check_int(snapshot_every, 'snapshot_every', ge=1, who=who)
         self.max_rollbacks = check_int(max_rollbacks, 'max_rollbacks', ge=0, who=who)
-        self.n_history,self.warmup = check_int(n_history, 'n_history', ge=1, who=who),check_int(warmup, 'warmup', ge=0, who=who)
+        self.n_history = check_int(n_history, 'n_history', ge=1, who=who)
+        self.warmup = check_int(warmup, 'warmup', ge=0, who=who, hint=f'at most n_history={n_history}')
+        if self.warmup > self.n_history: raise ValueError(
+            f"SpikeGuard: warmup={warmup} is more than n_history={n_history}, the batches it remembers: make warmup at "
+            f"most n_history")
         self.grad_norm,self.history,self.rollbacks,self.replayable = bool(grad_norm),{'loss': [], 'grad_norm': []},0,True
         self._snap,self._start,self._snap_at,self._taken,self._found_inf,self._last = None,0,0,None,None,-1
         self._clear()
 
     def _clear(self): self._losses,self._iters,self._norms,self._norm_iters = [],[],[],[]
+
+    def takes_part(self, event_name, training):
+        "`before_step` only to note gradient norms or to set a fused optimizer's skip flag"
+        if event_name == 'before_step' and not (self.grad_norm or self._found_inf is not None): return False
+        return super().takes_part(event_name, training)
 
     def before_fit(self):
         learn = self.learn
@@ -63,6 +100,7 @@ class SpikeGuard(Callback):
         self._params = [p for g in learn.opt.param_groups for p in g['params']]
         device = model_device(learn.model, learn.device)
         self._found_inf,self._one = (torch.zeros((), device=device),torch.ones((), device=device)) if _skips_on_device(learn.opt) else (None,None)
+        learn.cbs_changed()                       # `takes_part('before_step')` may have changed
 
     def _take_order(self):
         "Make the training dataloader one that can replay its epoch from any batch, or say why it cannot"
@@ -80,10 +118,19 @@ class SpikeGuard(Callback):
                          f"map-style dataset")
 
     def before_train(self):
-        "A snapshot where the epoch starts (or where a resumed fit goes on)"
+        "A snapshot where the epoch starts (or where a resumed fit goes on); the batches skipped before, again if the order repeats"
         self._clear()
+        self._skip_again()
         self._last = _last_batch(self.learn)
         self._snapshot(self.learn.start_iter)
+
+    def _skip_again(self):
+        "When each epoch gives the same batches, skip those skipped in earlier epochs at the same place, with no rollback"
+        learn = self.learn
+        if not learn.skipped_batches or not _order_repeats(learn.dls.train): return
+        skipped = set(learn.skipped_batches)
+        again = sorted({(learn.epoch, i) for e,i in skipped if e < learn.epoch} - skipped)
+        if again: learn.skipped_batches = (*learn.skipped_batches, *again)
 
     def _snapshot(self, start):
         "Copy the run as it is before training batch `start` of this epoch (into the buffers of the last copy)"
@@ -110,7 +157,9 @@ class SpikeGuard(Callback):
 
     def after_batch(self):
         learn = self.learn
-        if len(self._losses) >= self.check_every or (self._last is not None and learn.iter >= self._last):
+        n = len(self._losses)
+        if (n >= self.check_every and n + len(self.history['loss']) >= self.warmup) or (
+                self._last is not None and learn.iter >= self._last):
             self._check()
             if learn.train_iter - self._snap_at >= self.snapshot_every: self._snapshot(learn.iter + 1)
 
@@ -126,46 +175,49 @@ class SpikeGuard(Callback):
         "One host sync (and one collective across ranks): roll back if a batch since the last check spiked"
         if not self._losses: return
         iters,values = self._iters,_values(self._losses)
-        spiked = self._spikes(values, self.history['loss'])
+        spiked,levels = self._spikes(values, self.history['loss'])
         norms = torch.stack(self._norms).tolist() if self._norms else []
-        for i,s in zip(self._norm_iters, self._spikes(norms, self.history['grad_norm'])):
+        for i,s in zip(self._norm_iters, self._spikes(norms, self.history['grad_norm'])[0]):
             if s: spiked[iters.index(i)] = True
         if num_distrib() > 1: spiked = (sum_across_ranks(torch.tensor(spiked, dtype=torch.float32)) > 0).tolist()
-        if any(spiked): self.on_spike(iters[spiked.index(True)])
+        if any(spiked):
+            k = spiked.index(True)
+            self.on_spike(iters[k], _why(values[k], levels[k], self.factor))
         self._keep(self.history['loss'], values)
         self._keep(self.history['grad_norm'], norms)
         self._clear()
 
     def _spikes(self, values, history):
-        "Which of `values` spike: not finite, or over `factor` times the median of them and the values checked before"
-        if math.isinf(self.factor): return [not math.isfinite(v) for v in values]     # no level to compute
-        known = history[-self.n_history:] + [v for v in values if math.isfinite(v)]
-        level = statistics.median(known) if len(known) >= max(self.warmup, 1) else None
-        return [not math.isfinite(v) or (level is not None and v > self.factor * level) for v in values]
+        "`(spiked, levels)` of `values`: judged against the values before each (not before `warmup` batches of the fit)"
+        if math.isinf(self.factor) or len(history) + len(values) < self.warmup:     # no level to judge by, yet
+            return [not math.isfinite(v) for v in values],[None] * len(values)
+        return _judged(values, history, self.factor, self.n_history)
 
     def _keep(self, history, values):
         history.extend(values)
         del history[:-self.n_history]
 
-    def on_spike(self, spiked):
-        "Roll the run back to the snapshot, skip batch `spiked` from now on, and go on from the snapshot"
+    def on_spike(self, spiked, why=''):
+        "Roll the run back to the snapshot, skip batch `spiked` from now on, and go on from the snapshot (`why`: its loss)"
         learn,start = self.learn,self._start
-        before,rollbacks = learn.skipped_batches,self.rollbacks + 1
+        rows = batch_items(learn.dls.train, spiked) or []         # before the rollback: the order of this pass
+        before,rollbacks,items = learn.skipped_batches,self.rollbacks + 1,learn.skipped_items
         skipped = (*before, (learn.epoch, spiked))
         self._restore_snapshot()
+        learn.skipped_items = sorted(set(items) | set(rows))
+        where = f"epoch {learn.epoch} batch {spiked}" + (f", rows {rows_text(rows)}" if rows else '') + why
         if rollbacks > self.max_rollbacks:
             learn.skipped_batches = before            # those skipped so far (the snapshot may be older than some)
             learn('after_rollback')                   # a checkpoint written on this error is of the snapshot
             raise RuntimeError(
-                f"SpikeGuard: the training loss spiked at epoch {learn.epoch}, batch {spiked}, after {self.rollbacks} "
-                f"rollbacks in this fit (max_rollbacks={self.max_rollbacks}); the batches (epoch, batch) that spiked: "
-                f"{list(skipped)}. The learner holds the run as it was before batch {start} of epoch {learn.epoch}, "
-                f"before the spike. Look at these batches, lower the lr, or raise max_rollbacks")
+                f"SpikeGuard: the training loss spiked at {where}, after {self.rollbacks} rollbacks in this fit "
+                f"(max_rollbacks={self.max_rollbacks}); the batches (epoch, batch) that spiked: {list(skipped)}; their "
+                f"rows in the dataset: {rows_text(learn.skipped_items) or 'unknown (no sampler learncb orders)'} "
+                f"(learn.skipped_items). The learner holds the run as it was before batch {start} of epoch "
+                f"{learn.epoch}, before the spike. Drop those rows from the data, lower the lr, or raise max_rollbacks")
         self.rollbacks,learn.skipped_batches = rollbacks,skipped
-        if is_rank0(): warnings.warn(
-            f"SpikeGuard: the training loss spiked at epoch {learn.epoch}, batch {spiked}: the run goes back to batch "
-            f"{start}, skips batch {spiked} and goes on (rollback {rollbacks} of at most {self.max_rollbacks}); "
-            f"learn.skipped_batches holds every batch skipped", RuntimeWarning)
+        tell(learn, f"SpikeGuard: rolled back over {where}: the run went back to batch {start} and goes on without "
+                    f"that batch (rollback {rollbacks} of at most {self.max_rollbacks})")
         self._replay()
 
     def _restore_snapshot(self):
@@ -191,6 +243,11 @@ class SpikeGuard(Callback):
         if self._found_inf is not None and getattr(opt, 'found_inf', None) is self._found_inf: del opt.found_inf
         self._snap,self._taken,self._found_inf = None,None,None
         self._clear()
+
+def _why(value, level, factor):
+    "What made `value` a spike, for a message: not finite, or how many times its level it is"
+    if not math.isfinite(value): return f" (loss {value})"
+    return '' if level is None else f" (loss {value:.4g}, {value / level:.3g} times the median {level:.4g} of the batches before it)"
 
 class TerminateOnNaNCallback(SpikeGuard):
     "Stops the fit at the first batch whose loss is NaN or infinite, before any step on it (validation: at its end)"
@@ -220,15 +277,16 @@ class TerminateOnNaNCallback(SpikeGuard):
     def after_batch(self):
         if self.learn.training: super().after_batch()
 
-    def on_spike(self, bad):
+    def on_spike(self, bad, why=''):
         "Put the run back to the last check and replay the batches before `bad`; the fit stops when `bad` comes"
         learn = self.learn
+        where = f"training loss is NaN or infinite at epoch {learn.epoch}, batch {bad}"
         if not self.replayable:
-            self.found = (f"training loss is NaN or infinite at epoch {learn.epoch}, batch {bad}: training stopped at "
-                          f"batch {learn.iter} (the dataloader cannot replay: {self._reason})")
+            self.found = (f"{where}: the fit stopped at batch {learn.iter}, so the weights have taken the steps of the "
+                          f"batches up to it (the dataloader cannot replay: {self._reason})")
             self._stop()
         self._restore_snapshot()
-        self.found = f"training loss is NaN or infinite at epoch {learn.epoch}, batch {bad}: training stopped"
+        self.found = f"{where}: the fit stopped before it, so the weights are those from before batch {bad}"
         self._stop_at = (learn.epoch, bad)
         self._replay()
 
@@ -246,9 +304,14 @@ class TerminateOnNaNCallback(SpikeGuard):
         if world > 1: bad = sum_across_ranks(bad)
         if not bad.item(): return
         where = f"batch {int((~finite).nonzero()[0])}" if not bool(finite.all()) else "a batch of another rank"
-        self.found = f"validation loss is NaN or infinite at epoch {self.learn.epoch}, {where}: training stopped"
+        self.found = (f"validation loss is NaN or infinite at epoch {self.learn.epoch}, {where}: the fit stopped after "
+                      f"that validation, with the weights of the epoch's last step")
         self._stop()
 
     def _stop(self):
-        warnings.warn(self.found, RuntimeWarning)
+        "End the fit saying why and where: `learn.stop_reason` (told by the learner's output), `CancelFitException`"
+        learn = self.learn
+        learn.stop_reason = self.found
+        if learn.logger is noop and getattr(getattr(learn, 'progress', None), 'mbar', None) is None and is_rank0():
+            warn_user(self.found, RuntimeWarning)     # no output to tell it: a warning, shown every time
         raise CancelFitException(self.found)

@@ -63,7 +63,7 @@ class PrintProgressCallback(Callback):
         learn = self.learn
         took = '-' if self._epoch_start is None else format_time(clock.now() - self._epoch_start)
         values = [f'{k} {_fmt_value(v)}' for k,v in last_values(learn).items()]
-        self._print('  '.join([f'epoch {learn.epoch + 1}/{learn.n_epoch}', *values, f'time {took}']))
+        self._print('  '.join([f'epoch {learn.epoch} (of {learn.n_epoch})', *values, f'time {took}']))
 
     def after_cancel_fit(self):
         reason = self.learn.stop_reason or 'CancelFitException was raised'
@@ -73,7 +73,7 @@ class PrintProgressCallback(Callback):
         e = self.learn.exception
         self._end = f'failed {self._where()}: {type(e).__name__}' + (f': {e}' if str(e) else '')
 
-    def _where(self): return f'in epoch {self.learn.epoch + 1}/{self.learn.n_epoch}'
+    def _where(self): return f'in epoch {self.learn.epoch} (of {self.learn.n_epoch})'
 
     def after_fit(self):
         took = format_time(clock.now() - self._fit_start) if self._fit_start is not None else '-'
@@ -84,14 +84,15 @@ class PrintProgressCallback(Callback):
 def _finite(vs): return [v for v in vs if v is not None and math.isfinite(v)]
 
 def loss_graphs(recorder, n_batches=None):
-    "`(graphs, x_bounds, y_bounds)` for `update_graph`: smoothed training loss per batch, validation loss per epoch"
+    "`(graphs, x_bounds, y_bounds)` for `update_graph`: smoothed training loss by batch number, validation loss per epoch"
     losses,k = recorder.losses,recorder.value_names.index('valid_loss')
-    valid = [(i, v[k]) for i,v in zip(recorder.iters, recorder.values) if v[k] is not None]
-    graphs = [(list(range(len(losses))), list(losses)), ([i for i,_ in valid], [v for _,v in valid])]
+    xs,ends,_ = recorder.batch_numbers()
+    valid = [(x, v[k]) for x,v in zip(ends, recorder.values) if v[k] is not None]
+    graphs = [(xs, list(losses)), ([x for x,_ in valid], [v for _,v in valid])]
     ys = _finite(losses + [v for _,v in valid])
     lo,hi = (min(0., min(ys)), max(ys)) if ys else (0., 1.)
     y_bounds = (lo, hi + (0.05 * (hi - lo) or 1.))
-    return graphs, (0, max(n_batches or 0, len(losses))), y_bounds
+    return graphs, (0, max(n_batches or 0, xs[-1] + 1 if xs else 0)), y_bounds
 
 class ShowGraphCallback(Callback):
     "Draws the training and validation losses under the progress bars after each epoch (in Jupyter; quiet elsewhere)"

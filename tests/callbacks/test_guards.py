@@ -1,7 +1,7 @@
 """`SpikeGuard`: a poisoned batch rolled back and skipped, so that the run ends equal to the run on data that never
 held it (one process, and two under DDP and FSDP where one rank alone sees the bad batch); a run killed after a rollback and
 resumed skips the same batches; the snapshot reuses its memory; no step on a non-finite loss with a fused optimizer."""
-import subprocess, sys, warnings
+import contextlib, io, re, subprocess, sys, warnings
 from functools import partial
 from pathlib import Path
 import pytest, torch
@@ -14,11 +14,10 @@ SCRIPT = Path(__file__).parent/'guard_script.py'
 def weights_equal(a, b): return all(torch.equal(a[k], b[k]) for k in a)
 
 def fit(dls, cbs=(), epochs=3, **kwargs):
-    learn = regression_learner(dls, **kwargs)
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter('always')
-        learn.fit(epochs, cbs=list(cbs))
-    learn.said = [str(x.message) for x in w if 'SpikeGuard' in str(x.message)]
+    "A fit of the regression, with what it printed (the guard tells through the learner's output) in `learn.said`"
+    learn, out = regression_learner(dls, **kwargs), io.StringIO()
+    with contextlib.redirect_stdout(out): learn.fit(epochs, cbs=list(cbs))
+    learn.said = out.getvalue().splitlines()
     return learn
 
 @pytest.fixture(scope='module')
@@ -34,18 +33,48 @@ def test_a_poisoned_batch_is_skipped_and_the_run_equals_the_one_without_it(clean
     assert not (ruined_loss < 100 * clean.recorder.losses[-1])           # far off, or not even finite
     assert [tuple(b) for b in guarded.skipped_batches] == [(0, BAD), (1, BAD), (2, BAD)]
     assert guarded.train_iter == clean.train_iter == 3 * (N // BS - 1)
-    assert len(guarded.said) == 3 and f'batch {BAD}' in guarded.said[0]
+    rows = list(range(BAD * BS, (BAD + 1) * BS))                          # the poisoned items, by dataset index
+    assert guarded.skipped_items == rows
+    rollbacks = [l for l in guarded.said if 'rolled back' in l]
+    assert len(rollbacks) == 1 and f'epoch 0 batch {BAD}, rows {rows[0]}-{rows[-1]}' in rollbacks[0], guarded.said
+    assert guarded.said[-1] == (f'the fit skipped 3 batches: epoch 0 batch {BAD}, epoch 1 batch {BAD}, epoch 2 batch '
+                                f'{BAD}; their rows: {rows[0]}-{rows[-1]} (learn.skipped_items: drop them from the data)')
+
+def test_a_batch_that_comes_back_each_epoch_is_skipped_there_with_one_rollback(clean):
+    "Without shuffling the epochs repeat their batches: the batch found in epoch 0 is skipped in the others, no rollback"
+    guard = SpikeGuard()
+    guarded, clean4 = fit(regression(), [guard], epochs=4), fit(regression(drop=True), epochs=4)
+    assert guard.rollbacks == 1 and [tuple(b) for b in guarded.skipped_batches] == [(e, BAD) for e in range(4)]
+    assert weights_equal(guarded.model.state_dict(), clean4.model.state_dict())
+
+def test_shuffled_poisoned_rows_are_named_by_their_dataset_indices():
+    "Shuffled, the bad rows land in other batches each epoch: each skipped batch's rows are named, the bad ones among them"
+    dl = torch.utils.data.DataLoader(regression().train.dataset, batch_size=BS, shuffle=True,
+                                     generator=torch.Generator().manual_seed(1))
+    guarded = fit(DataLoaders(dl), [SpikeGuard(max_rollbacks=50)])
+    bad = set(range(BAD * BS, (BAD + 1) * BS))
+    assert bad <= set(guarded.skipped_items) and guarded.skipped_items == sorted(guarded.skipped_items)
+    assert BS < len(guarded.skipped_items) <= BS * len(guarded.skipped_batches)  # the items of the batches skipped
+    printed = '\n'.join(guarded.said)
+    assert printed.count('rolled back') == len(guarded.skipped_batches) > 1
+    assert f'their rows: {rows_text(guarded.skipped_items)}' in guarded.said[-1]
+    assert guarded.fit(1) is None and guarded.skipped_items == []                  # a new fit starts with none
 
 def test_after_max_rollbacks_the_fit_stops_naming_the_batches_with_the_weights_before_the_spike(clean, tmp_path):
+    "Batch 5 spikes in epoch 0 (and is skipped again in epoch 1, with no rollback); batch 10 of epoch 1 is one too many"
     from learncb.checkpoint.callback import checkpoints_in
     from learncb.state import read_checkpoint
+    class SpikeAt(Callback):
+        def after_loss(self):
+            if self.training and (self.epoch, self.iter) == (1, 10): self.learn.loss = self.learn.loss_grad = self.loss_grad * 1e4
     learn = regression_learner(regression(), path=tmp_path)
-    with pytest.raises(RuntimeError, match=r'max_rollbacks=1.*\(0, 5\), \(1, 5\)') as e, warnings.catch_warnings():
-        warnings.simplefilter('ignore')
-        learn.fit(3, cbs=[SpikeGuard(max_rollbacks=1), CheckpointCallback(every_epoch=False)])
+    with pytest.raises(RuntimeError, match=r'epoch 1 batch 10, rows 80-87 .*max_rollbacks=1.*\(0, 5\), \(1, 5\), \(1, 10\)\]; '
+                                           r'their rows in the dataset: 40-47, 80-87') as e:
+        with contextlib.redirect_stdout(io.StringIO()):
+            learn.fit(3, cbs=[SpikeGuard(max_rollbacks=1), CheckpointCallback(every_epoch=False), SpikeAt()])
     one_epoch = fit(regression(drop=True), epochs=1)      # the clean run's first epoch: where the second spike was
     assert weights_equal(learn.model.state_dict(), one_epoch.model.state_dict())
-    assert [tuple(b) for b in learn.skipped_batches] == [(0, BAD)]
+    assert [tuple(b) for b in learn.skipped_batches] == [(0, BAD), (1, BAD)]
     notes = '\n'.join(e.value.__notes__)                   # the checkpoint written on the error is of that state, exact
     assert 'the run is saved in' in notes and 'not exact' not in notes, notes
     folder = tmp_path/'checkpoints'
@@ -91,10 +120,12 @@ class StopAfter(Callback):
     def after_batch(self):
         if self.training and self.train_iter == self.n: raise CancelFitException()
 
-def test_terminate_on_nan_stops_at_the_bad_batch_with_the_weights_before_it():
+def test_terminate_on_nan_stops_at_the_bad_batch_with_the_weights_before_it(capsys):
     learn = regression_learner(regression(poison='inf'))
-    with pytest.warns(RuntimeWarning, match=f'training loss is NaN or infinite at epoch 0, batch {BAD}: training stopped$'):
-        learn.fit(3, cbs=TerminateOnNaNCallback())
+    learn.fit(3, cbs=TerminateOnNaNCallback())
+    reason = (f'training loss is NaN or infinite at epoch 0, batch {BAD}: the fit stopped before it, so the weights are '
+              f'those from before batch {BAD}')
+    assert learn.stop_reason == reason and capsys.readouterr().out.splitlines()[-1] == f'fit stopped: {reason}'
     assert (learn.epoch, learn.train_iter) == (0, BAD)          # no step on it: batches 0..BAD-1 counted
     before = regression_learner(regression(poison='inf'))
     before.fit(3, cbs=StopAfter(BAD))
@@ -107,8 +138,8 @@ def test_terminate_on_nan_with_a_dataloader_that_cannot_replay_stops_at_its_chec
             g = torch.Generator().manual_seed(0)
             return iter([(torch.randn(4, generator=g), torch.tensor([float('inf') if i == 9 else 0.])) for i in range(64)])
     learn = regression_learner(DataLoaders(torch.utils.data.DataLoader(Stream(), batch_size=4)))
-    with pytest.warns(RuntimeWarning, match='batch 2: training stopped at batch 7 .*IterableDataset'):
-        learn.fit(1, cbs=TerminateOnNaNCallback(check_every=8))
+    learn.fit(1, cbs=TerminateOnNaNCallback(check_every=8))
+    assert re.search('batch 2: the fit stopped at batch 7, .*IterableDataset', learn.stop_reason), learn.stop_reason
 
 def test_a_dataloader_that_cannot_replay_is_refused_before_the_first_batch():
     class Stream(torch.utils.data.IterableDataset):

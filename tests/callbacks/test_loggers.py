@@ -21,7 +21,7 @@ def test_print_progress_start_epoch_and_end_lines(capsys):
     assert lines[0] == 'fit: 2 epochs of 4 training batches and 2 validation batches'
     for e, (line, row) in enumerate(zip(lines[1:3], learn.recorder.values)):
         fields = line.split('  ')
-        assert fields[0] == f'epoch {e + 1}/2'
+        assert fields[0] == f'epoch {e} (of 2)'
         assert fields[1:4] == [f'train_loss {row[0]:.6f}', f'valid_loss {row[1]:.6f}', f'accuracy {row[2]:.6f}']
         assert fields[4].startswith('time ') and ':' in fields[4]
     assert lines[3].startswith('fit done in ')
@@ -37,8 +37,8 @@ def test_print_progress_says_why_the_fit_stopped(capsys):
         if self.epoch == 1: self.learn.stop_fit('valid_loss did not improve')
     learn = synth_learner(cbs=PrintProgressCallback())
     lines = fit_printing(capsys, learn, 5, cbs=Callback(after_epoch=stop))
-    assert [l.split()[1] for l in lines[1:-1]] == ['1/5', '2/5']
-    assert lines[-1].startswith('fit cancelled in epoch 2/5: valid_loss did not improve (after ')
+    assert [l.split()[1] for l in lines[1:3]] == ['0', '1']
+    assert lines[-1].startswith('fit cancelled in epoch 1 (of 5): valid_loss did not improve (after ')
 
 def test_print_progress_reports_a_failure(capsys):
     def boom(self):
@@ -47,7 +47,7 @@ def test_print_progress_reports_a_failure(capsys):
     with pytest.raises(RuntimeError, match='out of memory'):
         learn.fit(3, cbs=Callback(before_epoch=boom))
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-1].startswith('fit failed in epoch 2/3: RuntimeError: out of memory (after ')
+    assert lines[-1].startswith('fit failed in epoch 1 (of 3): RuntimeError: out of memory (after ')
     assert len(lines) == 3
 
 # ShowGraphCallback
