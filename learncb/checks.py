@@ -80,7 +80,7 @@ def default_lr(opt_func, lr=None):
     given = getattr(opt_func, 'keywords', {}).get('lr')
     if given is None: return 1e-3 if lr is None else lr
     if lr is not None and lr != given:
-        warnings.warn(f"Learner(lr={lr!r}) and the opt_func's lr={given!r}: the opt_func's is used, as in fastai; "
+        warn_user(f"Learner(lr={lr!r}) and the opt_func's lr={given!r}: the opt_func's is used, as in fastai; "
                       f"give the lr in one place (fit(lr=...) still overrides both)")
     return given
 

@@ -298,9 +298,9 @@ def check_model_state(model, state, path='the file', strict=True):
                          f"{short_list(state)}, the model {short_list(own)}. It holds another model's weights: load it into "
                          f"that model, or rename its keys to the model's")
     if missing or unexpected:
-        warnings.warn(f"{path}: strict=False loaded {len(own) - len(missing)} of the model's {len(own)} entries; "
+        warn_user(f"{path}: strict=False loaded {len(own) - len(missing)} of the model's {len(own)} entries; "
                       f"left as they were (not in the file): {short_list(missing)}; ignored (not in the model): "
-                      f"{short_list(unexpected)}", UserWarning, stacklevel=3)
+                      f"{short_list(unexpected)}", UserWarning)
     return state
 
 def load_model_state(model, state, path='the checkpoint', strict=True):

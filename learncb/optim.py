@@ -176,9 +176,9 @@ class OptimizerHost:
         groups = self.param_groups()
         n = check_int(n, 'n', who='freeze_to', hint='the index of the first param group that trains')
         idx = n if n >= 0 else max(len(groups) + n, 0)
-        if idx >= len(groups): warnings.warn(
+        if idx >= len(groups): warn_user(
             f"freeze_to({n}): the model has {len(groups)} param group{'s' if len(groups) > 1 else ''}, so all of it "
-            f"is frozen and nothing will train; pass a splitter to Learner to make groups", UserWarning, stacklevel=2)
+            f"is frozen and nothing will train; pass a splitter to Learner to make groups", UserWarning)
         keep = norm_params(self.model) if train_bn else set()
         for i,g in enumerate(groups):
             for p in g:
@@ -219,8 +219,8 @@ class OptimizerHost:
                                  f"learn.model (was the model replaced?), so the model would not train: set learn.opt "
                                  f"to an optimizer of learn.model.parameters(), or pass reset_opt=True to make one "
                                  f"with opt_func")
-            warnings.warn(f"learn.model (or some of its parameters) changed since the optimizer was made: a new {name} "
+            warn_user(f"learn.model (or some of its parameters) changed since the optimizer was made: a new {name} "
                           f"is made for this fit, with a fresh state (momentum, running averages); pass reset_opt=True "
-                          f"to do this without a warning", UserWarning, stacklevel=4)
+                          f"to do this without a warning", UserWarning)
             self.create_opt()
         return self.opt

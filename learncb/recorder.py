@@ -356,10 +356,10 @@ class Recorder(Callback):
         self._warned_nan = True
         epoch_lrs = self.lrs[self.iters[-1] if self.iters else 0:]
         lr = f" (it went up to {max(epoch_lrs):g} in this epoch)" if epoch_lrs else ''
-        warnings.warn(f"the training loss of epoch {self.learn.epoch} is {train}: the training diverged, or the data or "
+        warn_user(f"the training loss of epoch {self.learn.epoch} is {train}: the training diverged, or the data or "
                       f"the loss gives NaN. Try a lower learning rate{lr}, check the data, and add "
                       f"TerminateOnNaNCallback() to stop a fit at the first batch whose loss is not finite (this warning "
-                      f"is given once per fit)", RuntimeWarning, stacklevel=2)
+                      f"is given once per fit)", RuntimeWarning)
 
 # %% ../nbs/04_recorder.ipynb #bc55d3be
 def tell(learn, line, warn=True):

@@ -52,7 +52,7 @@ class ResumeCallback(Callback):
         if self.state.get('loader') is not None and has_state(dl): learn.dl = _RngAfterIter(dl, rng)
         elif sampler_of(dl) is not None: replay_pass(learn, dl, start, rng)
         else:
-            if epoch_rng is None: warnings.warn(
+            if epoch_rng is None: warn_user(
                 f"the training dataloader cannot skip batches ({cannot_resume_reason(dl)}), and this checkpoint does not "
                 f"hold the random state its epoch started with (an older learncb wrote it): the first {start} batches "
                 f"are read again from the random state at hand and dropped, so the order is the same only if it does "
@@ -84,7 +84,7 @@ class _CheckedStart:
         first = list(itertools.islice(it, 1))
         if self.sampler.start:          # still there after a batch: the dataloader does not draw from its sampler
             self.sampler.start = 0
-            warnings.warn(f"{type(self.dl).__name__} does not take its order from its batch sampler: the first "
+            warn_user(f"{type(self.dl).__name__} does not take its order from its batch sampler: the first "
                           f"{self.n} batches of the epoch are read again and dropped, and its order is the same only "
                           f"if it does not depend on the random state")
             it,first = itertools.islice(itertools.chain(first, it), self.n, None),[]
@@ -147,7 +147,7 @@ def _newest_intact(store):
         except CorruptFileError:
             damaged.append(_name(ref))
             continue
-        if damaged: warnings.warn(f"resume=True: the newest checkpoints in {_where(store)} are damaged or incomplete "
+        if damaged: warn_user(f"resume=True: the newest checkpoints in {_where(store)} are damaged or incomplete "
                                   f"(truncated, corrupt, changed since written, or a sharded one whose shards were not "
                                   f"all written): {damaged}; resuming from {_name(ref)}, the newest intact one. The "
                                   f"damaged ones are left as they are")
@@ -176,10 +176,10 @@ def resume_cbs(learn, resume):
     _check_same_run(learn, state, path)
     learn.check_state(state, path)                   # the model and the optimizer take it: nothing is changed yet
     if (why := _finished(state)):
-        warnings.warn(f"{path} is the end of a run that is over ({why}): there is nothing left to train, and the "
+        warn_user(f"{path} is the end of a run that is over ({why}): there is nothing left to train, and the "
                       f"learner gets that run's final state. To train more, start a new fit without resume")
     if not state.get('exact', True):
-        warnings.warn(f"{path} was written after an error in the middle of a batch: the run continues from the last "
+        warn_user(f"{path} was written after an error in the middle of a batch: the run continues from the last "
                       f"complete batch, but may not end exactly as an uninterrupted run would")
     if resume is not True: _warn_newer(store, path)
     if auto and is_rank0(): print(f"resume='auto': resuming the run from {path}", flush=True)
@@ -192,6 +192,6 @@ def _warn_newer(store, ref):
     from learncb.checkpoint.store import checkpoint_key, is_checkpoint_name
     if not is_checkpoint_name(ref): return
     newer = [_name(r) for r in store.list()[::-1] if checkpoint_key(r) > checkpoint_key(ref)]
-    if newer: warnings.warn(f"resuming from {_name(ref)}, but {_where(store)} holds newer checkpoints of the run that "
+    if newer: warn_user(f"resuming from {_name(ref)}, but {_where(store)} holds newer checkpoints of the run that "
                             f"went on from it: {newer}. This run removes them as it passes them; until then, "
                             f"resume=True would take the newest of them")

@@ -164,7 +164,7 @@ class StateHost:
                 raise add_note(e, f"learncb: {where}: the state saved for callback {k!r} does not load into {cb!r}")
             done.append((cb, before))
         missing = [k for k in states if k not in keys]
-        if missing: warnings.warn(f"{where} has state for callbacks this learner does not have: {missing}; add them to "
+        if missing: warn_user(f"{where} has state for callbacks this learner does not have: {missing}; add them to "
                                   f"restore it, or ignore this if they are gone on purpose")
         return undo
 

@@ -266,5 +266,5 @@ def warn_user(message, category=UserWarning):
     f = user_frame()
     if f is None: return warnings.warn(message, category, stacklevel=2)
     warnings.warn_explicit(message, category, f.f_code.co_filename, f.f_lineno, module=f.f_globals.get('__name__'),
-                           registry={}, module_globals=f.f_globals)
+                           registry={})
 

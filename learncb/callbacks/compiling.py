@@ -32,8 +32,8 @@ class CompiledModel(nn.Module):
     def _fall_back(self, e):
         lines = [l.strip() for l in str(e).splitlines() if l.strip()][:2]     # torch's: "backend=... raised:", why
         self.failed = f"{type(e).__name__}: {' '.join(lines)}"
-        warnings.warn(f"torch.compile failed ({self.failed}); the fit goes on with the model as it is, not compiled",
-                      UserWarning, stacklevel=3)
+        warn_user(f"torch.compile failed ({self.failed}); the fit goes on with the model as it is, not compiled",
+                      UserWarning)
         return None
 
     def forward(self, *args, **kwargs):
@@ -264,7 +264,7 @@ class CompileCallback(Callback):
         if not self.fallback: raise RuntimeError(msg + " (fallback=False: pass fallback=True to run it eagerly)")
         self.fell_back = reason
         self._go_eager()
-        warnings.warn(msg, UserWarning, stacklevel=2)
+        warn_user(msg, UserWarning)
 
     def _first_grad(self):
         "The first parameter's gradient and its version: whether a failed step touched the gradients"

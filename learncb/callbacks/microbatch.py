@@ -223,7 +223,7 @@ class AutoMicrobatch(Callback):
         learn,self.since_change = self.learn,0
         n = batch_len(self._inputs)
         self.history.append((learn.epoch, learn.iter, self._size(n, self.halvings)))
-        if self.halvings > self._start and is_rank0(): warnings.warn(
+        if self.halvings > self._start and is_rank0(): warn_user(
             f"AutoMicrobatch: batch {learn.iter} of epoch {learn.epoch} ({n} items) ran out of memory: micro-batches of "
             f"{self._size(n, self.halvings)} items from here (the whole batch is tried again every {self.grow_every} steps)")
 

@@ -92,7 +92,7 @@ class TrackerCallback(Callback):
         "Whether `value` beats the best so far by more than `min_delta` (`None`, NaN and infinities never do)"
         if value is None or not math.isfinite(value):
             what = 'has no value' if value is None else f'is {value}'
-            if not self._warned: warnings.warn(f"{type(self).__name__}: {self.monitor_name} {what} at epoch "
+            if not self._warned: warn_user(f"{type(self).__name__}: {self.monitor_name} {what} at epoch "
                                                f"{self.learn.epoch}{' (no validation set?)' if value is None else ''}; "
                                                f"that epoch is not compared")
             self._warned = True
@@ -126,7 +126,7 @@ class SaveModelCallback(TrackerCallback):
         if self.at_end: return self._save(self.fname)
         if self.every_epoch is not False or self.best_epoch is None: return
         if self.learn.exception is not None:
-            warnings.warn(f"the fit ended with {type(self.learn.exception).__name__}: the model keeps its current "
+            warn_user(f"the fit ended with {type(self.learn.exception).__name__}: the model keeps its current "
                           f"weights; the best ones (epoch {self.best_epoch}) are in {self.saved}")
         else: self.learn.load(self.fname, with_opt=self.with_opt)
 

@@ -51,7 +51,7 @@ class ThroughputCallback(Callback):
             rec.record('samples_per_s', row['samples_per_s']); rec.record('data_wait', row['data_wait'])
         if row['data_wait'] > self.warn_at and not self._warned:
             self._warned = True
-            warnings.warn(f"the training loop waited for data {row['data_wait']:.0%} of the time in epoch "
+            warn_user(f"the training loop waited for data {row['data_wait']:.0%} of the time in epoch "
                           f"{row['epoch']} (more than warn_at={self.warn_at:.0%}): the dataloader is the bottleneck, "
                           f"not the model. To feed it faster, {_data_fix}", UserWarning)
 

@@ -240,9 +240,9 @@ def fit_one_cycle(self:Learner, n_epoch, lr_max=None, div=25., div_final=1e5, pc
             opt = self._opt_for_fit(reset_opt)
             reset_opt = False                  # made just now if it had to be
             if has_momentum(opt): scheds['mom'] = combined_cos(pct_start, *moms)
-            else: warnings.warn(
+            else: warn_user(
                 f"fit_one_cycle: {type(opt).__name__} has no momentum (neither 'momentum' nor 'betas' in its param "
-                f"groups), so moms={moms} is not scheduled; pass moms=None to silence this", UserWarning, stacklevel=3)
+                f"groups), so moms={moms} is not scheduled; pass moms=None to silence this", UserWarning)
         self._fit_scheduled(n_epoch, scheds, wd, cbs, reset_opt, resume)
 
 @patch

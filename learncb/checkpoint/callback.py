@@ -96,7 +96,7 @@ class CheckpointCallback(Callback):
     def _warn_earlier_run(self):
         if not (earlier := self._store.list()): return
         n = f"{len(earlier)} checkpoint{'s' if len(earlier) > 1 else ''}"
-        warnings.warn(f"{_where(self._store)} already holds {n} of an earlier run (the newest: {_name(earlier[0])}): this run "
+        warn_user(f"{_where(self._store)} already holds {n} of an earlier run (the newest: {_name(earlier[0])}): this run "
                       f"removes them as it passes them, but until then resume=True takes the newest there. Give each "
                       f"run its own folder (CheckpointCallback(path=...)), or pass resume=True to continue that run")
 

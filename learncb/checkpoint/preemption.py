@@ -52,7 +52,7 @@ def requeue_slurm_job():
     "Put this SLURM job back in the queue (`scontrol requeue`); `True` if it was, else a warning says why not"
     job = slurm_job_id()
     if job is None:
-        warnings.warn("CheckpointCallback(requeue=True): this is not a SLURM job (no SLURM_JOB_ID), so nothing was "
+        warn_user("CheckpointCallback(requeue=True): this is not a SLURM job (no SLURM_JOB_ID), so nothing was "
                       "requeued: start the same command again to go on")
         return False
     try: res = subprocess.run(['scontrol', 'requeue', job], capture_output=True, text=True, timeout=60)
@@ -61,7 +61,7 @@ def requeue_slurm_job():
         print(f"learncb: requeued SLURM job {job}", flush=True)
         return True
     why = res.stderr.strip() if isinstance(res, subprocess.CompletedProcess) else str(res)
-    warnings.warn(f"CheckpointCallback(requeue=True): `scontrol requeue {job}` failed ({why}): the job was not "
+    warn_user(f"CheckpointCallback(requeue=True): `scontrol requeue {job}` failed ({why}): the job was not "
                   f"requeued; its checkpoint is saved, so submit it again with the same command")
     return False
 
@@ -146,7 +146,7 @@ class SignalGuard:
         "Say that the signals asked for cannot be held: Python runs signal handlers on the main thread only"
         if not self.signums: return
         names = ', '.join(signal.Signals(s).name for s in self.signums)
-        warnings.warn(f"{self.who}: this fit runs off the main thread ({threading.current_thread().name}; Ray "
+        warn_user(f"{self.who}: this fit runs off the main thread ({threading.current_thread().name}; Ray "
                       f"Train runs the training function so), where Python cannot catch signals: {names} will not stop "
                       f"it at the end of a batch with an exact checkpoint. Its checkpoints every_n_steps and at each "
                       f"epoch are still written; run the fit on the main thread to stop exactly on a signal, or pass "

@@ -198,9 +198,9 @@ def _export_program(m, xb):
     ep = torch.export.export(m, one)
     if not _agrees(m, ep, one): raise ValueError("the captured program gives other outputs than the model on a sample "
                                                  "item (its forward depends on something fixed when it was traced)")
-    warnings.warn(f"export: the model's code depends on the batch size ({why}), so its program is captured for "
+    warn_user(f"export: the model's code depends on the batch size ({why}), so its program is captured for "
                   f"batches of one item: a learner loaded from the file predicts one item at a time",
-                  UserWarning, stacklevel=5)
+                  UserWarning)
     return ep,1
 
 def _capture(model, xb, n_inp):
@@ -247,10 +247,10 @@ def _head_for_file(loss_func):
     for name,what,arg,registry in zip(head_names(loss_func), ('activation', 'decodes'), ('act', 'decodes'),
                                       (activations, decodings)):
         if name is None:
-            warnings.warn(f"export: the loss function's {what} is a function of its own, which a file cannot name "
+            warn_user(f"export: the loss function's {what} is a function of its own, which a file cannot name "
                           f"(it knows {', '.join(registry)}): the file says 'identity', so a learner loaded from it "
                           f"gives the model's raw outputs there; give the function back when loading: "
-                          f"load_learner(path, {arg}=...)", UserWarning, stacklevel=3)
+                          f"load_learner(path, {arg}=...)", UserWarning)
             name = 'identity'
         names.append(name)
     return names
@@ -267,8 +267,8 @@ def export(self:Learner, fname='export.pt', with_program=True, sample=None):
         if with_program: program,batch,shapes,why = self._program(sample)
         else: program,batch,shapes,why = None,None,self._item_shapes(),"it was exported with with_program=False"
     if program is None and with_program:
-        warnings.warn(f"export: torch.export could not capture the model ({why}), so {path} holds its weights only: "
-                      f"load it with load_learner(path, model=MyModel(...)), a model of its class", UserWarning, 2)
+        warn_user(f"export: torch.export could not capture the model ({why}), so {path} holds its weights only: "
+                      f"load it with load_learner(path, model=MyModel(...)), a model of its class", UserWarning)
     state = {'learncb_export': 1, 'model': weights, 'n_inp': self.n_inp, 'act': act, 'decodes': dec, 'vocab': vocab,
              'item_shapes': shapes, 'program_batch': batch, 'program_error': why,
              'torch_version': str(torch.__version__),

@@ -53,7 +53,7 @@ class RayTrainReportCallback(Callback):
             f"RayTrainReportCallback")
         self.train = import_optional('ray.train', 'ray', 'ray', 'RayTrainReportCallback')
         self._notice = getattr(self.train, 'get_preemption_info', None)     # Ray Train's current API (V2) only
-        if self._notice is None and self.check_every: warnings.warn(
+        if self._notice is None and self.check_every: warn_user(
             "RayTrainReportCallback: this Ray Train (its older API, RAY_TRAIN_V2_ENABLED=0) gives no preemption "
             "notice: the fit reports its checkpoints to Ray, but does not save one when a node is about to be taken. "
             "Set RAY_TRAIN_V2_ENABLED=1 (Ray Train's current API) for both, or pass check_every=0 to silence this")

@@ -59,7 +59,7 @@ class WandbCallback(ExperimentTrackerCallback):
             if folder == self.run_dir or not own.fullmatch(folder.name): continue
             try: rows = read_offline_run(folder)['history']
             except Exception as e:       # W&B's file format changed: rely on the checkpoint's steps alone
-                warnings.warn(f"WandbCallback cannot read the earlier offline folder {folder} of run {run.id} ({e}): "
+                warn_user(f"WandbCallback cannot read the earlier offline folder {folder} of run {run.id} ({e}): "
                               f"values written after the checkpoint may be written twice")
                 continue
             for row in rows:
