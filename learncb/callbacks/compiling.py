@@ -97,9 +97,11 @@ def _own_function(fn):
 def _own_step(opt):
     """`opt`'s step (`bare_step`) on code of its own: torch's optimizer step breaks the graph, so its frames are compiled
     apart, and on torch's code every optimizer of the class would share them (past torch's recompile limit, eagerly).
-    A fused optimizer's kernel is never traced: its step runs as it is, outside the graph"""
+    A fused optimizer's kernel is never traced, nor torch's wrapper of the step (hooks, a scheduler's counter, the
+    profiler's annotation, which torch would warn it ignores): such a step runs as it is, outside the graph"""
     step = bare_step(opt)
-    if any(pg.get('fused') for pg in opt.param_groups): return torch.compiler.disable(step)
+    wrapped = getattr(step, '__func__', None) is not getattr(type(opt).step, '__wrapped__', False)
+    if wrapped or any(pg.get('fused') for pg in opt.param_groups): return torch.compiler.disable(step)
     return _own_code(step) if isinstance(step, MethodType) else step
 
 def _detached(o):

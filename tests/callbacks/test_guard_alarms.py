@@ -89,3 +89,29 @@ def test_the_bars_print_the_stop_reason(capsys, monkeypatch):
     monkeypatch.setattr(learncb.progress, 'can_draw_bars', lambda: True)       # a terminal: fastprogress's console bars
     nan_fit(progress=True)
     assert f'fit stopped: {reason}' in capsys.readouterr().out
+
+def test_an_out_of_memory_error_without_automicrobatch_gets_a_note_naming_it():
+    class OutOfMemory(torch.nn.Linear):
+        def forward(self, x):
+            if torch.is_grad_enabled(): raise torch.OutOfMemoryError('out of memory (injected)')
+            return super().forward(x)
+    learn = synth_learner(model=OutOfMemory(2, 2))
+    with pytest.raises(torch.OutOfMemoryError) as e: learn.fit(1)
+    assert any('training batch 0 ran out of memory' in n and 'cbs=AutoMicrobatch()' in n for n in e.value.__notes__)
+    with pytest.raises(RuntimeError) as e: synth_learner(model=OutOfMemory(2, 2)).fit(1, cbs=AutoMicrobatch())
+    assert not any('cbs=AutoMicrobatch()' in n for n in getattr(e.value, '__notes__', []))
+
+def test_the_compiled_step_prints_nothing_the_user_did_not_cause():
+    "A torch scheduler wraps `opt.step` on the instance: torch's wrapper (its profiler annotation) runs outside the graph"
+    out, err = run_fresh('''
+        import torch
+        from learncb.all import *
+        from learncb.test_utils import synth_learner
+        learn = synth_learner(opt_func=torch.optim.SGD)
+        learn.compile(step=True)
+        learn.create_opt()
+        sched = torch.optim.lr_scheduler.StepLR(learn.opt, 1)
+        learn.fit(2, cbs=Callback(after_epoch=lambda cb: sched.step()))
+        assert learn.compiler.fell_back is None and sched.last_epoch == 2
+    ''')
+    assert err == '', err
