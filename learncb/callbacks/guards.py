@@ -70,7 +70,7 @@ class SpikeGuard(Callback):
     "Rolls the run back to a snapshot kept in memory when the training loss (or gradient norm) spikes, skips that batch and replays the others"
     order,run_valid,remove_on_lr_find = Order.GUARD,False,True     # lr_find makes the loss diverge on purpose
     _state_attrs = ('history',)
-    def __init__(self, factor=5., check_every=25, snapshot_every=100, max_rollbacks=3, grad_norm=False, n_history=100,
+    def __init__(self, factor=5., check_every=25, snapshot_every=100, max_rollbacks=3, grad_norm=False, n_history=50,
                  warmup=10):
         who = 'SpikeGuard'
         self.factor = check_number(factor, 'factor', gt=1, who=who, hint='how many times the median of the batches before it a spike is')
