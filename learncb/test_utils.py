@@ -15,6 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from .core import *
 from .learner import *
 from .progress import ProgressCallback
+from .demo import digits_dls, digits_model
+from .callbacks import schedule        # learn.fit_one_cycle
 
 # %% ../nbs/07_test_utils.ipynb #17972601
 def _synth_xy(n, seed, n_in=2):
@@ -70,7 +72,6 @@ class EventLog(Callback):
 
 # %% ../nbs/07_test_utils.ipynb #e159a9aa
 def _digits(seed):
-    from .demo import digits_dls, digits_model
     torch.manual_seed(seed)
     return Learner(digits_dls(seed=42 + seed), digits_model(), nn.CrossEntropyLoss(), lr=3e-3, device='cpu')
 
@@ -110,7 +111,6 @@ _problems = {'digits': _digits, 'regression': _regression, 'language model': _la
 
 def clean_fit(problem, seed=0, schedule='constant', second=False, epochs=3, cbs=()):
     "A learner of `problem` fitted `epochs` epochs with `cbs` (after a first fit without them if `second`), its output in `learn.printed`"
-    from .callbacks import schedule       # learn.fit_one_cycle
     learn = _problems[problem](seed)
     learn.remove_cbs([cb for cb in learn.cbs if _is_progress(cb)])
     fit = learn.fit_one_cycle if schedule == 'one-cycle' else learn.fit

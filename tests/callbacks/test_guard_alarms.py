@@ -77,7 +77,7 @@ reason = ('training loss is NaN or infinite at epoch 1, batch 2: the fit stopped
 
 def test_a_nan_stop_leaves_its_reason_and_the_table_logger_prints_it(capsys):
     learn = nan_fit(logger=print)
-    assert learn.stop_reason == reason and learn.exception is None and (learn.epoch, learn.iter) == (1, 1)
+    assert learn.stop_reason == reason and learn.exception is None and (learn.epoch, learn.train_iter) == (1, 6)
     assert capsys.readouterr().out.splitlines()[-1] == f'fit stopped: {reason}'
 
 def test_print_progress_prints_the_stop_reason_counting_epochs_as_the_reason_does(capsys):
