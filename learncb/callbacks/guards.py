@@ -149,11 +149,9 @@ class SpikeGuard(Callback):
         learn = self.learn
         if self.grad_norm: self._norms.append(_grad_norm(self._params)); self._norm_iters.append(learn.iter)
         if self._found_inf is None: return
-        found = self._found_inf
-        found.zero_()
         checked = [learn.loss.float().reshape(1)] + ([self._norms[-1].reshape(1)] if self.grad_norm else [])
-        torch._amp_foreach_non_finite_check_and_unscale_(checked, found, self._one)    # sets `found` on the device
-        learn.opt.found_inf = found
+        torch._amp_foreach_non_finite_check_and_unscale_(checked, self._found_inf, self._one)  # 1 if not finite, else as it was
+        learn.opt.found_inf = self._found_inf     # once set, no step until the check that rolls back (and clears it)
 
     def after_batch(self):
         learn = self.learn
@@ -161,7 +159,8 @@ class SpikeGuard(Callback):
         if (n >= self.check_every and n + len(self.history['loss']) >= self.warmup) or (
                 self._last is not None and learn.iter >= self._last):
             self._check()
-            if learn.train_iter - self._snap_at >= self.snapshot_every: self._snapshot(learn.iter + 1)
+            last = self._last is not None and learn.iter >= self._last       # the next epoch's start takes its own
+            if not last and learn.train_iter - self._snap_at >= self.snapshot_every: self._snapshot(learn.iter + 1)
 
     def after_train(self):
         "The batches left unchecked by a dataloader without a length (one that cannot replay): checked at the end"
@@ -174,6 +173,7 @@ class SpikeGuard(Callback):
     def _check(self):
         "One host sync (and one collective across ranks): roll back if a batch since the last check spiked"
         if not self._losses: return
+        if self._found_inf is not None: self._found_inf.zero_()     # a step skipped since had a loss that is a spike
         iters,values = self._iters,_values(self._losses)
         spiked,levels = self._spikes(values, self.history['loss'])
         norms = torch.stack(self._norms).tolist() if self._norms else []

@@ -58,6 +58,12 @@ def test_shuffled_poisoned_rows_are_named_by_their_dataset_indices():
     printed = '\n'.join(guarded.said)
     assert printed.count('rolled back') == len(guarded.skipped_batches) > 1
     assert f'their rows: {rows_text(guarded.skipped_items)}' in guarded.said[-1]
+    told = set()                                                                   # the rows each rollback line names
+    for line in guarded.said:
+        if 'rolled back' in line:
+            for a, b in re.findall(r'(\d+)(?:-(\d+))?', re.search(r'rows ([\d, -]+)', line).group(1)):
+                told |= set(range(int(a), int(b or a) + 1))
+    assert bad <= told
     assert guarded.fit(1) is None and guarded.skipped_items == []                  # a new fit starts with none
 
 def test_after_max_rollbacks_the_fit_stops_naming_the_batches_with_the_weights_before_the_spike(clean, tmp_path):
