@@ -89,8 +89,8 @@ class SpikeGuard(Callback):
     def _clear(self): self._losses,self._iters,self._norms,self._norm_iters = [],[],[],[]
 
     def takes_part(self, event_name, training):
-        "`before_step` only to note gradient norms or to set a fused optimizer's skip flag"
-        if event_name == 'before_step' and not (self.grad_norm or self._found_inf is not None): return False
+        "`before_step` only to note gradient norms"
+        if event_name == 'before_step' and not self.grad_norm: return False
         return super().takes_part(event_name, training)
 
     def before_fit(self):
@@ -100,7 +100,7 @@ class SpikeGuard(Callback):
         self._params = [p for g in learn.opt.param_groups for p in g['params']]
         device = model_device(learn.model, learn.device)
         self._found_inf,self._one = (torch.zeros((), device=device),torch.ones((), device=device)) if _skips_on_device(learn.opt) else (None,None)
-        learn.cbs_changed()                       # `takes_part('before_step')` may have changed
+        if self._found_inf is not None: learn.opt.found_inf = self._found_inf   # read by each step: skipped when it is 1
 
     def _take_order(self):
         "Make the training dataloader one that can replay its epoch from any batch, or say why it cannot"
@@ -140,18 +140,20 @@ class SpikeGuard(Callback):
         self._start,self._snap_at = start,self.learn.train_iter
 
     def after_loss(self):
+        "Keep the loss for the next check; a fused optimizer's flag set on the device if it is not finite (no step then)"
         learn = self.learn
         if learn.loss is None: return
         self._losses.append(learn.loss); self._iters.append(learn.iter)
+        if self._found_inf is not None: self._flag(learn.loss)
+
+    def _flag(self, value):
+        "Set the fused optimizer's flag to 1 if `value` is not finite (else leave it): no step until the check that clears it"
+        torch._amp_foreach_non_finite_check_and_unscale_([value.float().reshape(1)], self._found_inf, self._one)
 
     def before_step(self):
-        "Note the gradient norm of a step that is taken; a fused optimizer skips the step on the device if it is not finite"
-        learn = self.learn
-        if self.grad_norm: self._norms.append(_grad_norm(self._params)); self._norm_iters.append(learn.iter)
-        if self._found_inf is None: return
-        checked = [learn.loss.float().reshape(1)] + ([self._norms[-1].reshape(1)] if self.grad_norm else [])
-        torch._amp_foreach_non_finite_check_and_unscale_(checked, self._found_inf, self._one)  # 1 if not finite, else as it was
-        learn.opt.found_inf = self._found_inf     # once set, no step until the check that rolls back (and clears it)
+        "Note the gradient norm of a step that is taken (`grad_norm=True`)"
+        self._norms.append(norm := _grad_norm(self._params)); self._norm_iters.append(self.learn.iter)
+        if self._found_inf is not None: self._flag(norm)
 
     def after_batch(self):
         learn = self.learn
