@@ -44,6 +44,7 @@ def _judged(values, history, factor, n_history):
     A value spikes when it is not finite, or more than `factor` times the median of the (up to `n_history`) finite values
     before it (those of `history` first) and more than `factor / 2` times their 90th percentile: losses that vary much
     from batch to batch (a small-batch regression near its noise floor) raise no alarm. A first value is not judged"""
+    if _all_low(values, history, factor, n_history): return [False] * len(values),[None] * len(values)
     recent = deque(v for v in history[-n_history:] if math.isfinite(v))
     known,spiked,levels = sorted(recent),[],[]
     for v in values:
@@ -54,6 +55,14 @@ def _judged(values, history, factor, n_history):
         bisect.insort(known, v); recent.append(v)
         if len(recent) > n_history: del known[bisect.bisect_left(known, recent.popleft())]
     return spiked,levels
+
+def _all_low(values, history, factor, n_history):
+    """Whether none of `values` can spike, found at the cost of one sort: each is finite and at most `factor / 2` times a
+    lower bound of the 90th percentile of its predecessors (the `k`-th largest of the `history` every one of them has)"""
+    k,m = n_history - int(0.9 * n_history),n_history - len(values)
+    common = history[-m:] if m > 0 else []
+    return (len(common) >= k and all(map(math.isfinite, values))
+            and max(values) <= factor / 2 * sorted(common)[-k])
 
 def _order_repeats(dl):
     "Whether each epoch of `dl` gives the same batches: a `ResumableSampler` that does not shuffle orders it"

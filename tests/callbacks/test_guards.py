@@ -222,3 +222,18 @@ def test_a_run_resumed_at_an_epoch_end_keeps_the_guards_history(tmp_path):
     whole = run(tmp_path/'whole')
     with pytest.raises(SystemExit): run(tmp_path/'run', ExitAtEpoch1())
     assert run(tmp_path/'run', resume='auto') == whole and len(whole) == 39
+
+def test_the_quick_verdict_agrees_with_the_judgement_of_each_batch():
+    "A check whose values are all low (one sort) must be one in which judging each against its predecessors finds no spike"
+    import random
+    from learncb.callbacks import guards
+    rng, quick = random.Random(0), 0
+    for _ in range(3000):
+        history = [rng.lognormvariate(0, rng.choice([0.1, 0.5, 1.5])) for _ in range(rng.randrange(0, 60))][-50:]
+        values = [rng.lognormvariate(0, rng.choice([0.1, 0.5, 1.5])) * rng.choice([1, 1, 1, 3, 20]) for _ in range(rng.randrange(1, 26))]
+        if guards._all_low(values, history, 5., 50):
+            quick += 1
+            guards._all_low, saved = (lambda *a: False), guards._all_low
+            try: assert not any(guards._judged(values, history, 5., 50)[0]), (values, history)
+            finally: guards._all_low = saved
+    assert quick > 300                                     # the quick verdict is the common case
