@@ -80,7 +80,7 @@ class SpikeGuard(Callback):
     order,run_valid,remove_on_lr_find = Order.GUARD,False,True     # lr_find makes the loss diverge on purpose
     _state_attrs = ('history',)
     def __init__(self, factor=5., check_every=25, snapshot_every=100, max_rollbacks=3, grad_norm=False, n_history=50,
-                 warmup=10):
+                 warmup=10, skip_on_device=False):
         who = 'SpikeGuard'
         self.factor = check_number(factor, 'factor', gt=1, who=who, hint='how many times the median of the batches before it a spike is')
         self.check_every = check_int(check_every, 'check_every', ge=1, who=who)
@@ -92,6 +92,7 @@ class SpikeGuard(Callback):
             f"SpikeGuard: warmup={warmup} is more than n_history={n_history}, the batches it remembers: make warmup at "
             f"most n_history")
         self.grad_norm,self.history,self.rollbacks,self.replayable = bool(grad_norm),{'loss': [], 'grad_norm': []},0,True
+        self.skip_on_device = bool(skip_on_device)     # a fused optimizer's flag: no step on a non-finite loss, at a cost
         self._snap,self._start,self._snap_at,self._taken,self._found_inf,self._last = None,0,0,None,None,-1
         self._clear()
 
@@ -108,7 +109,7 @@ class SpikeGuard(Callback):
         self._take_order()
         self._params = [p for g in learn.opt.param_groups for p in g['params']]
         device = model_device(learn.model, learn.device)
-        self._found_inf,self._one = (torch.zeros((), device=device),torch.ones((), device=device)) if _skips_on_device(learn.opt) else (None,None)
+        self._found_inf,self._one = (torch.zeros((), device=device),torch.ones((), device=device)) if self.skip_on_device and _skips_on_device(learn.opt) else (None,None)
         if self._found_inf is not None: learn.opt.found_inf = self._found_inf   # read by each step: skipped when it is 1
 
     def _take_order(self):
