@@ -162,7 +162,7 @@ def ddp_us(n_batches, n_epoch, rounds, timeout, world=2):
     "Microseconds per step of the raw DDP loop and learncb's, in `world` CPU processes (gloo); or why there are none"
     return run_workers(ddp_worker, (n_batches, n_epoch, rounds), world, timeout)
 
-# The compile table (issue 32): batches made ahead, so that the figures time the step, not the DataLoader's collate
+# The compile table, the step alone: batches made ahead, so that the figures time the step, not the DataLoader's collate
 def premade(n_batches, shape, n_classes, bs=32, seed=0):
     "Training and validation batches, made once: lists of `(x, y)` (a list is a dataloader to learncb too)"
     g = torch.Generator().manual_seed(seed)
