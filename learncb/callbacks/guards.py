@@ -9,7 +9,6 @@ __all__ = ['SpikeGuard', 'TerminateOnNaNCallback']
 
 # %% ../../nbs/34_guards.ipynb #735fcf62
 import bisect, math
-from fastcore.basics import noop
 from collections import deque
 import torch
 from ..core import *
@@ -18,7 +17,7 @@ from ..ranks import *
 from ..sampler import *
 from ..state import *
 from ..resume import replay_pass
-from ..recorder import tell
+from ..recorder import tell, has_output
 
 # %% ../../nbs/34_guards.ipynb #326d0aac
 def _skips_on_device(opt):
@@ -168,10 +167,9 @@ class SpikeGuard(Callback):
     def after_batch(self):
         learn = self.learn
         n = len(self._losses)
-        if (n >= self.check_every and n + len(self.history['loss']) >= self.warmup) or (
-                self._last is not None and learn.iter >= self._last):
+        last = self._last is not None and learn.iter >= self._last
+        if last or (n >= self.check_every and n + len(self.history['loss']) >= self.warmup):
             self._check()
-            last = self._last is not None and learn.iter >= self._last       # the next epoch's start takes its own
             if not last and learn.train_iter - self._snap_at >= self.snapshot_every: self._snapshot(learn.iter + 1)
 
     def after_train(self):
@@ -194,7 +192,7 @@ class SpikeGuard(Callback):
         if num_distrib() > 1: spiked = (sum_across_ranks(torch.tensor(spiked, dtype=torch.float32)) > 0).tolist()
         if any(spiked):
             k = spiked.index(True)
-            self.on_spike(iters[k], _why(values[k], levels[k], self.factor))
+            self.on_spike(iters[k], _why(values[k], levels[k]))
         self._keep(self.history['loss'], values)
         self._keep(self.history['grad_norm'], norms)
         self._clear()
@@ -256,7 +254,7 @@ class SpikeGuard(Callback):
         self._snap,self._taken,self._found_inf = None,None,None
         self._clear()
 
-def _why(value, level, factor):
+def _why(value, level):
     "What made `value` a spike, for a message: not finite, or how many times its level it is"
     if not math.isfinite(value): return f" (loss {value})"
     return '' if level is None else f" (loss {value:.4g}, {value / level:.3g} times the median {level:.4g} of the batches before it)"
@@ -324,6 +322,5 @@ class TerminateOnNaNCallback(SpikeGuard):
         "End the fit saying why and where: `learn.stop_reason` (told by the learner's output), `CancelFitException`"
         learn = self.learn
         learn.stop_reason = self.found
-        if learn.logger is noop and getattr(getattr(learn, 'progress', None), 'mbar', None) is None and is_rank0():
-            warn_user(self.found, RuntimeWarning)     # no output to tell it: a warning, shown every time
+        if not has_output(learn) and is_rank0(): warn_user(self.found, RuntimeWarning)   # else the Recorder tells it
         raise CancelFitException(self.found)
