@@ -7,6 +7,7 @@ from .files import *
 from .checks import *
 from .diagnose import *
 from .dispatch import *
+from .step import *
 from .optim import *
 from .weights import *
 from .learner import *

@@ -111,7 +111,7 @@ class CallbackHost:
             for handler in self._tables[self.training][event_name]: handler()
         except BaseException as e:
             self._raised_in = event_name       # so that an error of `after_fit` does not fire `after_fit` again
-            if handler is not None and isinstance(e, Exception) and not isinstance(e, CancelException):
+            if handler is not None and isinstance(e, Exception) and not isinstance(e, loop_signals):
                 add_note(e, f"learncb: raised by {getattr(handler, '__self__', handler)!r} in {event_name!r}")
                 note_where(e, 'callback')
             raise

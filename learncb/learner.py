@@ -27,7 +27,8 @@ from .recorder import *
 from .progress import *
 from .preds import *
 from .state import *
-from .resume import resume_cbs
+from .resume import resume_cbs, resumed_from
+from .step import *
 
 # %% ../nbs/02_learner.ipynb #5f8e8608
 class DataLoaders:
@@ -103,6 +104,7 @@ def _busy_error(what, running, me):
         f"Learner and a model of its own")
 
 _phase_names = {'train': 'training', 'validate': 'validation'}
+_unprepared,_look = 'unprepared','look'    # batches moved as `one_batch` by hand needs; looked at on the first batch
 
 def _no_dl(what): return f"there is no {what} dataloader: pass one in DataLoaders(train, valid)"
 def _empty_dl(what): return (f"the {what} dataloader is empty (len 0): check that its dataset has samples and that "
@@ -112,6 +114,7 @@ def _empty_dl(what): return (f"the {what} dataloader is empty (len 0): check tha
 class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
     "Trains `model` on `dls` with `loss_func` and `opt_func`; every stage of the loop fires events for callbacks"
     label_key,pred_key,loss_key = 'labels','logits','loss'     # the entries of dict batches and dict outputs
+    step_class = Step                                          # the eager step: a subclass of `Step` changes it
     def __init__(self, dls, model, loss_func=None, opt_func=fast_adam, lr=None, splitter=None, cbs=None,
                  metrics=None, path='.', model_dir='models', wd=None, device=None, default_cbs=True, n_inp=1,
                  vocab=None, train_bn=True, label_key=None, pred_key=None, loss_key=None):
@@ -133,6 +136,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         self._removed_in_fit = []                     # callbacks removed during this fit: `learn` is cleared at its end
         for k,v in {**fit_attrs, **phase_attrs}.items(): setattr(self, k, v)
         self.training,self.start_epoch,self.start_iter,self._out_loss = False,0,0,None
+        self.stepper,self._batch_device = self.step_class(self, hooks=False),_unprepared    # the step outside a fit; how batches move
         self.cbs_changed()
         cbs = listify(cbs)
         if default_cbs: self.add_cbs(cb() for cb in defaults.callbacks if not _given(cb, cbs))
@@ -146,6 +150,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             self._with_events(self._do_fit, 'fit', CancelFitException)
 
     def _do_fit(self):
+        self.stepper = self._step_for_fit()
         for epoch in range(self.start_epoch, self.n_epoch):
             self.epoch = epoch
             self._with_events(self._do_epoch, 'epoch', CancelEpochException)
@@ -182,32 +187,13 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         "Move batch `b` to the model's device, split it into `xb`/`yb` and run it with its events"
         self.iter,self.step_taken = i,None          # `None` until this batch's step stage is over
         try:
-            self.batch = b = self._move(b) if self._move else b
+            dev = self._batch_device
+            self.batch = b = b if dev is None else to_device(b, dev) if isinstance(dev, torch.device) else self._first_move(b)
             if isinstance(b, (tuple, list)): self.xb,self.yb,self._kw = tuple(b[:self.n_inp]),tuple(b[self.n_inp:]),False
             elif isinstance(b, Mapping): self.xb,self.yb,self._kw = (b,),self._labels(b),True    # model(**b), as in HF
             else: self.xb,self.yb,self._kw = (b,),(),False
-            self._with_events(self._do_one_batch, 'batch', CancelBatchException)
+            self._with_events(self.stepper.run, 'batch', CancelBatchException)
         except Exception as e: note_batch(e, b, i, 'train' if self.training else 'validate', self.dl); raise
-
-    def _do_one_batch(self):
-        try: self.pred = self.forward_batch()
-        except Exception as e: note_failure(self, e, 'model'); raise
-        self._fire('after_pred')
-        lf = self._batch_loss_func()
-        if lf is None: self.loss = self.loss_grad = None      # predictions only: no targets, no loss of the model's
-        else:
-            try: self.loss_grad = lf(self.pred, *self.yb)
-            except Exception as e: note_failure(self, e, 'loss'); raise
-            try: self.loss = self.loss_grad.detach()
-            except Exception as e: note_where(e, 'loss value'); raise
-        self._fire('after_loss')
-        if self.training and lf is not None: self._do_grad_opt()
-
-    def _do_grad_opt(self):
-        try:
-            self._with_events(self._backward, 'backward', CancelBackwardException)
-            if self._with_events(self._opt_step, 'step', CancelStepException): clear_grads(self.opt)
-        except Exception as e: note_where(e, 'step'); raise     # backward and callbacks have marked theirs
 
     def _with_events(self, body, stage, cancel_exc):
         "Fire `before_<stage>`, run `body`, fire `after_<stage>`; `cancel_exc` ends the stage (then `False`)"
@@ -219,21 +205,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         except cancel_exc:
             done = False
             self._fire(after_cancel)
-        if stage == 'step': self.step_taken = done      # what `after_step` handlers read: did the optimizer step?
         self._fire(after)
         return done
-
-    def _opt_step(self): opt_step(self.opt)
-    def _backward(self):
-        try: self.loss_grad.backward()
-        except Exception as e:
-            note_where(e, 'backward')
-            if not isinstance(e, RuntimeError): raise
-            if self.loss_grad.ndim: raise ValueError(
-                f"the loss must be a scalar, but loss_func returned a tensor of shape {tuple(self.loss_grad.shape)}: "
-                f"reduce it (e.g. .mean()) or use a loss with reduction='mean'") from e
-            if not self.loss_grad.requires_grad: add_note(e, f"learncb: {why_no_grad(self)}")
-            raise
 
     # Around the loop: the fit session
     @contextmanager
@@ -246,9 +219,9 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
                 self._set_hypers(lr=self.lr if lr is None else lr, wd=self.wd if wd is None else wd)
                 self.n_epoch,self.exception,self.stop_reason,self._raised_in = n_epoch,None,None,None
                 self.start_epoch,self.start_iter,self.skipped_batches,self.skipped_items = 0,0,(),[]
-                with self.added_cbs(resume_cbs(self, resume)):
+                with self.added_cbs(resuming := resume_cbs(self, resume)):
                     try:
-                        self.fitting,self.resume_from = True,resume or None
+                        self.fitting,self.resume_from = True,resumed_from(resuming)
                         self._prepare_fit()
                         yield
                     except BaseException as e: self._after_exception(e); raise
@@ -257,7 +230,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
     def _after_exception(self, e):
         "Store `e`, explain it, fire `after_exception` (and `after_fit`), attaching any error of those handlers to `e`"
         self.exception = e
-        if isinstance(e, CancelException):
+        if isinstance(e, loop_signals):
             add_note(e, f"learncb: {type(e).__name__} reached fit without a stage of its kind around it (epoch "
                         f"{self.epoch}, iter {self.iter}); raise it only inside the stage it cancels")
         elif isinstance(e, Exception): explain_batch_error(self, e)
@@ -267,7 +240,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
 
     def _end_fit(self):
         "Put the learner back in its resting state: not fitting, not resuming, every callback running, not training"
-        self.fitting,self.resume_from = False,None
+        self.fitting,self.resume_from,self.stepper = False,None,self.step_class(self, hooks=False)
         for cb in self._removed_in_fit:
             if cb not in self.cbs: cb.learn = None
         self._removed_in_fit = []
@@ -323,10 +296,12 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         "The targets of dict batch `b`: `(b[label_key],)`, or none (then no loss: predictions only)"
         return (b[self.label_key],) if self.label_key in b else ()
 
-    def forward_batch(self):
+    def forward_batch(self, model=None):
         """The model's output on the current batch (`model(*xb)`, `model(**xb[0])` for a dict batch), no events: from a
-        dict output its `pred_key` entry; without `loss_func`, what is left once the model's own loss is taken out"""
-        out = self.model(**self.xb[0]) if self._kw else self.model(*self.xb)
+        dict output its `pred_key` entry; without `loss_func`, what is left once the model's own loss is taken out.
+        `model`: what to call in place of `learn.model` (a step hook's, as AutoMicrobatch's micro-batches)"""
+        model = self.model if model is None else model
+        out = model(**self.xb[0]) if self._kw else model(*self.xb)
         if self.loss_func is None:
             out,self._out_loss = model_loss(out, self.loss_key, self.pred_key)
             return out
@@ -354,22 +329,25 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         if self.n_iter == 0: raise ValueError(_empty_dl(what))
 
     def _prepare_fit(self):
-        "Work done once per fit rather than once per batch"
-        self._move = self._batch_mover(model_device(self.model, self.device))
+        "Work done once per fit rather than once per batch: where batches go (on the CPU, looked at on the first batch)"
+        device = model_device(self.model, self.device)
+        self._batch_device = device if device.type != 'cpu' else _look
 
-    def _batch_mover(self, device):
-        "How to move batches to `device` (`None`: they are there): on the CPU, looked at on the first batch"
-        to_dev = partial(to_device, device=device)
-        if device.type != 'cpu': return to_dev
-        def first_batch(b):
-            self._move = to_dev if any(t.device.type != 'cpu' for t in tensors_of(b)) else None
-            return to_dev(b)
-        return first_batch
+    def _first_move(self, b):
+        "The first batch of a CPU model, which says whether batches need moving; or a batch run by hand before any fit"
+        device = model_device(self.model, self.device)
+        if self._batch_device is _unprepared:          # `one_batch(i, b)` called by hand gets what a fit would
+            if self.training and self.opt is None: self.create_opt()
+        else: self._batch_device = device if any(t.device.type != 'cpu' for t in tensors_of(b)) else None
+        return to_device(b, device)
 
-    def _move(self, b):
-        "The batch mover of a learner that has not fitted yet: `one_batch(i, b)` called by hand gets what a fit would"
-        if self.training and self.opt is None: self.create_opt()
-        return to_device(b, model_device(self.model, self.device))
+    def _step_for_fit(self):
+        "The step this fit runs: the one a callback makes (`make_step`: `learn.compile(step=True)`'s), else the eager `Step`"
+        made = [(cb, step) for cb in self.cbs if (step := cb.make_step()) is not None]
+        if len(made) > 1: raise ValueError(
+            f"{', '.join(type(cb).__name__ for cb,_ in made)} each make the step of this fit: one callback at most may "
+            f"(make_step); fit with one of them")
+        return made[0][1] if made else self.step_class(self)
 
     def _batches(self, start):
         "The batches of `self.dl`, with `before_fetch`/`after_fetch` around taking each one when a callback handles them"

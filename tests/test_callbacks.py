@@ -54,10 +54,11 @@ def test_run_train_and_run_valid():
     assert phases == {'train': 4, 'valid': 3}
 
 def test_custom_event_from_a_learner_subclass():
-    class VerifyingLearner(Learner):
-        def _do_one_batch(self):
-            self('verify_train_batch')
-            super()._do_one_batch()
+    class VerifyingStep(Step):            # a learner's step is extended by subclassing `Step`
+        def run(self):
+            self.learn('verify_train_batch')
+            super().run()
+    class VerifyingLearner(Learner): step_class = VerifyingStep
     class Verify(Callback):
         def __init__(self): self.n = 0
         def verify_train_batch(self): self.n += 1

@@ -17,6 +17,7 @@ from fastcore.basics import patch
 from ..core import *
 from ..utils import *
 from ..learner import *
+from ..step import Step
 from ..optim import clear_grads, hyper_number, bare_step
 
 # %% ../../nbs/27_compile.ipynb #0dd0ff70
@@ -104,12 +105,6 @@ def _own_step(opt):
     if wrapped or any(pg.get('fused') for pg in opt.param_groups): return torch.compiler.disable(step)
     return _own_code(step) if isinstance(step, MethodType) else step
 
-def _detached(o):
-    "`o` (a tensor, or a tuple, list or dict of them) detached from its graph"
-    if isinstance(o, torch.Tensor): return o.detach()
-    if isinstance(o, (tuple, list)): return type(o)(_detached(t) for t in o)
-    return {k: _detached(v) for k,v in o.items()} if isinstance(o, dict) else o
-
 def _compiler_error(e):
     "Whether `e` comes from torch.compile itself (dynamo, a backend, its recompile limit), not from the model or a callback"
     exc = torch._dynamo.exc
@@ -124,13 +119,33 @@ def _compiler_reason(e):
     lines = [l.strip() for l in str(e).splitlines() if l.strip()][:2]
     return f"torch.compile failed ({type(e).__name__}: {' '.join(lines)})"
 
-class CompiledStep:
-    "The training and validation steps of `learn`, each one `torch.compile(**kwargs)` call, with the callbacks' compiled handlers inside"
-    def __init__(self, learn, trace_backward=True, **kwargs):
-        self.learn,self.kwargs,self._plans,self.opt_step = learn,kwargs,{},None
-        self.traced_backward = trace_backward and backward_traceable(learn.model)   # one graph; else torch's backward
+class CompiledStep(Step):
+    "The learner's step with the training and validation steps each one `torch.compile(**kwargs)` call, the callbacks' compiled handlers inside"
+    def __init__(self, learn, trace_backward=True, fallback=True, **kwargs):
+        super().__init__(learn)
+        self.kwargs,self.trace_backward,self.fallback,self._plans,self.opt_step = kwargs,trace_backward,fallback,{},None
+        self.fell_back,self.traced_backward = None,trace_backward and backward_traceable(learn.model)
         self._train,self._valid,self._opt_step = (torch.compile(_own_code(m), **kwargs)
                                                   for m in (self._train_step, self._valid_step, self._step_alone))
+
+    def start_fit(self):
+        "Set up a fit: its hooks and optimizer, and whether it runs compiled (a fit falls back when a handler cannot)"
+        learn,self.fell_back = self.learn,None
+        self.find_hooks()
+        self.traced_backward = self.trace_backward and backward_traceable(learn.model)   # DDP may wrap it now
+        self.for_opt(learn.opt)
+        self._first = next(iter(learn.model.parameters()), None)   # its gradient tells whether a failed step wrote any
+        blocked = list(dict.fromkeys(step_plan(learn, True)[2] + step_plan(learn, False)[2]))   # each named once
+        if learn.loss_func is None: self._fall_back("the learner has no loss_func (the model's own loss is not compiled)")
+        elif self.forward_hook is not None or self.backward_hook is not None:
+            self._fall_back(f"{type(self.forward_hook or self.backward_hook).__name__} runs the step's forward or backward "
+                            f"itself (step_forward, step_backward), which is not compiled")
+        elif blocked: self._fall_back(_blocked_reason(blocked))
+        if self.fell_back is None: self._go_compiled()
+
+    def end_fit(self):
+        "Undo what `start_fit` set: numbers in the optimizer, torch's settings as they were"
+        self._go_eager()
 
     def for_opt(self, opt):
         "Step `opt` from here on: its step on code of its own (kept while the optimizer is the same: no recompile)"
@@ -146,6 +161,27 @@ class CompiledStep:
         self._plans[training] = plan = (tables, compiled, deferred, blocked)
         return plan
 
+    def run(self):
+        "The current batch's step compiled, unless this fit fell back or the batch has no targets (then the eager step)"
+        learn = self.learn
+        if self.fell_back is None and learn.yb:
+            if learn._kw: self._fall_back("dict batches (model(**batch)) run eagerly")
+            else:
+                _,compiled,deferred,blocked = self.plan(learn.training)
+                if blocked: self._fall_back(_blocked_reason(blocked))
+                else: return self._try_compiled(compiled, deferred)
+        super().run()
+
+    def _try_compiled(self, compiled, deferred):
+        learn = self.learn
+        grad = self._first_grad()
+        try: return self.compiled_batch(compiled, deferred)
+        except Exception as e:
+            if not _compiler_error(e): raise
+            self._fall_back(_compiler_reason(e))
+        if learn.training and self._first_grad() != grad: clear_grads(learn.opt)   # the failed step's gradients
+        super().run()                                                               # this batch again, eagerly
+
     def _forward_loss(self, xb, yb, cbs):
         learn = self.learn
         learn.pred = learn.model(*xb)
@@ -156,21 +192,24 @@ class CompiledStep:
 
     def _valid_step(self, xb, yb, cbs): self._forward_loss(xb, yb, cbs)
     def _step_alone(self): self.opt_step()              # compiled too: the hyper-parameters may be tensors
+    def optimizer_step(self):
+        "The optimizer's step, compiled (a stage cancelled in the compiled step goes on eagerly, with this step)"
+        self._opt_step()
 
     def _train_step(self, xb, yb, cbs):
         learn = self.learn
         self._forward_loss(xb, yb, cbs)
         for cb in cbs['before_backward']: cb.before_backward()
         learn.loss_grad.backward()
-        learn.pred,learn.loss_grad = _detached(learn.pred),learn.loss_grad.detach()   # their graph is spent: none escapes
+        learn.pred,learn.loss_grad = detached(learn.pred),learn.loss_grad.detach()   # their graph is spent: none escapes
         for cb in cbs['after_backward']: cb.after_backward()
         for cb in cbs['before_step']: cb.before_step()
         self.opt_step()
         learn.step_taken = True
         for cb in cbs['after_step']: cb.after_step()
 
-    def one_batch(self, compiled, deferred):
-        "Run the current batch's step compiled, then the deferred handlers; a cancelled stage goes on eagerly, as in `Learner`"
+    def compiled_batch(self, compiled, deferred):
+        "Run the current batch's step compiled, then the deferred handlers; a cancelled stage goes on as the eager step's"
         learn = self.learn
         steps = ('after_pred', 'after_loss')
         try:
@@ -179,7 +218,7 @@ class CompiledStep:
         except CancelBackwardException:
             self._defer(deferred, steps)
             learn._fire('after_cancel_backward'); learn._fire('after_backward')
-            if learn._with_events(self._opt_step, 'step', CancelStepException): clear_grads(learn.opt)
+            if self.step_stage(): clear_grads(learn.opt)
             return
         except CancelStepException:
             self._defer(deferred, steps)
@@ -188,43 +227,12 @@ class CompiledStep:
             return
         if not learn.training: return self._defer(deferred, steps)
         self._defer(deferred, steps + ('after_step',))
-        clear_grads(learn.opt)             # as `Learner` does, after `after_step` (torch.compile would not trace it)
+        clear_grads(learn.opt)             # as the eager step does, after `after_step` (torch.compile would not trace it)
 
     @staticmethod
     def _defer(deferred, names):
         for name in names:
             for cb in deferred[name]: getattr(cb, name)()
-
-# %% ../../nbs/27_compile.ipynb #00610ff7
-class CompileCallback(Callback):
-    "Fits run `torch.compile(model, **kwargs)`, or with `step=True` the whole step compiled; a compiler error falls back to eager"
-    order,_name = Order.COMPILE,'compiler'          # `learn.compiler`: `learn.compile` is the method that adds it
-    def __init__(self, step=False, fallback=True, trace_backward=True, **kwargs):
-        self.kwargs,self.step,self.fallback,self.trace_backward = kwargs,step,fallback,trace_backward
-        self.compiled,self.stepper,self.fell_back = None,None,None
-
-    def before_fit(self):
-        learn = self.learn
-        if self.step: return self._compile_step()
-        if self.compiled is None or self.compiled.unwrapped is not learn.model:
-            self.compiled = CompiledModel(learn.model, **self.kwargs)         # compiled once, kept for the next fits
-        learn.model = self.compiled
-
-    def _compile_step(self):
-        learn,self.fell_back = self.learn,None
-        if getattr(learn.strategy, 'sharded', False): raise ValueError(
-            "learn.compile(step=True) does not compile an FSDP step: FSDP gathers and frees the shards around each "
-            "layer in hooks the compiled step would have to trace; use learn.compile() (the model compiled) with FSDP")
-        if self.stepper is None or self.stepper.learn is not learn:
-            self.stepper = CompiledStep(learn, trace_backward=self.trace_backward, **self.kwargs)
-        self.stepper.traced_backward = self.trace_backward and backward_traceable(learn.model)  # DDP may wrap it now
-        self.stepper.for_opt(learn.opt)
-        self._first = next(iter(learn.model.parameters()), None)   # its gradient tells whether a failed step wrote any
-        blocked = list(dict.fromkeys(step_plan(learn, True)[2] + step_plan(learn, False)[2]))   # each named once
-        if learn.loss_func is None: self._fall_back("the learner has no loss_func (the model's own loss is not compiled)")
-        elif blocked: self._fall_back(_blocked_reason(blocked))
-        if self.fell_back is None: self._go_compiled()
-        learn._do_one_batch = self._one_batch          # the learner's own, for this fit
 
     def _go_compiled(self):
         """For this fit: Adam's hyper-parameters as tensors (schedules change them in place), the backward traced, and
@@ -232,33 +240,12 @@ class CompileCallback(Callback):
         hypers_as_tensors(self.learn.opt)
         cfg = torch._dynamo.config           # read while torch traces: from the first batch to the last recompile
         self._config_before = {k: getattr(cfg, k) for k in _fit_config}
-        cfg.trace_autograd_ops,cfg.fail_on_recompile_limit_hit = self.stepper.traced_backward,True
+        cfg.trace_autograd_ops,cfg.fail_on_recompile_limit_hit = self.traced_backward,True
 
     def _go_eager(self):
         "Undo `_go_compiled`: numbers in the optimizer, torch's settings as they were"
         if self.learn.opt is not None: hypers_as_numbers(self.learn.opt)
         for k,v in self.__dict__.pop('_config_before', {}).items(): setattr(torch._dynamo.config, k, v)
-
-    def _one_batch(self):
-        "The learner's batch: compiled, unless this fit fell back or the batch has no targets (then the eager one)"
-        learn = self.learn
-        if self.fell_back is None and learn.yb:
-            if learn._kw: self._fall_back("dict batches (model(**batch)) run eagerly")
-            else:
-                _,compiled,deferred,blocked = self.stepper.plan(learn.training)
-                if blocked: self._fall_back(_blocked_reason(blocked))
-                else: return self._try_compiled(compiled, deferred)
-        type(learn)._do_one_batch(learn)
-
-    def _try_compiled(self, compiled, deferred):
-        learn = self.learn
-        grad = self._first_grad()
-        try: return self.stepper.one_batch(compiled, deferred)
-        except Exception as e:
-            if not _compiler_error(e): raise
-            self._fall_back(_compiler_reason(e))
-        if learn.training and self._first_grad() != grad: clear_grads(learn.opt)   # the failed step's gradients
-        type(learn)._do_one_batch(learn)                                            # this batch again, eagerly
 
     def _fall_back(self, reason):
         "Run the rest of this fit with the eager step, saying why once (an error with `fallback=False`)"
@@ -273,10 +260,43 @@ class CompileCallback(Callback):
         g = None if self._first is None else self._first.grad
         return None if g is None else (id(g), g._version)
 
+# %% ../../nbs/27_compile.ipynb #00610ff7
+class CompileCallback(Callback):
+    "Fits run `torch.compile(model, **kwargs)`, or with `step=True` the whole step compiled; a compiler error falls back to eager"
+    order,_name = Order.COMPILE,'compiler'          # `learn.compiler`: `learn.compile` is the method that adds it
+    def __init__(self, step=False, fallback=True, trace_backward=True, **kwargs):
+        self.kwargs,self.step,self.fallback,self.trace_backward = kwargs,step,fallback,trace_backward
+        self.compiled,self.compiled_step = None,None
+
+    @property
+    def fell_back(self):
+        "Why this fit runs the eager step though it was asked to run compiled (`None`: it runs compiled)"
+        return None if self.compiled_step is None else self.compiled_step.fell_back
+
+    def before_fit(self):
+        learn = self.learn
+        if self.step: return self._prepare_step()
+        if self.compiled is None or self.compiled.unwrapped is not learn.model:
+            self.compiled = CompiledModel(learn.model, **self.kwargs)         # compiled once, kept for the next fits
+        learn.model = self.compiled
+
+    def _prepare_step(self):
+        learn = self.learn
+        if getattr(learn.strategy, 'sharded', False): raise ValueError(
+            "learn.compile(step=True) does not compile an FSDP step: FSDP gathers and frees the shards around each "
+            "layer in hooks the compiled step would have to trace; use learn.compile() (the model compiled) with FSDP")
+        if self.compiled_step is None or self.compiled_step.learn is not learn:     # kept for the next fits: no recompile
+            self.compiled_step = CompiledStep(learn, trace_backward=self.trace_backward, fallback=self.fallback,
+                                              **self.kwargs)
+        self.compiled_step.start_fit()
+
+    def make_step(self):
+        "The compiled step, for a fit of `learn.compile(step=True)`"
+        return self.compiled_step if self.step else None
+
     def after_fit(self):
         learn = self.learn
-        learn.__dict__.pop('_do_one_batch', None)
-        if self.step: self._go_eager()
+        if self.step and self.compiled_step is not None: self.compiled_step.end_fit()
         if learn.model is self.compiled: learn.model = self.compiled.unwrapped
 
 _fit_config = ('trace_autograd_ops', 'fail_on_recompile_limit_hit')    # torch._dynamo settings a compiled fit sets

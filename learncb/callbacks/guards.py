@@ -77,6 +77,7 @@ def _last_batch(learn):
 class SpikeGuard(Callback):
     "Rolls the run back to a snapshot kept in memory when the training loss (or gradient norm) spikes, skips that batch and replays the others"
     order,run_valid,remove_on_lr_find = Order.GUARD,False,True     # lr_find makes the loss diverge on purpose
+    compiled_events,deferred_events = ('before_step',),('after_loss', 'after_step')   # under learn.compile(step=True)
     _state_attrs = ('history',)
     def __init__(self, factor=5., check_every=25, snapshot_every=100, max_rollbacks=3, grad_norm=False, n_history=50,
                  warmup=10, skip_on_device=False):
@@ -98,8 +99,8 @@ class SpikeGuard(Callback):
     def _clear(self): self._losses,self._iters,self._norms,self._norm_iters = [],[],[],[]
 
     def takes_part(self, event_name, training):
-        "`before_step` only to note gradient norms"
-        if event_name == 'before_step' and not self.grad_norm: return False
+        "`before_step` and `after_step` only to note gradient norms"
+        if event_name in ('before_step', 'after_step') and not self.grad_norm: return False
         return super().takes_part(event_name, training)
 
     def before_fit(self):
@@ -160,9 +161,13 @@ class SpikeGuard(Callback):
         torch._amp_foreach_non_finite_check_and_unscale_([value.float().reshape(1)], self._found_inf, self._one)
 
     def before_step(self):
-        "Note the gradient norm of a step that is taken (`grad_norm=True`)"
-        self._norms.append(norm := _grad_norm(self._params)); self._norm_iters.append(self.learn.iter)
+        "Note the gradient norm before a step (`grad_norm=True`): tensor code, inside a compiled step too"
+        self._norms.append(norm := _grad_norm(self._params))
         if self._found_inf is not None: self._flag(norm)
+
+    def after_step(self):
+        "The batch of the gradient norm just noted (read after a compiled step: no batch number inside its graph)"
+        if len(self._norm_iters) < len(self._norms): self._norm_iters.append(self.learn.iter)
 
     def after_batch(self):
         learn = self.learn

@@ -16,12 +16,6 @@ from ..utils import *
 from ..learner import *
 
 # %% ../../nbs/31_hooks.ipynb #1571d4a5
-def _detached(o, cpu=False):
-    "`o` (a tensor, or nested tuples/lists of them) detached from the graph (and moved to the CPU with `cpu`)"
-    if isinstance(o, torch.Tensor): return (o.detach().cpu() if cpu else o.detach())
-    if isinstance(o, (tuple, list)): return type(o)(_detached(x, cpu) for x in o)
-    return o
-
 class Hook:
     "Calls `hook_func(module, input, output)` at each forward (or backward) of `m` and keeps what it returns in `stored`"
     def __init__(self, m, hook_func, is_forward=True, detach=True, cpu=False):
@@ -31,8 +25,12 @@ class Hook:
 
     def hook_fn(self, module, input, output):
         "What torch calls: detaches the input and output (with `detach`), then stores `hook_func`'s result"
-        if self.detach: input,output = _detached(input, self.cpu),_detached(output, self.cpu)
+        if self.detach: input,output = map_tensors(self._kept, input),map_tensors(self._kept, output)
         self.stored = self.hook_func(module, input, output)
+
+    def _kept(self, t):
+        "What a hook keeps of tensor `t`: detached from the graph (and on the CPU with `cpu`)"
+        return t.detach().cpu() if self.cpu else t.detach()
 
     def remove(self):
         "Take the hook off the module (again is harmless)"

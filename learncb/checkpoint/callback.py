@@ -44,9 +44,6 @@ def _count_batch(learn):
     counter = getattr(learn, 'train_eval', None)
     if counter is not None: counter.after_batch()
 
-def _where(store): return getattr(store, 'folder', store)
-
-def _name(ref): return Path(str(ref)).name
 
 # %% ../../nbs/16_checkpoint.ipynb #3b263719
 class CheckpointCallback(Callback):
@@ -78,7 +75,7 @@ class CheckpointCallback(Callback):
         self._store = self.store if self.store is not None else store_for(learn, self.folder, self.background)
         self._store.prepare()
         self._kept = self._store.list()[::-1]           # what `_prune` removes from, with what this fit writes
-        resuming = getattr(learn, 'resume', None)       # a fit that resumes: its ResumeCallback, by name
+        resuming = None if learn.resume_from is None else learn.resume     # a fit that resumes: its ResumeCallback
         self._take_order()
         if resuming is None:
             self._warn_earlier_run()
@@ -96,7 +93,7 @@ class CheckpointCallback(Callback):
     def _warn_earlier_run(self):
         if not (earlier := self._store.list()): return
         n = f"{len(earlier)} checkpoint{'s' if len(earlier) > 1 else ''}"
-        warn_user(f"{_where(self._store)} already holds {n} of an earlier run (the newest: {_name(earlier[0])}): this run "
+        warn_user(f"{store_place(self._store)} already holds {n} of an earlier run (the newest: {ref_name(earlier[0])}): this run "
                       f"removes them as it passes them, but until then resume=True takes the newest there. Give each "
                       f"run its own folder (CheckpointCallback(path=...)), or pass resume=True to continue that run")
 

@@ -69,13 +69,6 @@ def fsdp_model(model, shard=None, device=None, mp_policy=None):
             if n not in weights: b.copy_(own[n])
     return out
 
-def _on_cpu(o):
-    "`o` (tensors, nested in dicts and lists) with its tensors copied to the CPU"
-    if isinstance(o, torch.Tensor): return o.cpu()
-    if isinstance(o, dict): return {k: _on_cpu(v) for k,v in o.items()}
-    if isinstance(o, (list, tuple)): return type(o)(_on_cpu(v) for v in o)
-    return o
-
 def _rank0_buffers(model):
     "Give every rank rank 0's buffers (BatchNorm's running statistics), as DDP does: under FSDP each rank has its own"
     with torch.no_grad():
@@ -108,7 +101,7 @@ class FSDP(Strategy):
         learn.create_opt()        # the same groups (splitter), of the sharded parameters; then the old state and hypers
         learn.opt.load_state_dict(opt_state_like(self._plain_opt.state_dict(), learn.opt))
         self._plain.to('cpu')     # the whole weights and optimizer state wait out the fit in CPU memory
-        self._plain_opt_state = _on_cpu(self._plain_opt.state_dict())
+        self._plain_opt_state = map_tensors(torch.Tensor.cpu, self._plain_opt.state_dict())
         self._plain_opt.state.clear()
         valid = learn.dls.valid
         counts = gather_objects(0 if valid is None else n_batches(valid))

@@ -43,12 +43,6 @@ def import_optional(module, package, extra, who):
     except ImportError as e: raise _missing(package, extra, who, e) from e
 
 # %% ../../nbs/24_tracking.ipynb #4afbef35
-def _bare_model(model):
-    "`model` without the wrappers of `torch.compile`, DistributedDataParallel and DataParallel"
-    while type(model).__name__ in ('OptimizedModule', 'DistributedDataParallel', 'DataParallel'):
-        model = getattr(model, '_orig_mod', None) or model.module
-    return model
-
 def _name_of(f):
     "The name of a function, a partial of one, or a callable object's class"
     f = getattr(f, 'func', f)
@@ -60,7 +54,7 @@ def _per_group(name, values):
 
 def fit_hparams(learn):
     "The hyper-parameters of the fit `learn` is starting: epochs, lr and wd (per param group), batch size, names, sizes"
-    groups,model = learn.opt.param_groups,_bare_model(learn.model)
+    groups,model = learn.opt.param_groups,plain_model(learn.model)
     hps = {'n_epoch': learn.n_epoch, **_per_group('lr', [float(g['lr']) for g in groups])}
     if all('weight_decay' in g for g in groups):
         hps.update(_per_group('wd', [float(g['weight_decay']) for g in groups]))
