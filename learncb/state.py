@@ -208,6 +208,21 @@ def copy_into(buf, o):
         return type(o)(copy_into(b, v) for b,v in zip(bufs, o))
     return copy.deepcopy(o)
 
+def _opt_tensors(opt):
+    "`{(parameter or group, key): (container, tensor)}`: the tensors of `opt`'s state and hyper-parameters, where held"
+    if opt is None: return {}
+    held = {(id(p), k): (st, v) for p,st in opt.state.items() for k,v in st.items()}
+    held.update({(i, k): (pg, v) for i,pg in enumerate(opt.param_groups) for k,v in pg.items() if k != 'params'})
+    return {w: cv for w,cv in held.items() if isinstance(cv[1], torch.Tensor)}
+
+def _put_back(before, after):
+    """The tensors `before` held, with the values loaded since: the optimizer keeps its tensor objects across a load
+    (a compiled step guards on them, and would compile again)"""
+    for w,(c,new) in after.items():
+        old = before.get(w, (None, None))[1]
+        if old is not None and old is not new and (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device):
+            old.copy_(new); c[w[1]] = old
+
 class LearnerSnapshot:
     "The learner's state (`state_dict`) copied in memory, with its optimizer object, modes and batch; `restore` puts it back"
     def __init__(self, learn): self.learn,self.state = learn,None; self.take()
@@ -225,7 +240,9 @@ class LearnerSnapshot:
         "Put the learner back as it was when the snapshot was taken"
         learn = self.learn
         learn.opt = self.opt                    # the same object, its state loaded back (none: the trial's one goes)
+        before = _opt_tensors(self.opt)
         learn.load_state_dict(copy.deepcopy(self.state), where='the snapshot')   # the run must not write into the copy
+        _put_back(before, _opt_tensors(self.opt))
         for m,mode in zip(learn.model.modules(), self.modes): m.training = mode
         for k,v in self.phase.items(): setattr(learn, k, v)
         learn.training = self.training

@@ -52,33 +52,31 @@ def test_nothing_callable_is_set_on_the_learner_or_the_model(name, tmp_path):
     assert learner_fns == [] and model_fns == [], (name, learner_fns, model_fns)
     assert stepper == ('CompiledStep' if name == 'compile(step=True)' else 'Step')
 
-def test_nothing_callable_is_set_under_ddp_and_fsdp(tmp_path):
-    "Two ranks each of DDP and of FSDP, with AutoMicrobatch under DDP: the same at the third batch"
+@pytest.mark.parametrize('strategy,micro', [('ddp', False), ('ddp', True), ('fsdp', False)],
+                         ids=['DDP', 'DDP+AutoMicrobatch', 'FSDP'])
+def test_nothing_callable_is_set_under_ddp_and_fsdp(strategy, micro, tmp_path):
+    "Two ranks: the same at the third batch of each"
     out = tmp_path/'seen.txt'
-    r = subprocess.run([sys.executable, '-c', _ranks_script, str(out)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, 'PYTHONPATH': child_pythonpath()})
+    r = subprocess.run([sys.executable, '-c', _ranks_script, strategy, str(int(micro)), str(out)], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, 'PYTHONPATH': child_pythonpath()})
     assert r.returncode == 0, r.stderr[-3000:]
-    assert out.read_text().split() == ['ddp:[]:[]', 'ddp+AutoMicrobatch:[]:[]', 'fsdp:[]:[]'], out.read_text()
+    assert out.read_text() == '[]:[]:Step', out.read_text()
 
 _ranks_script = '''
 import sys, warnings
 from learncb.all import *
 from learncb.distributed.context import launch
-from test_step import synth_learner, synth_dls, mlp, AtThirdBatch, functions_on
+from test_step import synth_learner, synth_dls, mlp, AtThirdBatch
 
-def run(out):
-    lines = []
-    for strategy, cbs in (('ddp', []), ('ddp', [AutoMicrobatch()]), ('fsdp', [])):
-        learn = synth_learner(model=mlp(), cbs=cbs, dls=synth_dls(n_train=256))
-        spy = AtThirdBatch()
-        with warnings.catch_warnings(), learn.distrib_ctx(strategy=strategy):
-            warnings.simplefilter('ignore')
-            learn.fit(1, cbs=spy)
-        name = strategy + ''.join('+' + type(cb).__name__ for cb in cbs)
-        lines.append(f"{name}:{spy.seen[0]}:{spy.seen[1]}".replace(' ', ''))
-    if rank_distrib() == 0: open(out, 'w').write('\\n'.join(lines))
+def run(strategy, micro, out):
+    learn = synth_learner(model=mlp(), cbs=[AutoMicrobatch()] if micro == '1' else [], dls=synth_dls(n_train=256))
+    spy = AtThirdBatch()
+    with warnings.catch_warnings(), learn.distrib_ctx(strategy=strategy):
+        warnings.simplefilter('ignore')
+        learn.fit(1, cbs=spy)
+        if rank_distrib() == 0: open(out, 'w').write(':'.join(map(str, spy.seen)).replace(' ', ''))
 
-if __name__ == '__main__': launch(run, sys.argv[1], nprocs=2)
+if __name__ == '__main__': launch(run, *sys.argv[1:], nprocs=2)
 '''
 
 def test_rollback_and_checkpoint_events_are_declared():

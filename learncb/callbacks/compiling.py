@@ -18,6 +18,7 @@ from ..core import *
 from ..utils import *
 from ..learner import *
 from ..step import Step
+from ..diagnose import is_oom
 from ..optim import clear_grads, hyper_number, bare_step
 
 # %% ../../nbs/27_compile.ipynb #0dd0ff70
@@ -137,9 +138,9 @@ class CompiledStep(Step):
         self._first = next(iter(learn.model.parameters()), None)   # its gradient tells whether a failed step wrote any
         blocked = list(dict.fromkeys(step_plan(learn, True)[2] + step_plan(learn, False)[2]))   # each named once
         if learn.loss_func is None: self._fall_back("the learner has no loss_func (the model's own loss is not compiled)")
-        elif self.forward_hook is not None or self.backward_hook is not None:
-            self._fall_back(f"{type(self.forward_hook or self.backward_hook).__name__} runs the step's forward or backward "
-                            f"itself (step_forward, step_backward), which is not compiled")
+        elif (hook := self.forward_hook or self.backward_hook) is not None and not callable(getattr(hook, 'runs_plain', None)):
+            self._fall_back(f"{type(hook).__name__} runs the step's forward or backward itself (step_forward, "
+                            f"step_backward), which is not compiled")
         elif blocked: self._fall_back(_blocked_reason(blocked))
         if self.fell_back is None: self._go_compiled()
 
@@ -164,7 +165,8 @@ class CompiledStep(Step):
     def run(self):
         "The current batch's step compiled, unless this fit fell back or the batch has no targets (then the eager step)"
         learn = self.learn
-        if self.fell_back is None and learn.yb:
+        hook = self.forward_hook or self.backward_hook
+        if self.fell_back is None and learn.yb and (hook is None or hook.runs_plain()):   # else the hooks split this batch
             if learn._kw: self._fall_back("dict batches (model(**batch)) run eagerly")
             else:
                 _,compiled,deferred,blocked = self.plan(learn.training)
@@ -175,10 +177,12 @@ class CompiledStep(Step):
     def _try_compiled(self, compiled, deferred):
         learn = self.learn
         grad = self._first_grad()
+        hook = self.forward_hook or self.backward_hook
         try: return self.compiled_batch(compiled, deferred)
         except Exception as e:
-            if not _compiler_error(e): raise
-            self._fall_back(_compiler_reason(e))
+            if hook is not None and learn.training and is_oom(e): hook.out_of_memory()   # the hooks split it, eagerly
+            elif not _compiler_error(e): raise
+            else: self._fall_back(_compiler_reason(e))
         if learn.training and self._first_grad() != grad: clear_grads(learn.opt)   # the failed step's gradients
         super().run()                                                               # this batch again, eagerly
 

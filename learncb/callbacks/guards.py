@@ -99,8 +99,9 @@ class SpikeGuard(Callback):
     def _clear(self): self._losses,self._iters,self._norms,self._norm_iters = [],[],[],[]
 
     def takes_part(self, event_name, training):
-        "`before_step` and `after_step` only to note gradient norms"
-        if event_name in ('before_step', 'after_step') and not self.grad_norm: return False
+        "`after_step` only to note gradient norms, `before_step` only to flag them on the device"
+        if event_name == 'after_step' and not self.grad_norm: return False
+        if event_name == 'before_step' and not (self.grad_norm and self._found_inf is not None): return False
         return super().takes_part(event_name, training)
 
     def before_fit(self):
@@ -111,6 +112,7 @@ class SpikeGuard(Callback):
         device = model_device(learn.model, learn.device)
         self._found_inf,self._one = (torch.zeros((), device=device),torch.ones((), device=device)) if self.skip_on_device and _skips_on_device(learn.opt) else (None,None)
         if self._found_inf is not None: learn.opt.found_inf = self._found_inf   # read by each step: skipped when it is 1
+        learn.cbs_changed()              # whether it takes part in `before_step` depends on that flag
 
     def _take_order(self):
         "Make the training dataloader one that can replay its epoch from any batch, or say why it cannot"
@@ -161,13 +163,13 @@ class SpikeGuard(Callback):
         torch._amp_foreach_non_finite_check_and_unscale_([value.float().reshape(1)], self._found_inf, self._one)
 
     def before_step(self):
-        "Note the gradient norm before a step (`grad_norm=True`): tensor code, inside a compiled step too"
-        self._norms.append(norm := _grad_norm(self._params))
-        if self._found_inf is not None: self._flag(norm)
+        "The fused optimizer's flag set if the gradient norm is not finite (`grad_norm=True, skip_on_device=True`): no step then"
+        self._flag(_grad_norm(self._params))
 
     def after_step(self):
-        "The batch of the gradient norm just noted (read after a compiled step: no batch number inside its graph)"
-        if len(self._norm_iters) < len(self._norms): self._norm_iters.append(self.learn.iter)
+        "Note the gradient norm of a step taken (`grad_norm=True`): the gradients the optimizer used, read after the step"
+        if self.learn.step_taken:
+            self._norms.append(_grad_norm(self._params)); self._norm_iters.append(self.learn.iter)
 
     def after_batch(self):
         learn = self.learn

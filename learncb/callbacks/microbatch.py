@@ -83,6 +83,15 @@ class AutoMicrobatch(Callback):
         self._params = list(self._inner.parameters())
         self._device = self._params[0].device if self._params else torch.device('cpu')
         self._leaves = self._inputs = None
+        self._failed_whole = False
+
+    def runs_plain(self):
+        "Whether this batch's forward and backward are the plain ones (one process, no split in force): a compiled step runs them"
+        return self._world == 1 and not self.halvings
+
+    def out_of_memory(self):
+        "The whole batch ran out of memory where the hooks did not see it (a compiled step): the step runs it again, split"
+        self._failed_whole = True
 
     def after_fit(self): self._leaves = self._inputs = self._params = self._inner = None
 
@@ -92,9 +101,11 @@ class AutoMicrobatch(Callback):
         self._leaves,self._start,self._kept = None,self.halvings,0
         if not torch.is_grad_enabled(): return forward(self._predict)
         if self._world == 1 and not self.halvings:            # a batch that fits: the plain forward, nothing more
-            try: return forward()
-            except Exception as e:
-                if not is_oom(e): raise
+            if not self._failed_whole:
+                try: return forward()
+                except Exception as e:
+                    if not is_oom(e): raise
+            self._failed_whole = False
             self._shrink()
         return forward(self._train_call)
 
