@@ -136,7 +136,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         self._removed_in_fit = []                     # callbacks removed during this fit: `learn` is cleared at its end
         for k,v in {**fit_attrs, **phase_attrs}.items(): setattr(self, k, v)
         self.training,self.start_epoch,self.start_iter,self._out_loss = False,0,0,None
-        self.stepper,self._batch_device = self.step_class(self, hooks=False),_unprepared    # the step outside a fit; how batches move
+        self.stepper = self._resting_step = self.step_class(self, hooks=False)      # the step outside a fit
+        self._batch_device = _unprepared                                            # how batches move
         self.cbs_changed()
         cbs = listify(cbs)
         if default_cbs: self.add_cbs(cb() for cb in defaults.callbacks if not _given(cb, cbs))
@@ -240,7 +241,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
 
     def _end_fit(self):
         "Put the learner back in its resting state: not fitting, not resuming, every callback running, not training"
-        self.fitting,self.resume_from,self.stepper = False,None,self.step_class(self, hooks=False)
+        self.fitting,self.resume_from,self.stepper = False,None,self._resting_step
         for cb in self._removed_in_fit:
             if cb not in self.cbs: cb.learn = None
         self._removed_in_fit = []

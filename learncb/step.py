@@ -14,13 +14,17 @@ from .diagnose import note_failure, note_where, why_no_grad
 from .optim import opt_step, clear_grads
 
 # %% ../nbs/02e_step.ipynb #34880ef0
-def _hook(learn, name):
-    "The callback of `learn` that defines step hook `name`, or `None`; an error if several do"
-    cbs = [cb for cb in learn.cbs if callable(getattr(type(cb), name, None))]
-    if len(cbs) > 1: raise ValueError(
-        f"{', '.join(type(cb).__name__ for cb in cbs)} each define {name}, the step's hook: one callback at most may "
-        f"run the step's {name.removeprefix('step_')} in a fit; fit with one of them")
-    return cbs[0] if cbs else None
+_hook_names = ('step_forward', 'step_backward')
+
+def _hooks(learn):
+    "`(forward_hook, backward_hook)`: the callbacks of `learn` that define the step's hooks (`None`: none); an error if several do"
+    found = [(name, cb) for cb in learn.cbs for name in _hook_names if hasattr(type(cb), name)]
+    if not found: return None,None
+    for name in _hook_names:
+        if len(cbs := [cb for n,cb in found if n == name]) > 1: raise ValueError(
+            f"{', '.join(type(cb).__name__ for cb in cbs)} each define {name}, the step's hook: one callback at most "
+            f"may run the step's {name.removeprefix('step_')} in a fit; fit with one of them")
+    return tuple(next((cb for n,cb in found if n == name), None) for name in _hook_names)
 
 class Step:
     "A learner's step: the model, the loss, and in training backward, the optimizer step and zero_grad, with their events"
@@ -31,7 +35,7 @@ class Step:
 
     def find_hooks(self):
         "Take the step hooks (`step_forward`, `step_backward`) of the learner's callbacks now (a step kept for several fits)"
-        self.forward_hook,self.backward_hook = _hook(self.learn, 'step_forward'),_hook(self.learn, 'step_backward')
+        self.forward_hook,self.backward_hook = _hooks(self.learn)
 
     def run(self):
         "The current batch's step: `after_pred`, `after_loss`, and in training the `backward` and `step` stages"
