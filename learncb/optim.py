@@ -13,9 +13,9 @@ import warnings, weakref
 from types import MethodType
 import torch
 from torch import nn
-from torch.optim import optimizer as torch_optimizer
 from .utils import *
 from .checks import *
+from .internals import unwrapped_step, profiling
 
 # %% ../nbs/02b_optim.ipynb #3962a17f
 def _first(v):
@@ -67,33 +67,19 @@ def hyper_number(v):
 
 def clear_grads(opt):
     "`opt.zero_grad()`: for torch's own optimizers the same loop (gradients to `None`) without its profiler annotation"
-    if type(opt).zero_grad is not torch.optim.Optimizer.zero_grad or _profiling(): return opt.zero_grad()
+    if type(opt).zero_grad is not torch.optim.Optimizer.zero_grad or profiling(): return opt.zero_grad()
     for pg in opt.param_groups:           # `zero_grad` opens a `record_function` each call: 8 us, a tiny model's step's 3%
         for p in pg['params']: p.grad = None
 
 def opt_step(opt):
     "`opt.step()`; for a torch optimizer without step hooks, and no profiler on, its step itself without the annotation"
-    if _needs_wrapper(opt): return opt.step()
-    return type(opt).step.__wrapped__(opt)   # what torch's wrapper calls, between its hooks (none here) in a `record_function`
+    step = unwrapped_step(opt)
+    return opt.step() if step is None else step(opt)
 
 def bare_step(opt):
     "The function `opt_step(opt)` calls, bound to `opt`: torch's step without its wrapper, or `opt.step` when it needs it"
-    return opt.step if _needs_wrapper(opt) else MethodType(type(opt).step.__wrapped__, opt)
-
-def _needs_wrapper(opt):
-    "Whether `opt.step` must run through torch's wrapper: step hooks, a step replaced on the instance, the profiler on"
-    step = type(opt).step
-    return not getattr(step, 'hooked', False) or 'step' in vars(opt) or _step_hooks(opt) or _profiling()
-
-def _profiling():
-    "Whether torch's profiler records now: then the optimizer's calls keep their annotations, which it shows"
-    return torch.autograd._profiler_enabled()
-
-def _step_hooks(opt):
-    "Whether hooks run around `opt.step` (its own or global ones), which only torch's `step` wrapper calls"
-    own = opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks
-    everyone = torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks
-    return bool(own or everyone or type(opt)._optimizer_step_code is not torch.optim.Optimizer._optimizer_step_code)
+    step = unwrapped_step(opt)
+    return opt.step if step is None else MethodType(step, opt)
 
 _implementation = ('fused', 'foreach', 'capturable')
 

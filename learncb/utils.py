@@ -17,6 +17,7 @@ from array import array
 from contextlib import contextmanager
 from numbers import Real
 import torch
+from .internals import compiled_wrapped
 
 # %% ../nbs/01_utils.ipynb #2140fa2d
 def default_device():
@@ -33,7 +34,7 @@ def model_device(model, default=None):
 def plain_model(model):
     "`model` without the wrappers a fit may put around it: `DistributedDataParallel` (or `DataParallel`), `torch.compile`, learncb's"
     while True:
-        inner = getattr(model, 'unwrapped', None) or getattr(model, '_orig_mod', None)
+        inner = getattr(model, 'unwrapped', None) or compiled_wrapped(model)
         if inner is None and type(model).__name__ in ('DistributedDataParallel', 'DataParallel'): inner = model.module
         if inner is None: return model
         model = inner

@@ -158,3 +158,21 @@ def test_a_spike_rolls_back_through_the_compiled_step():
     clean.compile(step=True, fallback=False)
     clean.fit(3)
     close(clean.model, learn.model, 1e-6)
+
+@pytest.mark.parametrize('compiled', [False, True], ids=['eager', 'compiled step'])
+def test_a_fit_on_torchs_public_api_alone_gets_the_same_weights(compiled):
+    "learncb.internals' private paths switched off: the same run (the guards' flag and norms, the optimizer's step)"
+    from contextlib import nullcontext
+    from learncb.internals import public_only
+    x, y = regression_data()
+    def fit(private):
+        with (nullcontext() if private else public_only()):
+            learn = regression(x, y, cbs=[SpikeGuard(check_every=4, grad_norm=True, skip_on_device=True)])
+            learn.opt_func = partial(torch.optim.Adam, fused=True)
+            if compiled: learn.compile(step=True, fallback=False)
+            learn.fit(2)
+        return learn
+    private, public = fit(True), fit(False)
+    if compiled: close(private.model, public.model, 1e-5)       # the backward traced into the graph, or not
+    else:
+        for p, q in zip(private.model.parameters(), public.model.parameters()): assert torch.equal(p, q)

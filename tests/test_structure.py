@@ -12,7 +12,7 @@ PKG = Path(learncb.__file__).parent
 # the layers above: schedules, checkpoints, distributed strategies, inference, integrations.
 loop_layer = {f'learncb.{m}' for m in ('core', 'utils', 'files', 'checks', 'diagnose', 'dispatch', 'optim', 'weights',
                                        'metrics', 'recorder', 'progress', 'preds', 'learner', 'ranks', 'sampler',
-                                       'state', 'resume', 'step')}
+                                       'state', 'resume', 'step', 'internals')}
 # Imports made inside a function, when the feature is asked for: these alone run against the layers
 lazy_allowed = {('learncb.resume', 'learncb.checkpoint.callback'),        # fit(resume=...): the CheckpointCallback, the store
                 ('learncb.resume', 'learncb.checkpoint.store'),
@@ -246,3 +246,19 @@ def test_no_private_name_is_imported_across_modules():
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or '').startswith('learncb')):
                 found += [f'{module_name(p)}: {a.name}' for a in node.names if a.name.startswith('_')]
     assert not found, found
+
+private_torch = re.compile(r"torch\._(?!_)|torch\.utils\._|\.__wrapped__|\._orig_mod\b|\._version\b|_optimizer_step_|"
+                           r"_global_optimizer_|_profiler_enabled|_backward_hooks|_post_accumulate_grad_hooks|"
+                           r"_step_supports_amp_scaling|\.found_inf\b")
+
+def test_torch_internals_are_used_in_one_module():
+    "Only learncb.internals reaches into torch's private API (strings and comments aside)"
+    found = []
+    for name, path in modules().items():
+        if name == 'learncb.internals': continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Attribute, ast.ImportFrom, ast.Import)):
+                src = ast.unparse(node)
+                if private_torch.search(src if not isinstance(node, ast.Attribute) else src.split('(')[0]):
+                    found.append(f'{name}: {src[:80]}')
+    assert not found, sorted(set(found))

@@ -10,7 +10,7 @@ __all__ = ['CompiledModel', 'step_plan', 'hypers_as_tensors', 'hypers_as_numbers
 
 # %% ../../nbs/27_compile.ipynb #e73a615e
 import warnings
-from types import CellType, FunctionType, MethodType
+from types import MethodType
 import torch
 from torch import nn
 from fastcore.basics import patch
@@ -20,6 +20,7 @@ from ..learner import *
 from ..step import Step
 from ..diagnose import is_oom
 from ..optim import clear_grads, hyper_number, bare_step
+from ..internals import *
 
 # %% ../../nbs/27_compile.ipynb #0dd0ff70
 class CompiledModel(nn.Module):
@@ -83,18 +84,11 @@ def hypers_as_numbers(opt):
 def backward_traceable(model):
     "Whether torch.compile may trace `model`'s backward into the step's graph: no DDP, no hooks on its parameters"
     if isinstance(model, nn.parallel.DistributedDataParallel): return False        # its hooks average the gradients
-    return not any(getattr(p, '_backward_hooks', None) or getattr(p, '_post_accumulate_grad_hooks', None)
-                   for p in model.parameters())
+    return not param_hooks(model)
 
 def _own_code(method):
     "`method` on a copy of its code: torch caches graphs per code object, so each learner's stay apart (and few)"
-    return MethodType(_own_function(method.__func__), method.__self__)
-
-def _own_function(fn):
-    "A copy of function `fn` on a copy of its code, the functions it closes over (a decorator's) copied likewise"
-    cells = fn.__closure__ and tuple(CellType(_own_function(c.cell_contents)) if isinstance(c.cell_contents, FunctionType)
-                                     else c for c in fn.__closure__)
-    return FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, cells)
+    return MethodType(own_function(method.__func__), method.__self__)
 
 def _own_step(opt):
     """`opt`'s step (`bare_step`) on code of its own: torch's optimizer step breaks the graph, so its frames are compiled
@@ -102,21 +96,14 @@ def _own_step(opt):
     A fused optimizer's kernel is never traced, nor torch's wrapper of the step (hooks, a scheduler's counter, the
     profiler's annotation, which torch would warn it ignores): such a step runs as it is, outside the graph"""
     step = bare_step(opt)
-    wrapped = getattr(step, '__func__', None) is not getattr(type(opt).step, '__wrapped__', False)
-    if wrapped or any(pg.get('fused') for pg in opt.param_groups): return torch.compiler.disable(step)
+    if unwrapped_step(opt) is None or any(pg.get('fused') for pg in opt.param_groups): return torch.compiler.disable(step)
     return _own_code(step) if isinstance(step, MethodType) else step
-
-def _compiler_error(e):
-    "Whether `e` comes from torch.compile itself (dynamo, a backend, its recompile limit), not from the model or a callback"
-    exc = torch._dynamo.exc
-    if isinstance(e, exc.FailOnRecompileLimitHit): return True
-    return isinstance(e, exc.TorchDynamoException) and not isinstance(e, exc.TorchRuntimeError)
 
 def _compiler_reason(e):
     "Why the compiled step failed, in a line"
-    if isinstance(e, torch._dynamo.exc.FailOnRecompileLimitHit):
-        return (f"torch.compile reached its recompile limit (torch._dynamo.config.recompile_limit = "
-                f"{torch._dynamo.config.recompile_limit}) on a part of the step, which would have run eagerly")
+    if recompile_limit_hit(e):
+        return (f"torch.compile reached its recompile limit (its recompile_limit setting, "
+                f"{recompile_limit()}) on a part of the step, which would have run eagerly")
     lines = [l.strip() for l in str(e).splitlines() if l.strip()][:2]
     return f"torch.compile failed ({type(e).__name__}: {' '.join(lines)})"
 
@@ -181,7 +168,7 @@ class CompiledStep(Step):
         try: return self.compiled_batch(compiled, deferred)
         except Exception as e:
             if hook is not None and learn.training and is_oom(e): hook.out_of_memory()   # the hooks split it, eagerly
-            elif not _compiler_error(e): raise
+            elif not compiler_error(e): raise
             else: self._fall_back(_compiler_reason(e))
         if learn.training and self._first_grad() != grad: clear_grads(learn.opt)   # the failed step's gradients
         super().run()                                                               # this batch again, eagerly
@@ -242,14 +229,12 @@ class CompiledStep(Step):
         """For this fit: Adam's hyper-parameters as tensors (schedules change them in place), the backward traced, and
         torch's recompile limit an error (no part of the step runs eagerly without a word: the fit falls back, saying so)"""
         hypers_as_tensors(self.learn.opt)
-        cfg = torch._dynamo.config           # read while torch traces: from the first batch to the last recompile
-        self._config_before = {k: getattr(cfg, k) for k in _fit_config}
-        cfg.trace_autograd_ops,cfg.fail_on_recompile_limit_hit = self.traced_backward,True
+        self._settings_before = compile_settings(self.traced_backward)   # read while torch traces
 
     def _go_eager(self):
         "Undo `_go_compiled`: numbers in the optimizer, torch's settings as they were"
         if self.learn.opt is not None: hypers_as_numbers(self.learn.opt)
-        for k,v in self.__dict__.pop('_config_before', {}).items(): setattr(torch._dynamo.config, k, v)
+        restore_compile_settings(self.__dict__.pop('_settings_before', {}))
 
     def _fall_back(self, reason):
         "Run the rest of this fit with the eager step, saying why once (an error with `fallback=False`)"
@@ -262,7 +247,7 @@ class CompiledStep(Step):
     def _first_grad(self):
         "The first parameter's gradient and its version: whether a failed step touched the gradients"
         g = None if self._first is None else self._first.grad
-        return None if g is None else (id(g), g._version)
+        return None if g is None else (id(g), grad_version(g))
 
 # %% ../../nbs/27_compile.ipynb #00610ff7
 class CompileCallback(Callback):
@@ -303,7 +288,6 @@ class CompileCallback(Callback):
         if self.step and self.compiled_step is not None: self.compiled_step.end_fit()
         if learn.model is self.compiled: learn.model = self.compiled.unwrapped
 
-_fit_config = ('trace_autograd_ops', 'fail_on_recompile_limit_hit')    # torch._dynamo settings a compiled fit sets
 
 def _blocked_reason(blocked):
     return (f"{', '.join(blocked)} cannot run in a compiled step (a handler inside the step runs compiled only if its "

@@ -18,16 +18,13 @@ from ..sampler import *
 from ..state import *
 from ..resume import replay_pass
 from ..recorder import tell, has_output
+from ..internals import foreach_norm, flag_non_finite, skips_on_device, set_found_inf
 
 # %% ../../nbs/34_guards.ipynb #326d0aac
-def _skips_on_device(opt):
-    "Whether `opt` can skip a step on the device: a fused torch optimizer reads a `found_inf` flag, as `GradScaler` sets it"
-    return bool(getattr(opt, 'defaults', {}).get('fused')) and getattr(opt, '_step_supports_amp_scaling', False)
-
 def _grad_norm(params):
     "The global 2-norm of the gradients of `params`, a tensor on their device"
     grads = [p.grad for p in params if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else params[0].new_zeros(())
+    return torch.linalg.vector_norm(torch.stack(foreach_norm(grads))) if grads else params[0].new_zeros(())
 
 def _values(losses):
     "The losses as Python floats: one host sync (a loss of several values counts as its mean)"
@@ -110,8 +107,8 @@ class SpikeGuard(Callback):
         self._take_order()
         self._params = [p for g in learn.opt.param_groups for p in g['params']]
         device = model_device(learn.model, learn.device)
-        self._found_inf,self._one = (torch.zeros((), device=device),torch.ones((), device=device)) if self.skip_on_device and _skips_on_device(learn.opt) else (None,None)
-        if self._found_inf is not None: learn.opt.found_inf = self._found_inf   # read by each step: skipped when it is 1
+        self._found_inf = torch.zeros((), device=device) if self.skip_on_device and skips_on_device(learn.opt) else None
+        if self._found_inf is not None: set_found_inf(learn.opt, self._found_inf)   # read by each step: skipped when it is 1
         learn.cbs_changed()              # whether it takes part in `before_step` depends on that flag
 
     def _take_order(self):
@@ -160,7 +157,7 @@ class SpikeGuard(Callback):
 
     def _flag(self, value):
         "Set the fused optimizer's flag to 1 if `value` is not finite (else leave it): no step until the check that clears it"
-        torch._amp_foreach_non_finite_check_and_unscale_([value.float().reshape(1)], self._found_inf, self._one)
+        flag_non_finite(value, self._found_inf)
 
     def before_step(self):
         "The fused optimizer's flag set if the gradient norm is not finite (`grad_norm=True, skip_on_device=True`): no step then"
@@ -257,7 +254,7 @@ class SpikeGuard(Callback):
         self.history = {'loss': [], 'grad_norm': []}          # the next fit judges its own losses
         give_order_back(self.learn, self._taken)
         opt = self.learn.opt
-        if self._found_inf is not None and getattr(opt, 'found_inf', None) is self._found_inf: del opt.found_inf
+        if self._found_inf is not None and getattr(opt, 'found_inf', None) is self._found_inf: set_found_inf(opt, None)
         self._snap,self._taken,self._found_inf = None,None,None
         self._clear()
 

@@ -10,7 +10,6 @@ __all__ = ['split_inputs', 'cat_outputs', 'AutoMicrobatch']
 # %% ../../nbs/34a_microbatch.ipynb #333e4357
 import math, contextlib, warnings
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.nn.parallel import DistributedDataParallel
 from ..core import *
 from ..diagnose import is_oom
@@ -19,18 +18,15 @@ from ..ranks import *
 
 # %% ../../nbs/34a_microbatch.ipynb #48176f32
 def split_inputs(xs, size):
-    "The inputs `xs` (a pytree) cut into micro-batches of `size` items: each tensor with the batch's first dimension"
-    leaves,spec = tree_flatten(xs)
-    n = find_bs(leaves)
-    cut = lambda t,s: t[s:s+size] if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == n else t
-    return [tree_unflatten([cut(t, s) for t in leaves], spec) for s in range(0, n, size)]
+    "The inputs `xs` (tensors nested in tuples, lists and dicts) cut into micro-batches of `size` items: each tensor with the batch's first dimension"
+    n = find_bs(xs)
+    cut = lambda s: (lambda t: t[s:s+size] if t.ndim and t.shape[0] == n else t)
+    return [map_tensors(cut(s), xs) for s in range(0, n, size)]
 
 def cat_outputs(outs):
     "The outputs of the micro-batches joined into the whole batch's: each tensor concatenated on its first dimension"
-    flat = [tree_flatten(o) for o in outs]
-    joined = [torch.cat(ts) if isinstance(ts[0], torch.Tensor) and ts[0].ndim else ts[0]
-              for ts in zip(*(leaves for leaves,_ in flat))]
-    return tree_unflatten(joined, flat[0][1])
+    joined = iter([torch.cat(ts) if ts[0].ndim else ts[0] for ts in zip(*map(tensors_of, outs))])
+    return map_tensors(lambda t: next(joined), outs[0])
 
 # %% ../../nbs/34a_microbatch.ipynb #879c41e5
 def _autocast_like(device_type):
@@ -165,10 +161,11 @@ class AutoMicrobatch(Callback):
             leaf = out.detach().requires_grad_()
             self._leaves = [(0, None if split else out, leaf)]
             return leaf
-        flat,spec = tree_flatten(out)
-        self._leaves = [(i, None if split else t, t.detach().requires_grad_()) for i,t in enumerate(flat) if has_grad(t)]
-        for i,_,l in self._leaves: flat[i] = l
-        return tree_unflatten(flat, spec)
+        flat,self._leaves = tensors_of(out),[]
+        for i,t in enumerate(flat):
+            if has_grad(t): self._leaves.append((i, None if split else t, t.detach().requires_grad_()))
+        leaves,kept,position = iter([l for _,_,l in self._leaves]),{i for i,_,_ in self._leaves},iter(range(len(flat)))
+        return map_tensors(lambda t: next(leaves) if next(position) in kept else t, out)
 
     def _size(self, n, halvings): return max(1, math.ceil(n / 2**halvings))
 
@@ -262,7 +259,7 @@ class AutoMicrobatch(Callback):
         def backward(a, k):
             nonlocal total
             s = backward.start
-            out = tree_flatten(self._inner(*a, **k))[0]
+            out = tensors_of(self._inner(*a, **k))
             n = find_bs((a, k))
             grads = torch.autograd.grad([out[i] for i,_ in grad_outs], params, [g[s:s+n] for _,g in grad_outs],
                                         allow_unused=True)
