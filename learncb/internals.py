@@ -32,8 +32,7 @@ def _use(private_path_there):
 # %% ../nbs/01d_internals.ipynb #657002a9
 from torch.optim import optimizer as _torch_optimizer
 _Optimizer = torch.optim.Optimizer
-_step_attrs = ('_optimizer_step_pre_hooks', '_optimizer_step_post_hooks')
-_has_step_privates = (all(hasattr(_torch_optimizer, f'_global{a[10:]}') for a in _step_attrs)
+_has_step_privates = (all(hasattr(_torch_optimizer, f'_global_optimizer_{w}_hooks') for w in ('pre', 'post'))
                       and hasattr(_Optimizer, '_optimizer_step_code') and hasattr(torch.autograd, '_profiler_enabled'))
 
 def unwrapped_step(opt):

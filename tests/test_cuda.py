@@ -1,6 +1,7 @@
 """The CUDA paths: no host sync per batch, pinned gathering, fp16 with GradScaler, bf16, CUDA RNG
 in checkpoints, and two DDP ranks on one GPU. Every test skips without a GPU."""
 import pytest, torch
+from functools import partial
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from fastcore.basics import noop
@@ -73,3 +74,34 @@ def test_two_ranks_on_one_gpu(tmp_path):
     one, two = result(tmp_path/'one'), result(tmp_path/'two')
     for k in one['model']: torch.testing.assert_close(two['model'][k].cpu(), one['model'][k].cpu(), atol=1e-5, rtol=1e-4)
     for a, b in zip(one['values'], two['values']): assert all(abs(x - y) < 1e-5 for x, y in zip(a, b)), (a, b)
+
+@pytest.mark.parametrize('opt_func', [torch.optim.Adam, fast_adam, partial(torch.optim.SGD, momentum=0.9)],
+                         ids=['Adam', 'fused Adam', 'SGD with momentum'])
+def test_compiled_step_as_cuda_graphs(opt_func):
+    """`learn.compile(step=True, mode='reduce-overhead')`: the step replayed as CUDA graphs (Adam's hyper-parameters as
+    device tensors), with SpikeGuard: no fallback, the eager fit's weights, the Recorder's losses its own copies"""
+    def fit(**compile):
+        learn = cuda_learner(opt_func=opt_func, lr=1e-2, cbs=SpikeGuard())
+        if compile: learn.compile(step=True, fallback=False, **compile)
+        learn.fit(3)
+        return learn
+    eager, graphs = fit(), fit(mode='reduce-overhead')
+    assert graphs.compiler.fell_back is None and graphs.compiler.compiled_step.cuda_graphs
+    for a, b in zip(eager.model.state_dict().values(), graphs.model.state_dict().values()):
+        assert (a - b).abs().max() <= 1e-4 * a.abs().max(), (a - b).abs().max()
+    losses = graphs.recorder.losses
+    assert len(losses) == 36 and len(set(map(float, losses))) > 30        # each batch's own loss, not the last replay's
+    for a, b in zip(eager.recorder.values, graphs.recorder.values): assert abs(a[0] - b[0]) < 1e-3, (a, b)
+
+@pytest.mark.parametrize('name', ['compile()', 'compile(step=True)', 'AutoMicrobatch', 'SpikeGuard', 'MixedPrecision',
+                                  'CheckpointCallback'])
+def test_nothing_callable_is_set_on_the_learner_or_the_model_on_a_gpu(name, tmp_path):
+    "As tests/test_step.py checks on the CPU: at the third batch the learner's and the model's instances hold no function"
+    import warnings
+    from test_step import capabilities, AtThirdBatch
+    learn = cuda_learner(path=tmp_path)
+    capabilities[name](learn)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        learn.fit(1, cbs=(spy := AtThirdBatch()))
+    assert spy.seen[:2] == ([], []), spy.seen

@@ -35,7 +35,7 @@ capabilities = {
     'SpikeGuard': lambda learn: learn.add_cb(SpikeGuard()),
     'TerminateOnNaN': lambda learn: learn.add_cb(TerminateOnNaNCallback()),
     'GradientAccumulation': lambda learn: learn.add_cb(GradientAccumulation(32)),
-    'MixedPrecision': lambda learn: learn.add_cb(MixedPrecision('bf16')),
+    'MixedPrecision': lambda learn: learn.add_cb(MixedPrecision('bf16')),     # bf16: the CPU has it too
     'EMA': lambda learn: learn.add_cb(EMACallback()),
     'CheckpointCallback': lambda learn: learn.add_cb(CheckpointCallback(every_n_steps=2)),
 }
@@ -159,8 +159,9 @@ def test_a_spike_rolls_back_through_the_compiled_step():
     clean.fit(3)
     close(clean.model, learn.model, 1e-6)
 
-@pytest.mark.parametrize('compiled', [False, True], ids=['eager', 'compiled step'])
-def test_a_fit_on_torchs_public_api_alone_gets_the_same_weights(compiled):
+@pytest.mark.parametrize('compiled,fused', [(False, True), (True, True), (True, False)],
+                         ids=['eager', 'compiled step', 'compiled step, torch Adam'])
+def test_a_fit_on_torchs_public_api_alone_gets_the_same_weights(compiled, fused):
     "learncb.internals' private paths switched off: the same run (the guards' flag and norms, the optimizer's step)"
     from contextlib import nullcontext
     from learncb.internals import public_only
@@ -168,7 +169,7 @@ def test_a_fit_on_torchs_public_api_alone_gets_the_same_weights(compiled):
     def fit(private):
         with (nullcontext() if private else public_only()):
             learn = regression(x, y, cbs=[SpikeGuard(check_every=4, grad_norm=True, skip_on_device=True)])
-            learn.opt_func = partial(torch.optim.Adam, fused=True)
+            learn.opt_func = partial(torch.optim.Adam, fused=fused)
             if compiled: learn.compile(step=True, fallback=False)
             learn.fit(2)
         return learn

@@ -64,14 +64,16 @@ def step_plan(learn, training):
 
 _tensor_hyper_opts = (torch.optim.Adam, torch.optim.AdamW)
 
-def hypers_as_tensors(opt):
-    "Adam's and AdamW's `lr` and `betas` as 0-dim tensors (and `capturable`): a compiled step takes them as inputs, not constants"
+def hypers_as_tensors(opt, device=None):
+    """Adam's and AdamW's `lr` and `betas` as 0-dim tensors (and `capturable`): a compiled step takes them as inputs, not
+    constants. On the CPU by default; on `device` (the GPU) for a step captured as CUDA graphs, which reads no CPU tensor"""
     if type(opt) not in _tensor_hyper_opts: return False
     for pg in opt.param_groups:
         if pg.get('fused') or pg.get('differentiable'): return False
+    dtype = torch.float64 if device is None else torch.float32
     for pg in opt.param_groups:
-        pg['lr'] = torch.tensor(float(pg['lr']), dtype=torch.float64)
-        pg['betas'] = tuple(torch.tensor(float(b), dtype=torch.float64) for b in pg['betas'])
+        pg['lr'] = torch.tensor(float(pg['lr']), dtype=dtype, device=device)
+        pg['betas'] = tuple(torch.tensor(float(b), dtype=dtype, device=device) for b in pg['betas'])
         pg['capturable'] = True
     return True
 
@@ -90,19 +92,27 @@ def _own_code(method):
     "`method` on a copy of its code: torch caches graphs per code object, so each learner's stay apart (and few)"
     return MethodType(own_function(method.__func__), method.__self__)
 
-def _own_step(opt):
+def _own_step(opt, cuda_graphs=False):
     """`opt`'s step (`bare_step`) on code of its own: torch's optimizer step breaks the graph, so its frames are compiled
     apart, and on torch's code every optimizer of the class would share them (past torch's recompile limit, eagerly).
     A fused optimizer's kernel is never traced, nor torch's wrapper of the step (hooks, a scheduler's counter, the
     profiler's annotation, which torch would warn it ignores): such a step runs as it is, outside the graph"""
     step = bare_step(opt)
-    if unwrapped_step(opt) is None or any(pg.get('fused') for pg in opt.param_groups): return torch.compiler.disable(step)
+    if not _step_traced(opt, cuda_graphs): return torch.compiler.disable(step)
     return _own_code(step) if isinstance(step, MethodType) else step
+
+def _step_traced(opt, cuda_graphs=False):
+    """Whether the compiled step traces `opt`'s step: torch's own, unwrapped and not fused; under CUDA graphs Adam or AdamW
+    alone (their state is made capturable; another optimizer's state made in a graph would be overwritten at its next replay)"""
+    if cuda_graphs and type(opt) not in _tensor_hyper_opts: return False
+    return unwrapped_step(opt) is not None and not any(pg.get('fused') for pg in opt.param_groups)
+
+_graph_modes = ('reduce-overhead', 'max-autotune')     # torch.compile's modes that capture CUDA graphs
 
 def _compiler_reason(e):
     "Why the compiled step failed, in a line"
     if recompile_limit_hit(e):
-        return (f"torch.compile reached its recompile limit (its recompile_limit setting, "
+        return (f"torch.compile reached its recompile limit (torch._dynamo.config.recompile_limit = "
                 f"{recompile_limit()}) on a part of the step, which would have run eagerly")
     lines = [l.strip() for l in str(e).splitlines() if l.strip()][:2]
     return f"torch.compile failed ({type(e).__name__}: {' '.join(lines)})"
@@ -113,6 +123,7 @@ class CompiledStep(Step):
         super().__init__(learn)
         self.kwargs,self.trace_backward,self.fallback,self._plans,self.opt_step = kwargs,trace_backward,fallback,{},None
         self.fell_back,self.traced_backward = None,trace_backward and backward_traceable(learn.model)
+        self.cuda_graphs = self._opt_graphs = False   # `mode='reduce-overhead'` on a GPU: the graphs replayed as CUDA graphs
         self._train,self._valid,self._opt_step = (torch.compile(_own_code(m), **kwargs)
                                                   for m in (self._train_step, self._valid_step, self._step_alone))
 
@@ -121,6 +132,7 @@ class CompiledStep(Step):
         learn,self.fell_back = self.learn,None
         self.find_hooks()
         self.traced_backward = self.trace_backward and backward_traceable(learn.model)   # DDP may wrap it now
+        self.cuda_graphs = self.kwargs.get('mode') in _graph_modes and model_device(learn.model).type == 'cuda'
         self.for_opt(learn.opt)
         self._first = next(iter(learn.model.parameters()), None)   # its gradient tells whether a failed step wrote any
         blocked = list(dict.fromkeys(step_plan(learn, True)[2] + step_plan(learn, False)[2]))   # each named once
@@ -137,7 +149,8 @@ class CompiledStep(Step):
 
     def for_opt(self, opt):
         "Step `opt` from here on: its step on code of its own (kept while the optimizer is the same: no recompile)"
-        if getattr(self.opt_step, '__self__', None) is not opt: self.opt_step = _own_step(opt)
+        if getattr(self.opt_step, '__self__', None) is not opt or self._opt_graphs != self.cuda_graphs:
+            self.opt_step,self._opt_graphs = _own_step(opt, self.cuda_graphs),self.cuda_graphs
 
     def plan(self, training):
         "`(tables, compiled, deferred, blocked)` of this phase (`step_plan`), found again when the callbacks changed"
@@ -184,8 +197,9 @@ class CompiledStep(Step):
     def _valid_step(self, xb, yb, cbs): self._forward_loss(xb, yb, cbs)
     def _step_alone(self): self.opt_step()              # compiled too: the hyper-parameters may be tensors
     def optimizer_step(self):
-        "The optimizer's step, compiled (a stage cancelled in the compiled step goes on eagerly, with this step)"
-        self._opt_step()
+        "The optimizer's step: compiled (after a stage cancelled in the compiled step), eager once the fit fell back"
+        if self.fell_back is None: self._opt_step()
+        else: super().optimizer_step()
 
     def _train_step(self, xb, yb, cbs):
         learn = self.learn
@@ -203,9 +217,11 @@ class CompiledStep(Step):
         "Run the current batch's step compiled, then the deferred handlers; a cancelled stage goes on as the eager step's"
         learn = self.learn
         steps = ('after_pred', 'after_loss')
+        if self.cuda_graphs: torch.compiler.cudagraph_mark_step_begin()   # the last step's outputs may be overwritten now
         try:
             if learn.training: self._train(learn.xb, learn.yb, compiled)
             else: self._valid(learn.xb, learn.yb, compiled)
+            if self.cuda_graphs: self._own_outputs()
         except CancelBackwardException:
             self._defer(deferred, steps)
             learn._fire('after_cancel_backward'); learn._fire('after_backward')
@@ -220,6 +236,12 @@ class CompiledStep(Step):
         self._defer(deferred, steps + ('after_step',))
         clear_grads(learn.opt)             # as the eager step does, after `after_step` (torch.compile would not trace it)
 
+    def _own_outputs(self):
+        "Copies of the step's outputs that callbacks keep (the loss, the predictions): a CUDA graph's are overwritten at its next replay"
+        learn = self.learn
+        learn.pred,learn.loss = map_tensors(torch.clone, learn.pred),learn.loss.clone()
+        learn.loss_grad = learn.loss
+
     @staticmethod
     def _defer(deferred, names):
         for name in names:
@@ -228,7 +250,9 @@ class CompiledStep(Step):
     def _go_compiled(self):
         """For this fit: Adam's hyper-parameters as tensors (schedules change them in place), the backward traced, and
         torch's recompile limit an error (no part of the step runs eagerly without a word: the fit falls back, saying so)"""
-        hypers_as_tensors(self.learn.opt)
+        learn = self.learn
+        if _step_traced(learn.opt, self.cuda_graphs):                 # an eager step takes numbers
+            hypers_as_tensors(learn.opt, model_device(learn.model) if self.cuda_graphs else None)
         self._settings_before = compile_settings(self.traced_backward)   # read while torch traces
 
     def _go_eager(self):

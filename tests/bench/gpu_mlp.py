@@ -65,7 +65,7 @@ def timed(make, dl, rounds):
 
 def main(short=False):
     if not torch.cuda.is_available(): return print('gpu mlp benchmark: skipped: no CUDA')
-    sizes, n_batches, rounds = ((1, 64), 50, 2) if short else ((1, 4, 16, 64), 200, 3)
+    sizes, n_batches, rounds = ((1, 64), 50, 2) if short else ((1, 8, 64), 200, 3)
     ways = {'hand-written loop': raw_loop, "hand-written step, reduce-overhead": raw_graphs,
             'learncb': learncb_fit, 'learncb compile(step=True)': lambda dl: learncb_fit(dl, step=True),
             "learncb compile(step=True, mode='reduce-overhead')": lambda dl: learncb_fit(dl, step=True, mode='reduce-overhead')}
