@@ -67,7 +67,8 @@ class Step:
     def backward(self):
         "The plain backward of the loss, with the reason when it fails for a reason of the user's (a loss that is not a scalar)"
         learn = self.learn
-        try: learn.loss_grad.backward()
+        strategy = learn.strategy                   # a strategy owns the backward of a distributed fit
+        try: learn.loss_grad.backward() if strategy is None else strategy.backward(learn.loss_grad)
         except Exception as e:
             note_where(e, 'backward')
             if not isinstance(e, RuntimeError): raise

@@ -16,6 +16,7 @@ from torch import nn
 from fastcore.basics import patch
 from ..core import *
 from ..utils import *
+from ..ranks import *
 from ..learner import *
 from ..step import Step
 from ..diagnose import is_oom
@@ -83,10 +84,10 @@ def hypers_as_numbers(opt):
         if not isinstance(pg.get('lr'), torch.Tensor) or not pg.get('capturable'): continue
         pg['lr'],pg['betas'],pg['capturable'] = hyper_number(pg['lr']),tuple(map(hyper_number, pg['betas'])),False
 
-def backward_traceable(model):
-    "Whether torch.compile may trace `model`'s backward into the step's graph: no DDP, no hooks on its parameters"
-    if isinstance(model, nn.parallel.DistributedDataParallel): return False        # its hooks average the gradients
-    return not param_hooks(model)
+def backward_traceable(learn):
+    "Whether torch.compile may trace the backward of `learn.model` into the step's graph: no reduction in it (DDP's), no hooks on its parameters"
+    if getattr(learn.strategy, 'reduces_in_backward', False): return False        # its hooks average the gradients
+    return not param_hooks(learn.model)
 
 def _own_code(method):
     "`method` on a copy of its code: torch caches graphs per code object, so each learner's stay apart (and few)"
@@ -122,7 +123,7 @@ class CompiledStep(Step):
     def __init__(self, learn, trace_backward=True, fallback=True, **kwargs):
         super().__init__(learn)
         self.kwargs,self.trace_backward,self.fallback,self._plans,self.opt_step = kwargs,trace_backward,fallback,{},None
-        self.fell_back,self.traced_backward = None,trace_backward and backward_traceable(learn.model)
+        self.fell_back,self.traced_backward = None,trace_backward and backward_traceable(learn)
         self.cuda_graphs = self._opt_graphs = False   # `mode='reduce-overhead'` on a GPU: the graphs replayed as CUDA graphs
         self._train,self._valid,self._opt_step = (torch.compile(_own_code(m), **kwargs)
                                                   for m in (self._train_step, self._valid_step, self._step_alone))
@@ -131,7 +132,7 @@ class CompiledStep(Step):
         "Set up a fit: its hooks and optimizer, and whether it runs compiled (a fit falls back when a handler cannot)"
         learn,self.fell_back = self.learn,None
         self.find_hooks()
-        self.traced_backward = self.trace_backward and backward_traceable(learn.model)   # DDP may wrap it now
+        self.traced_backward = self.trace_backward and backward_traceable(learn)   # DDP may wrap it now
         self.cuda_graphs = self.kwargs.get('mode') in _graph_modes and model_device(learn.model).type == 'cuda'
         self.for_opt(learn.opt)
         self._first = next(iter(learn.model.parameters()), None)   # its gradient tells whether a failed step wrote any
@@ -295,9 +296,7 @@ class CompileCallback(Callback):
 
     def _prepare_step(self):
         learn = self.learn
-        if getattr(learn.strategy, 'sharded', False): raise ValueError(
-            "learn.compile(step=True) does not compile an FSDP step: FSDP gathers and frees the shards around each "
-            "layer in hooks the compiled step would have to trace; use learn.compile() (the model compiled) with FSDP")
+        if (why := refused(learn, 'compiled step')): raise ValueError(why)
         if self.compiled_step is None or self.compiled_step.learn is not learn:     # kept for the next fits: no recompile
             self.compiled_step = CompiledStep(learn, trace_backward=self.trace_backward, fallback=self.fallback,
                                               **self.kwargs)

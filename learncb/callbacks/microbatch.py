@@ -10,7 +10,6 @@ __all__ = ['split_inputs', 'cat_outputs', 'AutoMicrobatch']
 # %% ../../nbs/34a_microbatch.ipynb #333e4357
 import math, contextlib, warnings
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from ..core import *
 from ..diagnose import is_oom
 from ..utils import *
@@ -69,13 +68,10 @@ class AutoMicrobatch(Callback):
 
     def before_fit(self):
         "Find the model the micro-batches call; refuse FSDP"
-        m = self.learn.model
-        if getattr(self.learn.strategy, 'sharded', False): raise ValueError(
-            "AutoMicrobatch does not run under FSDP yet (the ranks gather each shard in the forward, so they would "
-            "have to split alike before it): fit with DDP, or with a smaller batch")
+        if (why := refused(self.learn, 'microbatch')): raise ValueError(why)
         self._world = num_distrib()
         # under DDP, the plain model: the gradients are averaged here, after the ranks agree on the split
-        self._inner = m.module if isinstance(m, DistributedDataParallel) else m
+        self._inner = local_model(self.learn)
         self._params = list(self._inner.parameters())
         self._device = self._params[0].device if self._params else torch.device('cpu')
         self._leaves = self._inputs = None

@@ -135,8 +135,7 @@ class WeightAveraging(Callback):
     def _start(self, **kwargs):
         "Make this fit's average of the learner's model (refused under FSDP, whose ranks hold shards)"
         model = plain_model(self.learn.model)
-        if getattr(self.learn.strategy, 'sharded', False): raise ValueError(f"{type(self).__name__} averages whole weights; under FSDP each rank "
-                                               f"holds shards: use it with DDP or one process")
+        if (why := refused(self.learn, 'weight averaging')): raise ValueError(f"{type(self).__name__} averages whole weights; {why}")
         self.average,self._model,self._swapped = AveragedModel(model, **kwargs),model,False
 
     @property

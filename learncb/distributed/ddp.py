@@ -25,6 +25,12 @@ class DDP(Strategy):
         learn.model = DistributedDataParallel(learn.model, device_ids=ids,
                                               find_unused_parameters=self.find_unused_parameters)
 
+    reduces_in_backward = True
+
+    def local_model(self, model):
+        "The plain model inside `DistributedDataParallel`: a call of it does not reduce the gradients"
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
     def unwrap(self, learn):
         "Put the plain model back in `learn.model`, trained"
         if isinstance(learn.model, DistributedDataParallel): learn.model = learn.model.module

@@ -89,6 +89,21 @@ class Strategy:
         "Every rank's share of `n` items, predicted on `shard_valid`'s dataloaders, back in dataset order"
         return gather_in_order(o, n)
 
+    reduces_in_backward = False
+    "Whether the model's own backward reduces the gradients over the ranks (DDP's hooks): a compiled step leaves it untraced"
+
+    def backward(self, loss):
+        "The backward of `loss` on this rank: the step calls it (its gradients reduced by the model it wraps, if any)"
+        loss.backward()
+
+    def local_model(self, model):
+        "The model this rank computes with, without a wrapper that reduces the gradients (`model` itself here)"
+        return model
+
+    def refuses(self, capability):
+        "Why this strategy cannot run `capability` (`'microbatch'`, `'compiled step'`, `'weight averaging'`), or `None`: it can"
+        return None
+
     def casts_model(self, dtype):
         "Whether the model this strategy trains casts itself to `dtype` (then `MixedPrecision` does not autocast)"
         return False
