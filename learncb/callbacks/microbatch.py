@@ -54,7 +54,7 @@ def _sum_grads(total, grads):
     if total is None: return list(grads)
     return [t if g is None else g if t is None else t.add_(g) for t,g in zip(total, grads)]
 
-_chunk = 2**16    # items of a gradient reduced in one collective when memory is short
+_chunk = 2**16    # items of the gradients averaged in one collective when memory is short
 _in_place = object()   # the gradients went into `.grad` as they would have in the loop's backward
 
 # %% ../../nbs/34a_microbatch.ipynb #497cbf0d
@@ -75,7 +75,10 @@ class AutoMicrobatch(Callback):
         self._params = list(self._inner.parameters())
         self._device = self._params[0].device if self._params else torch.device('cpu')
         self._leaves = self._inputs = None
-        self._failed_whole = False
+        self._failed_whole,self._agreed_at = False,None
+        if self._world > 1:                     # the buffer the gradients are averaged through, a pinned agreement
+            self._buffer = self._reduce_buffer()
+            self._agreed_host = torch.zeros(1, dtype=torch.long, pin_memory=self._device.type == 'cuda')
 
     def runs_plain(self):
         "Whether this batch's forward and backward are the plain ones (one process, no split in force): a compiled step runs them"
@@ -85,11 +88,12 @@ class AutoMicrobatch(Callback):
         "The whole batch ran out of memory where the hooks did not see it (a compiled step): the step runs it again, split"
         self._failed_whole = True
 
-    def after_fit(self): self._leaves = self._inputs = self._params = self._inner = None
+    def after_fit(self): self._leaves = self._inputs = self._params = self._inner = self._buffer = None
 
     # the step's hooks
     def step_forward(self, forward):
         "The step's model call: the whole batch (the plain call when it fits), or its micro-batches once it ran out of memory"
+        if self._agreed_at is not None: self._take_agreement()
         self._leaves,self._start,self._kept = None,self.halvings,0
         if not torch.is_grad_enabled(): return forward(self._predict)
         if self._world == 1 and not self.halvings:            # a batch that fits: the plain forward, nothing more
@@ -270,32 +274,53 @@ class AutoMicrobatch(Callback):
         return total
 
     def _averaged(self, params, grads):
-        """The gradients averaged over the ranks, and the ranks' halvings agreed on (the largest wins); when memory is
-        short on any rank (it split, or could not hold one more copy of the gradients), in place, a chunk at a time"""
+        """The gradients averaged over the ranks, and the ranks' halvings agreed on (the largest wins), with no wait for
+        the device: on a GPU the agreement is read once it has come, at a later batch"""
         import torch.distributed as dist
-        flat = self._flat_grads(params, grads) if not self.halvings else None
-        agreed = torch.tensor([self.halvings, flat is None], device=self._device)
+        agreed = torch.full((1,), self.halvings, device=self._device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        self.halvings,short = agreed.tolist()
-        if short: return self._averaged_in_place(params, grads)
-        dist.all_reduce(flat)
-        return [v.view_as(p).to(p.dtype) for v,p in zip(flat.split([p.numel() for p in params]), params)]
+        if agreed.device.type == 'cpu': self.halvings = max(self.halvings, int(agreed))
+        else:
+            self._agreed_host.copy_(agreed, non_blocking=True)
+            self._agreed_at = torch.cuda.Event(); self._agreed_at.record()
+        return self._reduced(params, grads)
 
-    def _flat_grads(self, params, grads):
-        "The gradients divided by the world size in one flat buffer (one collective), or `None` if it does not fit"
-        try:
-            flat = params[0].new_zeros(sum(p.numel() for p in params))
-            for v,g in zip(flat.split([p.numel() for p in params]), grads):
-                if g is not None: v.copy_(g.flatten()).div_(self._world)
-            return flat
-        except Exception as e:
-            if not is_oom(e): raise
+    def _take_agreement(self):
+        "The halvings the ranks agreed on at an earlier batch, once they are on the host (a GPU run: no wait)"
+        if self._agreed_at is None or not self._agreed_at.query(): return
+        self._agreed_at,self.halvings = None,max(self.halvings, int(self._agreed_host))
 
-    def _averaged_in_place(self, params, grads):
-        "The gradients averaged in their own memory, `_chunk` items a collective: nothing large allocated"
+    def _reduce_buffer(self):
+        """The buffer the gradients are averaged through, made once per fit: room for all of them (one collective a step)
+        when every rank has it, else `_chunk` items; its size agreed by the ranks (the same collectives on every rank)"""
         import torch.distributed as dist
+        total,buffer = sum(p.numel() for p in self._params),None
+        for n in dict.fromkeys((min(total, 2**24), min(total, _chunk))):
+            try: buffer = torch.empty(n, device=self._device); break
+            except Exception as e:
+                if not is_oom(e): raise
+        size = torch.tensor([0 if buffer is None else buffer.numel()], device=self._device)
+        dist.all_reduce(size, op=dist.ReduceOp.MIN)
+        if not int(size): raise torch.OutOfMemoryError(
+            f"AutoMicrobatch: a rank cannot hold {_chunk} items to average the gradients through: free memory and fit again")
+        return buffer[:int(size)]
+
+    def _reduced(self, params, grads):
+        "`grads` averaged over the ranks in their own memory, through the fit's buffer, a buffer's worth a collective"
+        import torch.distributed as dist
+        buf,parts,fill = self._buffer,[],0
         grads = [torch.zeros_like(p) if g is None else g.contiguous() for p,g in zip(params, grads)]
+        def flush():
+            nonlocal parts,fill
+            dist.all_reduce(buf[:fill])
+            for flat,s,n,at in parts: flat[s:s+n].copy_(buf[at:at+n]).div_(self._world)
+            parts,fill = [],0
         for g in grads:
-            flat = g.div_(self._world).view(-1)
-            for s in range(0, flat.numel(), _chunk): dist.all_reduce(flat[s:s + _chunk])
+            flat,s = g.view(-1),0
+            while s < flat.numel():
+                n = min(flat.numel() - s, buf.numel() - fill)
+                buf[fill:fill+n].copy_(flat[s:s+n]); parts.append((flat, s, n, fill))
+                fill,s = fill + n,s + n
+                if fill == buf.numel(): flush()
+        if fill: flush()
         return grads
