@@ -6,13 +6,14 @@ Docs: https://learncb.github.io/learncb/utils.html.md"""
 
 # %% auto #0
 __all__ = ['clock', 'default_device', 'model_device', 'plain_model', 'map_tensors', 'to_device', 'detached', 'tensors_of',
-           'find_bs', 'n_batches', 'listify', 'add_note', 'is_number', 'ArgTypeError', 'arg_error', 'check_number',
-           'check_lr', 'check_wd', 'check_int', 'check_fraction', 'check_choice', 'numbers_tensor', 'rng_state',
-           'set_rng_state', 'rng_kept', 'dl_generators', 'rebuild_dataloader', 'Clock', 'FakeClock', 'short_list',
-           'rows_text', 'user_frame', 'warn_user']
+           'name_of', 'find_bs', 'n_batches', 'listify', 'add_note', 'is_number', 'ArgTypeError', 'arg_error',
+           'check_number', 'check_lr', 'check_wd', 'check_int', 'check_fraction', 'check_choice', 'numbers_tensor',
+           'rng_state', 'set_rng_state', 'rng_kept', 'dl_generators', 'rebuild_dataloader', 'Clock', 'FakeClock',
+           'short_list', 'rows_text', 'user_frame', 'warn_user']
 
 # %% ../nbs/01_utils.ipynb #4d5f189c
 import math, operator, os, random, sys, time, warnings
+from functools import partial
 from array import array
 from contextlib import contextmanager
 from numbers import Real
@@ -62,6 +63,20 @@ def tensors_of(o):
     if isinstance(o, torch.Tensor): return [o]
     if isinstance(o, dict): o = list(o.values())
     return [t for e in o for t in tensors_of(e)] if isinstance(o, (tuple, list)) else []
+
+def name_of(f, detail=False):
+    """The name of a function, a class, a partial or a callable object: `Adam`, `CrossEntropyLoss`; with `detail`, as
+    a summary shows it: `partial(SGD, momentum=0.9)`, `CrossEntropyLoss()`"""
+    if not detail:
+        f = getattr(f, 'func', f)
+        return getattr(f, '__name__', None) or type(f).__name__
+    if isinstance(f, partial):
+        args = [repr(a) for a in f.args] + [f'{k}={v!r}' for k,v in f.keywords.items()]
+        return f"partial({', '.join([name_of(f.func, True)] + args)})"
+    if isinstance(f, torch.nn.Module):
+        r = repr(f)
+        return r if '\n' not in r else f'{type(f).__name__}(...)'
+    return getattr(f, '__qualname__', None) or getattr(f, '__name__', None) or repr(f)
 
 def find_bs(b):
     "The batch size of `b`: the length of its first tensor"

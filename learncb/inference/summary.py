@@ -120,16 +120,6 @@ def _first_batch(dl):
 # %% ../../nbs/21_summary.ipynb #ff5fb547
 def _num(n): return f'{n:,}'
 
-def _name_of(f):
-    "How `summary` names a function, class or partial: `Adam`, `partial(SGD, momentum=0.9)`, `CrossEntropyLoss()`"
-    if isinstance(f, partial):
-        args = [repr(a) for a in f.args] + [f'{k}={v!r}' for k,v in f.keywords.items()]
-        return f"partial({', '.join([_name_of(f.func)] + args)})"
-    if isinstance(f, nn.Module):
-        r = repr(f)
-        return r if '\n' not in r else f'{type(f).__name__}(...)'
-    return getattr(f, '__qualname__', None) or getattr(f, '__name__', None) or repr(f)
-
 def _hyper(name, v):
     "`lr 0.001`; a list (one per parameter group) as it is; `None` is the optimizer's default"
     if v is None: return f"{name}: the optimizer's default"
@@ -138,7 +128,7 @@ def _hyper(name, v):
 def _opt_lines(learn):
     "The optimizer part of the summary: its class and each param group's lr, wd and parameters"
     if learn.opt is None:
-        return [f"Optimizer: none yet: made at the first fit by {_name_of(learn.opt_func)} "
+        return [f"Optimizer: none yet: made at the first fit by {name_of(learn.opt_func, detail=True)} "
                 f"({_hyper('lr', learn.lr)}, {_hyper('wd', learn.wd)})"]
     groups = learn.opt.param_groups
     lines = [f"Optimizer: {type(learn.opt).__name__}, {len(groups)} param group{'s' if len(groups) > 1 else ''}"]
@@ -150,7 +140,7 @@ def _opt_lines(learn):
 def _loss_line(learn):
     "The loss function's line of the summary"
     lf = learn.loss_func
-    return f"Loss function: {'none (pass loss_func to the Learner)' if lf is None else _name_of(lf)}"
+    return f"Loss function: {'none (pass loss_func to the Learner)' if lf is None else name_of(lf, detail=True)}"
 
 def _cb_lines(learn):
     "The callbacks, by class name, in the order they run"

@@ -43,11 +43,6 @@ def import_optional(module, package, extra, who):
     except ImportError as e: raise _missing(package, extra, who, e) from e
 
 # %% ../../nbs/24_tracking.ipynb #4afbef35
-def _name_of(f):
-    "The name of a function, a partial of one, or a callable object's class"
-    f = getattr(f, 'func', f)
-    return getattr(f, '__name__', None) or type(f).__name__
-
 def _per_group(name, values):
     "`{name: v}` for one param group, `{name_0: v0, name_1: v1, ...}` for several"
     return {name: values[0]} if len(values) == 1 else {f'{name}_{i}': v for i,v in enumerate(values)}
@@ -61,7 +56,7 @@ def fit_hparams(learn):
     bs = getattr(learn.dls.train, 'batch_size', None)
     if bs is not None: hps['bs'] = bs
     params = list(model.parameters())
-    hps.update(opt=type(learn.opt).__name__, loss_func=_name_of(learn.loss_func), model=type(model).__name__,
+    hps.update(opt=type(learn.opt).__name__, loss_func=name_of(learn.loss_func), model=type(model).__name__,
                n_params=sum(p.numel() for p in params), n_trainable=sum(p.numel() for p in params if p.requires_grad),
                callbacks=', '.join(type(cb).__name__ for cb in sorted(learn.cbs, key=lambda cb: cb.order)))
     return hps
