@@ -40,7 +40,8 @@ def unwrapped_step(opt):
     wrapper (step hooks, a step set on the instance, the profiler); else `None`: call `opt.step()`"""
     step = type(opt).step
     if not (_private and _has_step_privates and getattr(step, 'hooked', False)) or 'step' in vars(opt): return None
-    if (opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or _torch_optimizer._global_optimizer_pre_hooks
+    if (getattr(opt, '_optimizer_step_pre_hooks', True) or getattr(opt, '_optimizer_step_post_hooks', True)
+        or _torch_optimizer._global_optimizer_pre_hooks
         or _torch_optimizer._global_optimizer_post_hooks or torch.autograd._profiler_enabled()
         or type(opt)._optimizer_step_code is not _Optimizer._optimizer_step_code): return None
     return step.__wrapped__
@@ -55,10 +56,10 @@ def foreach_norm(tensors):
     if _use(hasattr(torch, '_foreach_norm')): return list(torch._foreach_norm(tensors))
     return [torch.linalg.vector_norm(t) for t in tensors]
 
-def flag_non_finite(value, flag):
-    "Set `flag` (a 0-dim float tensor) to 1 where `value` is not finite, on the device (no host sync); else leave it"
+def flag_non_finite(value, flag, one):
+    "Set `flag` (a 0-dim float tensor) to 1 where `value` is not finite, on the device (no host sync); else leave it. `one`: a 0-dim 1 beside it, made once"
     if _use(hasattr(torch, '_amp_foreach_non_finite_check_and_unscale_')):
-        return torch._amp_foreach_non_finite_check_and_unscale_([value.float().reshape(1)], flag, flag.new_ones(()))
+        return torch._amp_foreach_non_finite_check_and_unscale_([value.float().reshape(1)], flag, one)
     torch.maximum(flag, (~torch.isfinite(value)).any().to(flag.dtype), out=flag)
 
 def skips_on_device(opt):
@@ -104,17 +105,21 @@ def recompile_limit():
     "torch.compile's recompile limit (`None` if unknown)"
     return getattr(torch._dynamo.config, 'recompile_limit', None) if _use(True) else None
 
+def _dynamo_exc():
+    "torch.compile's exception classes, or `None` (missing, or the private paths switched off)"
+    exc = getattr(getattr(torch, '_dynamo', None), 'exc', None)
+    return exc if _use(exc is not None) else None
+
 def compiler_error(e):
     "Whether `e` comes from torch.compile itself (dynamo, a backend, its recompile limit), not from the model or a callback"
-    exc = getattr(getattr(torch, '_dynamo', None), 'exc', None)
-    if not _use(exc is not None): return False
-    if isinstance(e, getattr(exc, 'FailOnRecompileLimitHit', ())): return True
-    return isinstance(e, exc.TorchDynamoException) and not isinstance(e, exc.TorchRuntimeError)
+    if recompile_limit_hit(e): return True
+    exc = _dynamo_exc()
+    return exc is not None and isinstance(e, exc.TorchDynamoException) and not isinstance(e, exc.TorchRuntimeError)
 
 def recompile_limit_hit(e):
     "Whether `e` is torch.compile's recompile limit reached"
-    exc = getattr(getattr(torch, '_dynamo', None), 'exc', None)
-    return _use(exc is not None) and isinstance(e, getattr(exc, 'FailOnRecompileLimitHit', ()))
+    exc = _dynamo_exc()
+    return exc is not None and isinstance(e, getattr(exc, 'FailOnRecompileLimitHit', ()))
 
 def own_function(fn):
     """A copy of function `fn` on a copy of its code, the functions it closes over copied likewise: torch.compile keeps

@@ -188,8 +188,9 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         "Move batch `b` to the model's device, split it into `xb`/`yb` and run it with its events"
         self.iter,self.step_taken = i,None          # `None` until this batch's step stage is over
         try:
-            dev = self._batch_device
-            self.batch = b = b if dev is None else to_device(b, dev) if isinstance(dev, torch.device) else self._first_move(b)
+            dev = self._batch_device                   # `None`: batches are where the model is
+            if dev is not None: b = to_device(b, dev) if isinstance(dev, torch.device) else self._first_move(b)
+            self.batch = b
             if isinstance(b, (tuple, list)): self.xb,self.yb,self._kw = tuple(b[:self.n_inp]),tuple(b[self.n_inp:]),False
             elif isinstance(b, Mapping): self.xb,self.yb,self._kw = (b,),self._labels(b),True    # model(**b), as in HF
             else: self.xb,self.yb,self._kw = (b,),(),False
@@ -232,8 +233,10 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         "Store `e`, explain it, fire `after_exception` (and `after_fit`), attaching any error of those handlers to `e`"
         self.exception = e
         if isinstance(e, loop_signals):
+            where = ("a training batch's events (after_batch), where the training phase goes back to its batch"
+                     if isinstance(e, RollbackException) else "the stage it cancels")
             add_note(e, f"learncb: {type(e).__name__} reached fit without a stage of its kind around it (epoch "
-                        f"{self.epoch}, iter {self.iter}); raise it only inside the stage it cancels")
+                        f"{self.epoch}, iter {self.iter}); raise it only inside {where}")
         elif isinstance(e, Exception): explain_batch_error(self, e)
         after_fit_failed = self._raised_in == 'after_fit'
         for name in ('after_exception',) if after_fit_failed else ('after_exception', 'after_fit'):

@@ -14,17 +14,13 @@ from .diagnose import note_failure, note_where, why_no_grad
 from .optim import opt_step, clear_grads
 
 # %% ../nbs/02e_step.ipynb #34880ef0
-_hook_names = ('step_forward', 'step_backward')
-
-def _hooks(learn):
-    "`(forward_hook, backward_hook)`: the callbacks of `learn` that define the step's hooks (`None`: none); an error if several do"
-    found = [(name, cb) for cb in learn.cbs for name in _hook_names if hasattr(type(cb), name)]
-    if not found: return None,None
-    for name in _hook_names:
-        if len(cbs := [cb for n,cb in found if n == name]) > 1: raise ValueError(
-            f"{', '.join(type(cb).__name__ for cb in cbs)} each define {name}, the step's hook: one callback at most "
-            f"may run the step's {name.removeprefix('step_')} in a fit; fit with one of them")
-    return tuple(next((cb for n,cb in found if n == name), None) for name in _hook_names)
+def _hook(learn, name):
+    "The callback of `learn` that defines the step's hook `name`, or `None`; an error if several do"
+    cbs = [cb for cb in learn.cbs if hasattr(type(cb), name)]
+    if len(cbs) > 1: raise ValueError(
+        f"{', '.join(type(cb).__name__ for cb in cbs)} each define {name}, the step's hook: one callback at most may run "
+        f"the step's {name.removeprefix('step_')} in a fit; fit with one of them")
+    return cbs[0] if cbs else None
 
 class Step:
     "A learner's step: the model, the loss, and in training backward, the optimizer step and zero_grad, with their events"
@@ -35,7 +31,7 @@ class Step:
 
     def find_hooks(self):
         "Take the step hooks (`step_forward`, `step_backward`) of the learner's callbacks now (a step kept for several fits)"
-        self.forward_hook,self.backward_hook = _hooks(self.learn)
+        self.forward_hook,self.backward_hook = _hook(self.learn, 'step_forward'),_hook(self.learn, 'step_backward')
 
     def run(self):
         "The current batch's step: `after_pred`, `after_loss`, and in training the `backward` and `step` stages"
@@ -84,12 +80,18 @@ class Step:
         try:
             learn._fire('before_step')
             self.optimizer_step()
-            learn.step_taken = True
-        except CancelStepException:
-            learn.step_taken = False
-            learn._fire('after_cancel_step')
+        except CancelStepException: return self.cancelled('step')
+        learn.step_taken = True
         learn._fire('after_step')
-        return learn.step_taken
+        return True
+
+    def cancelled(self, stage):
+        "The end of `stage` (`'backward'`, `'step'`) after a cancel raised inside it: `after_cancel_<stage>`, `after_<stage>`; `False`"
+        learn = self.learn
+        _,after_cancel,after = stage_events[stage]
+        if stage == 'step': learn.step_taken = False        # what `after_step` handlers read: the optimizer did not step
+        learn._fire(after_cancel); learn._fire(after)
+        return False
 
     def optimizer_step(self):
         "The optimizer's step (`opt_step`: torch's, without its profiler wrapper when nothing needs it)"

@@ -83,9 +83,7 @@ def test_rollback_and_checkpoint_events_are_declared():
     assert 'after_rollback' in event and 'before_checkpoint' in event
     assert not issubclass(RollbackException, CancelException)        # a rollback goes back: it skips nothing
     learn = synth_learner()
-    seen = []
-    learn.on('after_rollback')(lambda learn: seen.append(learn.iter))
-    learn.on('before_checkpoint')(lambda learn: seen.append('checkpoint'))
+    for name in ('after_rollback', 'before_checkpoint'): learn.on(name)(lambda learn: None)   # accepted (it refuses unknown names)
     from io import StringIO
     from contextlib import redirect_stdout
     with redirect_stdout(StringIO()) as out: learn.show_training_loop()

@@ -225,13 +225,12 @@ class CompiledStep(Step):
             if self.cuda_graphs: self._own_outputs()
         except CancelBackwardException:
             self._defer(deferred, steps)
-            learn._fire('after_cancel_backward'); learn._fire('after_backward')
+            self.cancelled('backward')
             if self.step_stage(): clear_grads(learn.opt)
             return
         except CancelStepException:
             self._defer(deferred, steps)
-            learn.step_taken = False
-            learn._fire('after_cancel_step'); learn._fire('after_step')
+            self.cancelled('step')
             return
         if not learn.training: return self._defer(deferred, steps)
         self._defer(deferred, steps + ('after_step',))

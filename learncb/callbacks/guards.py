@@ -98,7 +98,7 @@ class SpikeGuard(Callback):
     def takes_part(self, event_name, training):
         "`after_step` only to note gradient norms, `before_step` only to flag them on the device"
         if event_name == 'after_step' and not self.grad_norm: return False
-        if event_name == 'before_step' and not (self.grad_norm and self._found_inf is not None): return False
+        if event_name == 'before_step' and not (self.grad_norm and self.skip_on_device): return False
         return super().takes_part(event_name, training)
 
     def before_fit(self):
@@ -107,9 +107,8 @@ class SpikeGuard(Callback):
         self._take_order()
         self._params = [p for g in learn.opt.param_groups for p in g['params']]
         device = model_device(learn.model, learn.device)
-        self._found_inf = torch.zeros((), device=device) if self.skip_on_device and skips_on_device(learn.opt) else None
+        self._found_inf,self._one = (torch.zeros((), device=device),torch.ones((), device=device)) if self.skip_on_device and skips_on_device(learn.opt) else (None,None)
         if self._found_inf is not None: set_found_inf(learn.opt, self._found_inf)   # read by each step: skipped when it is 1
-        learn.cbs_changed()              # whether it takes part in `before_step` depends on that flag
 
     def _take_order(self):
         "Make the training dataloader one that can replay its epoch from any batch, or say why it cannot"
@@ -157,11 +156,11 @@ class SpikeGuard(Callback):
 
     def _flag(self, value):
         "Set the fused optimizer's flag to 1 if `value` is not finite (else leave it): no step until the check that clears it"
-        flag_non_finite(value, self._found_inf)
+        flag_non_finite(value, self._found_inf, self._one)
 
     def before_step(self):
         "The fused optimizer's flag set if the gradient norm is not finite (`grad_norm=True, skip_on_device=True`): no step then"
-        self._flag(_grad_norm(self._params))
+        if self._found_inf is not None: self._flag(_grad_norm(self._params))
 
     def after_step(self):
         "Note the gradient norm of a step taken (`grad_norm=True`): the gradients the optimizer used, read after the step"

@@ -8,7 +8,7 @@ Docs: https://learncb.github.io/learncb/microbatch.html.md"""
 __all__ = ['split_inputs', 'cat_outputs', 'AutoMicrobatch']
 
 # %% ../../nbs/34a_microbatch.ipynb #333e4357
-import math, contextlib, warnings
+import itertools, math, contextlib, warnings
 import torch
 from ..core import *
 from ..diagnose import is_oom
@@ -132,7 +132,6 @@ class AutoMicrobatch(Callback):
     def _split_from_scratch(self):
         "The whole batch's backward ran out of memory: its output again, in micro-batches, and the backward through them"
         learn = self.learn
-        self._inputs = None
         out = learn.forward_batch(self._train_call)
         loss = learn._batch_loss_func()(out, *learn.yb)
         torch.autograd.backward(loss, inputs=[l for _,_,l in self._leaves])
@@ -141,12 +140,11 @@ class AutoMicrobatch(Callback):
     def _train_call(self, *args, **kw):
         "The model call of a training batch that does not fit whole: its micro-batches (or the whole, every `grow_every` steps)"
         self._inputs,self._cast,self._rng = (args, kw),_autocast_like(self._device.type),None
-        call = self._inner
         if self.halvings and self.since_change >= self.grow_every:
             self._kept,self.halvings,self.since_change = self.halvings,0,0     # try the whole batch again
         if not self.halvings:
             out = None
-            try: out = call(*args, **kw)
+            try: out = self._inner(*args, **kw)
             except Exception as e:
                 if not is_oom(e): raise
             if out is not None: return self._leaves_of(out)
@@ -155,17 +153,11 @@ class AutoMicrobatch(Callback):
 
     def _leaves_of(self, out, split=False):
         "`out` with a leaf for each tensor with a graph (`split`: each float tensor): the loop's backward stops there"
-        has_grad = lambda t: isinstance(t, torch.Tensor) and (t.is_floating_point() if split else t.requires_grad)
-        if isinstance(out, torch.Tensor):                          # the usual output: one tensor
-            if not has_grad(out): return out
-            leaf = out.detach().requires_grad_()
-            self._leaves = [(0, None if split else out, leaf)]
-            return leaf
-        flat,self._leaves = tensors_of(out),[]
-        for i,t in enumerate(flat):
-            if has_grad(t): self._leaves.append((i, None if split else t, t.detach().requires_grad_()))
-        leaves,kept,position = iter([l for _,_,l in self._leaves]),{i for i,_,_ in self._leaves},iter(range(len(flat)))
-        return map_tensors(lambda t: next(leaves) if next(position) in kept else t, out)
+        has_grad = lambda t: t.is_floating_point() if split else t.requires_grad
+        self._leaves = [(i, None if split else t, t.detach().requires_grad_()) for i,t in enumerate(tensors_of(out))
+                        if has_grad(t)]
+        leaf,position = {i: l for i,_,l in self._leaves},itertools.count()    # the i-th tensor of `out`: its leaf
+        return map_tensors(lambda t: leaf.get(next(position), t), out)
 
     def _size(self, n, halvings): return max(1, math.ceil(n / 2**halvings))
 
@@ -287,7 +279,7 @@ class AutoMicrobatch(Callback):
 
     def _take_agreement(self):
         "The halvings the ranks agreed on at an earlier batch, once they are on the host (a GPU run: no wait)"
-        if self._agreed_at is None or not self._agreed_at.query(): return
+        if not self._agreed_at.query(): return
         self._agreed_at,self.halvings = None,max(self.halvings, int(self._agreed_host))
 
     def _reduce_buffer(self):
