@@ -40,10 +40,11 @@ def unwrapped_step(opt):
     wrapper (step hooks, a step set on the instance, the profiler); else `None`: call `opt.step()`"""
     step = type(opt).step
     if not (_private and _has_step_privates and getattr(step, 'hooked', False)) or 'step' in vars(opt): return None
-    if (getattr(opt, '_optimizer_step_pre_hooks', True) or getattr(opt, '_optimizer_step_post_hooks', True)
-        or _torch_optimizer._global_optimizer_pre_hooks
-        or _torch_optimizer._global_optimizer_post_hooks or torch.autograd._profiler_enabled()
-        or type(opt)._optimizer_step_code is not _Optimizer._optimizer_step_code): return None
+    try:                                     # an optimizer without torch's hook attributes: through the wrapper
+        if (opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or _torch_optimizer._global_optimizer_pre_hooks
+            or _torch_optimizer._global_optimizer_post_hooks or torch.autograd._profiler_enabled()
+            or type(opt)._optimizer_step_code is not _Optimizer._optimizer_step_code): return None
+    except AttributeError: return None
     return step.__wrapped__
 
 def profiling():
