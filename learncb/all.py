@@ -37,6 +37,7 @@ from .inference.program import *
 from .distributed.strategy import *
 from .distributed.ddp import *
 from .distributed.fsdp import *
+from .distributed.ft import *
 from .distributed.context import *
 from .callbacks.compiling import *
 from .callbacks.tricks import *

@@ -360,10 +360,13 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
 
     def _fetched(self, start):
         it = iter(self.dl)
-        for self.iter in itertools.count(start):
+        for i in itertools.count(start):
+            self.iter = i
             self._fire('before_fetch')
             try: b = next(it)
-            except StopIteration: return
+            except StopIteration:
+                self.iter = i - 1           # the last batch's, as when no callback handles the fetch events
+                return
             self._fire('after_fetch')
             yield b
 

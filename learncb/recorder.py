@@ -199,7 +199,7 @@ class Recorder(Callback):
         learn = self.learn
         if learn.training:
             self._pending.append(learn.loss)
-            self._pending_bs.append(find_bs(learn.yb or learn.xb))     # a model that takes its targets: its inputs
+            self._pending_bs.append(learn.stepper.loss_items or find_bs(learn.yb or learn.xb))   # targets, or a model's inputs
             self.lrs.append(hyper_number(learn.opt.param_groups[0]['lr']))
             if self._metrics_unchecked: self._try_metrics()
             if self._train_metrics:

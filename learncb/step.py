@@ -24,6 +24,8 @@ def _hook(learn, name):
 
 class Step:
     "A learner's step: the model, the loss, and in training backward, the optimizer step and zero_grad, with their events"
+    loss_items = None
+    "How many items `learn.loss` is the mean of when not the batch's (`None`): a fault-tolerant step's global batch"
     def __init__(self, learn, hooks=True):
         "`hooks=False`: no callback's `step_forward` or `step_backward` (the step of a learner outside a fit)"
         self.learn,self.forward_hook,self.backward_hook = learn,None,None

@@ -20,6 +20,7 @@ from ..learner import *
 from .strategy import *
 from .ddp import *
 from .fsdp import *
+from .ft import *
 from ..sampler import resumable_sampler
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
@@ -64,13 +65,14 @@ def distrib_ctx(self:Learner, strategy='ddp', shard=None, backend=None, timeout=
     world = num_distrib() if dist.is_initialized() else launched_world()
     with self._global_batch(global_batch, world, strategy.seed):
         started = self._start_group(backend, timeout) if launched_world() > 1 and not dist.is_initialized() else False
-        if num_distrib() == 1:
+        if num_distrib() == 1 and strategy.needs_group:
             yield self
             return
         if getattr(strategy, 'device_ids', 'auto') == 'auto': self._to_rank_device(move=not strategy.sharded)
         before,self.strategy = self.strategy,strategy
         try:
-            with self.added_cbs([DistributedCallback(strategy), RankAgreement(strategy)]): yield self
+            with strategy.session(self), self.added_cbs([DistributedCallback(strategy), RankAgreement(strategy),
+                                                         *strategy.callbacks()]): yield self
             if started: dist.barrier()          # every rank done before the group ends (not after an error: no waiting)
         finally:
             self.strategy = before

@@ -10,6 +10,7 @@ __all__ = ['strategies', 'DistributedResumableSampler', 'shard_train_dl', 'Strat
 
 # %% ../../nbs/23_strategy.ipynb #29af8ea9
 import inspect, weakref
+from contextlib import contextmanager
 from torch.utils.data import DistributedSampler, RandomSampler
 from fastcore.basics import noop
 from ..core import *
@@ -104,6 +105,22 @@ class Strategy:
         "Why this strategy cannot run `capability` (`'microbatch'`, `'compiled step'`, `'weight averaging'`), or `None`: it can"
         return None
 
+    needs_group = True
+    "Whether the strategy runs over torchrun's processes as one torch process group (`distrib_ctx` does nothing in one process)"
+
+    @contextmanager
+    def session(self, learn):
+        "Context manager around the `distrib_ctx` block, for what lives as long as it (a fault-tolerance manager)"
+        yield
+
+    def callbacks(self):
+        "The callbacks a fit under this strategy adds, besides `DistributedCallback` and `RankAgreement`"
+        return []
+
+    def logger_for(self, logger):
+        "The logger of a fit on this process: `logger` on rank 0, silent on the others"
+        return logger if is_rank0() else noop
+
     def casts_model(self, dtype):
         "Whether the model this strategy trains casts itself to `dtype` (then `MixedPrecision` does not autocast)"
         return False
@@ -158,7 +175,7 @@ class DistributedCallback(Callback):
         learn.dls = DataLoaders(strategy.shard_train(learn.dls.train),
                                 None if learn.dls.valid is None else strategy.shard_valid(learn.dls.valid))
         strategy.wrap(learn)
-        if not is_rank0(): learn.logger = noop      # callbacks marked `rank0_only` are left out by the learner
+        learn.logger = strategy.logger_for(learn.logger)      # callbacks marked `rank0_only` are left out by the learner
 
     def before_validate(self): self.strategy.before_validate(self.learn)
     def after_validate(self): self.strategy.after_validate(self.learn)

@@ -1,0 +1,75 @@
+"""One replica group of a fault-tolerant run (tests/distributed/test_ft.py), or with --plain the same fit in one process.
+
+python tests/distributed/ft_script.py OUT [--plain] [--epochs E] [--kill-at K --kill-in forward|backward|allreduce|step]
+    [--slow-alone S] [--wait-for N]
+torchft's variables (TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS) say which replica this is. The replica
+SIGKILLs itself once (a marker file in OUT keeps a restart from doing it again) at committed step K, in the stage named.
+Each replica saves OUT/result{REPLICA_GROUP_ID}.pt: weights, optimizer state, counters, the Recorder's values."""
+import argparse, os, signal, time
+from pathlib import Path
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from learncb.all import *
+
+p = argparse.ArgumentParser()
+p.add_argument('out'); p.add_argument('--plain', action='store_true'); p.add_argument('--epochs', type=int, default=3)
+p.add_argument('--kill-at', type=int, default=None); p.add_argument('--kill-in', default='forward')
+p.add_argument('--slow-alone', type=float, default=0.0); p.add_argument('--wait-for', type=int, default=0)
+p.add_argument('--slow', type=float, default=0.0); p.add_argument('--seed', type=int, default=0)
+p.add_argument('--n-items', type=int, default=64 * 12)
+args = p.parse_args()
+out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
+torch.set_num_threads(1)
+replica = os.environ.get('REPLICA_GROUP_ID', 'plain')
+marker = out / f'killed{replica}'
+
+def data(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, (x @ torch.randn(8, 1, generator=g)).squeeze(1) + 0.1 * torch.randn(n, generator=g))
+
+torch.manual_seed(args.seed)
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1), nn.Flatten(0))
+dls = DataLoaders(DataLoader(data(args.n_items, 1), batch_size=16, shuffle=True), DataLoader(data(100, 2), batch_size=50))
+learn = Learner(dls, model, loss_func=nn.MSELoss(), opt_func=torch.optim.Adam, lr=3e-3, metrics=[lambda p, y: (p - y).abs().mean()])
+
+def die():
+    marker.write_text('killed')
+    os.kill(os.getpid(), signal.SIGKILL)
+
+class Chaos(Callback):
+    "Kill this replica once, at committed step `--kill-at`, in the stage `--kill-in`; slow the run while it is short of replicas"
+    order = Order.FINAL
+    healed_at = None
+    def after_batch(self):
+        if self.learn.training: (out/f'step{replica}').write_text(str(self.learn.train_iter))
+
+    def before_batch(self):
+        learn,ft = self.learn,self.learn.strategy
+        if self.healed_at is None and learn.training: Chaos.healed_at = learn.train_iter
+        if args.slow: time.sleep(args.slow)
+        if args.wait_for and ft.manager.num_participants() < args.wait_for: time.sleep(args.slow_alone)
+        if not learn.training or args.kill_at is None or marker.exists() or learn.train_iter != args.kill_at: return
+        if args.kill_in == 'forward': learn.model.register_forward_hook(lambda *a: die())
+        elif args.kill_in == 'backward': learn.model[0].weight.register_hook(lambda g: die())
+        elif args.kill_in == 'allreduce':
+            reduce = ft.manager.allreduce
+            def reduce_then_die(t, **kw):
+                work = reduce(t, **kw)
+                die()
+            ft.manager.allreduce = reduce_then_die
+        elif args.kill_in == 'step': learn.opt.register_step_post_hook(lambda *a: die())
+
+def result():
+    return {'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(), 'values': learn.recorder.values,
+            'counters': [learn.epoch, learn.iter, learn.train_iter], 'n_losses': len(learn.recorder.losses),
+            'healed_at': Chaos.healed_at}
+
+if args.plain:
+    with learn.distrib_ctx(global_batch=64): learn.fit(args.epochs)
+else:
+    with learn.distrib_ctx(strategy=TorchFT(timeout=30, quorum_timeout=120), global_batch=64):
+        learn.fit(args.epochs, cbs=Chaos())
+    assert isinstance(learn.model, nn.Sequential) and type(learn.opt).__name__ == 'Adam'
+torch.save(result(), out / f'result{replica}.pt')

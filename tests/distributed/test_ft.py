@@ -1,0 +1,113 @@
+"""Fault tolerance per step on torchft (CPU, gloo, a lighthouse on loopback): replicas killed in the middle of a step,
+started again or for the first time while the others train; every replica that finishes ends as the undisturbed run.
+
+Each replica group is a plain `python tests/distributed/ft_script.py` process; every wait is bounded by a timeout."""
+import os, subprocess, sys, time
+from pathlib import Path
+import pytest, torch
+
+torchft = pytest.importorskip('torchft')
+from learncb.distributed.ft import Lighthouse, replica_env
+
+SCRIPT = Path(__file__).parent/'ft_script.py'
+WAIT = 240          # seconds any one wait may take, on a loaded 2-core machine
+
+def start(out, lighthouse, replica, n, *args):
+    "Replica group `replica` of `n`, a plain python process (its output in OUT/log{replica}-{k})"
+    log = open(out/f'log{replica}-{len(list(out.glob(f"log{replica}-*")))}', 'w')
+    env = {**os.environ, **replica_env(lighthouse, replica, n), 'RUST_LOG': 'warn'}
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(out), *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+
+def finish(procs):
+    "Wait for every process; kill them all if one takes longer than WAIT; the exit codes"
+    try: return [p.wait(timeout=WAIT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None: p.kill()
+
+def logs(out): return '\n'.join(f'--- {f.name}\n{f.read_text()[-3000:]}' for f in sorted(out.glob('log*')))
+
+def result(out, replica): return torch.load(out/f'result{replica}.pt', weights_only=False)
+
+@pytest.fixture(scope='module')
+def plain(tmp_path_factory):
+    "The same fit on one process under distrib_ctx(global_batch=64)"
+    out = tmp_path_factory.mktemp('plain')
+    subprocess.run([sys.executable, str(SCRIPT), str(out), '--plain'], check=True, timeout=WAIT, capture_output=True)
+    return result(out, 'plain')
+
+def assert_same(a, b):
+    "Bitwise the same weights, optimizer state, counters and Recorder values"
+    assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
+    sa,sb = a['opt']['state'],b['opt']['state']
+    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+    assert a['counters'] == b['counters'] and a['values'] == b['values']
+
+def assert_close_to(a, plain, tol=1e-6):
+    "Within `tol` (relative to each tensor's largest value) of the plain fit; the Recorder's values too"
+    for k,w in plain['model'].items():
+        assert (a['model'][k] - w).abs().max() <= tol * w.abs().max(), k
+    for row,ref in zip(a['values'], plain['values'], strict=True):
+        assert row == pytest.approx(ref, rel=tol, abs=tol)
+    assert a['counters'][0] == plain['counters'][0] and a['counters'][2] == plain['counters'][2]
+
+def kill_and_restart(out, lighthouse, n, kills, restart, slow_alone=0.4):
+    "Start `n` replicas; replica r of `kills` ({r: (step, stage)}) SIGKILLs itself once; those in `restart` start again"
+    common = ['--wait-for', str(n), '--slow-alone', str(slow_alone)]
+    procs = {r: start(out, lighthouse, r, n, *common, *([] if r not in kills else
+                                                        ['--kill-at', str(kills[r][0]), '--kill-in', kills[r][1]]))
+             for r in range(n)}
+    deadline = time.monotonic() + WAIT
+    for r in kills:
+        while procs[r].poll() is None and time.monotonic() < deadline: time.sleep(0.1)
+        assert procs[r].returncode == -9, logs(out)           # it died of its SIGKILL, in the stage asked
+        if r in restart: procs[r] = start(out, lighthouse, r, n, *common)
+    codes = finish([p for r,p in procs.items() if r not in kills or r in restart])
+    assert codes == [0] * len(codes), logs(out)
+    return [r for r in range(n) if r not in kills or r in restart]
+
+@pytest.fixture
+def lighthouse():
+    with Lighthouse(join_timeout=10, heartbeat_timeout=2) as lh: yield lh
+
+@pytest.mark.parametrize('stage', ['forward'])
+def test_killed_replica_heals_and_both_end_as_one_process(tmp_path, lighthouse, plain, stage):
+    "Two replicas, one SIGKILLed in the middle of a step of epoch 1 and started again: both end as the undisturbed fit"
+    done = kill_and_restart(tmp_path, lighthouse, 2, {1: (18, stage)}, restart={1})
+    a,b = result(tmp_path, 0),result(tmp_path, 1)
+    assert b['healed_at'] > 18              # started again, it healed from its peer: it did not train from the start
+    assert_same(a, b)
+    assert_close_to(a, plain)
+
+@pytest.mark.parametrize('stage', ['backward', 'allreduce', 'step'])
+def test_a_kill_in_any_stage_neither_repeats_nor_loses_a_step(tmp_path, lighthouse, plain, stage):
+    "Killed during its backward, during the gradients' all-reduce, or during the optimizer step: no step twice, none lost"
+    kill_and_restart(tmp_path, lighthouse, 2, {1: (15, stage)}, restart={1})
+    a,b = result(tmp_path, 0),result(tmp_path, 1)
+    assert b['healed_at'] >= 15
+    assert_same(a, b)
+    assert a['counters'][2] == plain['counters'][2]         # as many committed steps as the plain fit's batches
+    assert_close_to(a, plain)
+
+def test_three_replicas_two_killed_one_restarted(tmp_path, lighthouse, plain):
+    "Three replicas, two killed at different steps, one of them started again: the two that finish, the same"
+    done = kill_and_restart(tmp_path, lighthouse, 3, {1: (10, 'forward'), 2: (20, 'backward')}, restart={2})
+    assert done == [0, 2]
+    a,c = result(tmp_path, 0),result(tmp_path, 2)
+    assert c['healed_at'] > 20
+    assert_same(a, c)
+    assert_close_to(a, plain)
+
+def test_a_new_replica_joins_a_running_one(tmp_path, lighthouse, plain):
+    "Scale up: a replica started for the first time while another trains heals from it and takes its share"
+    first = start(tmp_path, lighthouse, 0, 2, '--slow', '0.3')
+    deadline = time.monotonic() + WAIT
+    while not (tmp_path/'step0').exists() or int((tmp_path/'step0').read_text() or 0) < 8:
+        assert first.poll() is None and time.monotonic() < deadline, logs(tmp_path)
+        time.sleep(0.1)
+    late = start(tmp_path, lighthouse, 1, 2)
+    assert finish([first, late]) == [0, 0], logs(tmp_path)
+    a,b = result(tmp_path, 0),result(tmp_path, 1)
+    assert_same(a, b)
+    assert_close_to(a, plain)
+    assert b['healed_at'] >= 8          # it joined a run that was under way, and healed from it
