@@ -37,10 +37,22 @@ class Step:
 
     def run(self):
         "The current batch's step: `after_pred`, `after_loss`, and in training the `backward` and `step` stages"
+        learn = self.learn
+        self.predict()
+        learn._fire('after_pred')
+        lf = self.compute_loss()
+        learn._fire('after_loss')
+        if learn.training and lf is not None: self.backward_and_step()
+
+    def predict(self):
+        "`learn.pred`, the model's output on the batch (through a callback's `step_forward` if one has it); no event"
         learn,hook = self.learn,self.forward_hook
         try: learn.pred = learn.forward_batch() if hook is None else hook.step_forward(learn.forward_batch)
         except Exception as e: note_failure(learn, e, 'model'); raise
-        learn._fire('after_pred')
+
+    def compute_loss(self):
+        "`learn.loss_grad` and `learn.loss` of the batch; returns the loss function, `None` without one (predictions only); no event"
+        learn = self.learn
         lf = learn._batch_loss_func()
         if lf is None: learn.loss = learn.loss_grad = None      # predictions only: no targets, no loss of the model's
         else:
@@ -48,8 +60,7 @@ class Step:
             except Exception as e: note_failure(learn, e, 'loss'); raise
             try: learn.loss = learn.loss_grad.detach()
             except Exception as e: note_where(e, 'loss value'); raise
-        learn._fire('after_loss')
-        if learn.training and lf is not None: self.backward_and_step()
+        return lf
 
     def backward_and_step(self):
         "The `backward` stage, then the `step` stage, then zero_grad if the optimizer stepped"

@@ -18,8 +18,7 @@ from ..utils import *
 from ..learner import *
 from ..step import Step
 from ..optim import clear_grads
-from ..diagnose import note_failure
-from ..resume import ResumeCallback, _check_same_run
+from ..resume import ResumeCallback, check_same_run
 from .strategy import *
 
 # %% ../../nbs/23e_ft.ipynb #a1f0e002
@@ -257,11 +256,8 @@ class FaultTolerantStep(Step):
         if hi == lo:                 # more replicas than items: this one adds nothing
             learn.pred,learn.loss_grad = None,None
             return ft.sum_and_commit(learn, params, torch.zeros(()))
-        try: learn.pred = learn.forward_batch()
-        except Exception as e: note_failure(learn, e, 'model'); raise
-        lf = learn._batch_loss_func()
-        try: learn.loss_grad = lf(learn.pred, *learn.yb)
-        except Exception as e: note_failure(learn, e, 'loss'); raise
+        self.predict()
+        self.compute_loss()
         self.backward()
         return ft.sum_and_commit(learn, params, learn.loss_grad.detach() * ft.weight)
 
@@ -269,11 +265,13 @@ class FaultTolerantStep(Step):
         "The batch's events, once its step is committed: the loss is the global batch's, the gradients summed over the quorum"
         learn = self.learn
         grad = learn.loss_grad
-        learn._fire('after_pred'); learn._fire('after_loss')
+        learn(['after_pred', 'after_loss'])
         if learn.loss_grad is not grad: raise RuntimeError(
             "strategy='torchft': a callback changed learn.loss_grad in after_loss, but under torchft after_loss fires "
             "once the step is committed, after the backward: put that term in the loss function")
-        learn._with_events(lambda: None, 'backward', CancelBackwardException)
+        try: learn('before_backward')                # the backward is done: its events, with the global gradients
+        except CancelBackwardException: self.cancelled('backward')
+        else: learn('after_backward')
         if self.step_stage(): clear_grads(learn.opt)
 
 # %% ../../nbs/23e_ft.ipynb #a1f0e005
@@ -293,7 +291,7 @@ class ReplicaCallback(Callback):
 
     def _healing(self, state):
         learn,where = self.learn,'the state of a live peer (torchft heal)'
-        _check_same_run(learn, state, where)
+        check_same_run(learn, state, where)
         learn.check_state(state, where)
         for cb in learn.cbs:
             if isinstance(cb, ResumeCallback): cb.run = False           # the peer's state is newer than a checkpoint
