@@ -64,7 +64,8 @@ def distrib_ctx(self:Learner, strategy='ddp', shard=None, backend=None, timeout=
     strategy = _as_strategy(strategy, shard, device_ids, find_unused_parameters)
     world = num_distrib() if dist.is_initialized() else launched_world()
     with self._global_batch(global_batch, world, strategy.seed):
-        started = self._start_group(backend, timeout) if launched_world() > 1 and not dist.is_initialized() else False
+        started = (self._start_group(backend, timeout) if strategy.needs_group and launched_world() > 1
+                   and not dist.is_initialized() else False)
         if num_distrib() == 1 and strategy.needs_group:
             yield self
             return

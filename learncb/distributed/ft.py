@@ -33,6 +33,7 @@ def import_torchft(allow_untested=False):
     if version != tested_torchft and not allow_untested: raise ImportError(
         f"torchft {version} is installed, but learncb's fault tolerance was tested with torchft {tested_torchft}: "
         f"pip install torchft=={tested_torchft}, or pass TorchFT(allow_untested=True) to try this version")
+    os.environ.setdefault('RUST_LOG', 'warn')      # torchft's quorum and commit logs, a few lines a step, unless asked
     import torchft
     return torchft
 
@@ -192,31 +193,29 @@ class TorchFT(Strategy):
         (loss * self.weight).backward()
 
     def sum_and_commit(self, learn, params, loss):
-        "Sum the gradients and `loss` over the quorum; the global batch's loss if the quorum commits the step, else `None`"
+        "Sum the gradients and `loss` over the quorum (one all-reduce); the global batch's loss if the quorum commits, else `None`"
         m = self.manager
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
         first = m.current_step() == 0           # every replica of a quorum at step 0 started fresh: compare the models
-        checks = torch.cat([loss.detach().double().reshape(1).cpu(), torch.tensor(
-            [1., learn.epoch, learn.iter, _weights_sum(params) if first else 0.], dtype=torch.float64)])
-        SUM = torch.distributed.ReduceOp.SUM
-        works = [m.allreduce(flat, reduce_op=SUM), m.allreduce(checks, reduce_op=SUM)]
-        for w in works: w.wait()
-        if m.errored() is None: self._check_agreement(checks, learn, params, first)
+        checks = [1., learn.epoch, learn.iter, _weights_sum(params) if first else 0.]
+        dtype = params[0].dtype if params else torch.float32
+        flat = torch.cat([*(p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params),
+                          loss.detach().reshape(1).to(dtype), torch.tensor(checks, dtype=dtype, device=loss.device)])
+        m.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        if m.errored() is None: self._check_agreement(flat[-4:].tolist(), learn, params, first)
         if not m.should_commit():
             for p in params: p.grad = None
             return None
-        for p,g in zip(params, flat.split([p.numel() for p in params])): p.grad = g.view_as(p)
-        return checks[0].to(loss.dtype)
+        for p,g in zip(params, flat[:-5].split([p.numel() for p in params])): p.grad = g.view_as(p).to(p.dtype)
+        return flat[-5].to(loss.dtype)
 
     def _check_agreement(self, checks, learn, params, first):
         "Raise if the replicas of the quorum did not compute the same batch of the same model"
-        k,epoch,it,total = checks[1:].tolist()
+        k,epoch,it,total = checks
         if epoch != k * learn.epoch or it != k * learn.iter: raise RuntimeError(
             f"strategy='torchft': the {k:.0f} replicas of this step are not at the same batch (this one: epoch "
             f"{learn.epoch}, batch {learn.iter}): give every replica the same data, global batch and number of epochs")
         own = _weights_sum(params) if first else 0.
-        if first and abs(total - k * own) > 1e-9 * max(abs(total), 1.): raise RuntimeError(
+        if first and abs(total - k * own) > 1e-5 * max(abs(total), 1.): raise RuntimeError(
             f"strategy='torchft': the {k:.0f} replicas start with different weights: make the model the same way in "
             f"every replica (torch.manual_seed(...) before building it), or load the same weights")
 
@@ -356,18 +355,22 @@ def _replica(replica, fn, args, env):
     torch.set_num_threads(1)
     fn(*args)
 
-def launch_replicas(fn, *args, n=2, start_method='fork', lighthouse=None):
+def launch_replicas(fn, *args, n=2, start_method='fork', lighthouse=None, timeout=None):
     "Run `fn(*args)` in `n` replica groups of one process under a lighthouse (a new one unless given): `launch` for torchft"
     check_int(n, 'n', ge=1, who='launch_replicas', hint='the number of replica groups')
     import torch.multiprocessing as mp
     own = lighthouse is None
     lighthouse = Lighthouse() if own else lighthouse
+    ctx,deadline = mp.get_context(start_method),None if timeout is None else time.monotonic() + timeout
+    procs = [ctx.Process(target=_replica, args=(r, fn, args, replica_env(lighthouse, r, n))) for r in range(n)]
     try:
-        ctx = mp.get_context(start_method)
-        procs = [ctx.Process(target=_replica, args=(r, fn, args, replica_env(lighthouse, r, n))) for r in range(n)]
         for p in procs: p.start()
-        for p in procs: p.join()
+        for p in procs: p.join(None if deadline is None else max(deadline - time.monotonic(), 0.01))
+        late = [r for r,p in enumerate(procs) if p.is_alive()]
+        if late: raise TimeoutError(f"launch_replicas: replica groups {late} were still running after timeout={timeout} s")
         failed = [(r, p.exitcode) for r,p in enumerate(procs) if p.exitcode]
         if failed: raise RuntimeError(f"launch_replicas: replica groups failed (group, exit code): {failed}")
     finally:
+        for p in procs:
+            if p.is_alive(): p.kill(); p.join()
         if own: lighthouse.stop()

@@ -41,9 +41,11 @@ def die():
 class Chaos(Callback):
     "Kill this replica once, at committed step `--kill-at`, in the stage `--kill-in`; slow the run while it is short of replicas"
     order = Order.FINAL
-    healed_at = None
+    healed_at,batches,tries = None,0,0
     def after_batch(self):
-        if self.learn.training: (out/f'step{replica}').write_text(str(self.learn.train_iter))
+        if not self.learn.training: return
+        Chaos.batches,Chaos.tries = Chaos.batches + 1,self.learn.stepper.tries
+        (out/f'step{replica}').write_text(str(self.learn.train_iter))
 
     def before_batch(self):
         learn,ft = self.learn,self.learn.strategy
@@ -64,7 +66,7 @@ class Chaos(Callback):
 def result():
     return {'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(), 'values': learn.recorder.values,
             'counters': [learn.epoch, learn.iter, learn.train_iter], 'n_losses': len(learn.recorder.losses),
-            'healed_at': Chaos.healed_at}
+            'healed_at': Chaos.healed_at, 'after_batch': Chaos.batches, 'tries': Chaos.tries}
 
 if args.plain:
     with learn.distrib_ctx(global_batch=64): learn.fit(args.epochs)

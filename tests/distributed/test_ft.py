@@ -43,6 +43,10 @@ def assert_same(a, b):
     assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
     assert a['counters'] == b['counters'] and a['values'] == b['values']
 
+def assert_each_step_once(*results):
+    "`after_batch` fired once per committed step: each step from where the process joined (the start, or its heal)"
+    for r in results: assert r['after_batch'] == r['counters'][2] - r['healed_at']
+
 def assert_close_to(a, plain, tol=1e-6):
     "Within `tol` (relative to each tensor's largest value) of the plain fit; the Recorder's values too"
     for k,w in plain['model'].items():
@@ -76,6 +80,8 @@ def test_killed_replica_heals_and_both_end_as_one_process(tmp_path, lighthouse, 
     done = kill_and_restart(tmp_path, lighthouse, 2, {1: (18, stage)}, restart={1})
     a,b = result(tmp_path, 0),result(tmp_path, 1)
     assert b['healed_at'] > 18              # started again, it healed from its peer: it did not train from the start
+    assert a['tries'] >= 1                  # the step its peer died in was not committed: the survivor computed it again
+    assert_each_step_once(a, b)
     assert_same(a, b)
     assert_close_to(a, plain)
 
@@ -85,6 +91,8 @@ def test_a_kill_in_any_stage_neither_repeats_nor_loses_a_step(tmp_path, lighthou
     kill_and_restart(tmp_path, lighthouse, 2, {1: (15, stage)}, restart={1})
     a,b = result(tmp_path, 0),result(tmp_path, 1)
     assert b['healed_at'] >= 15
+    if stage != 'step': assert a['tries'] >= 1     # killed before its gradients were summed: the step is tried again
+    assert_each_step_once(a, b)
     assert_same(a, b)
     assert a['counters'][2] == plain['counters'][2]         # as many committed steps as the plain fit's batches
     assert_close_to(a, plain)

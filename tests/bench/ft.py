@@ -1,0 +1,69 @@
+"""The cost of fault tolerance per step: the same fit under DDP (2 processes, gloo) and under `strategy='torchft'` (2
+replica groups, gloo, a lighthouse on this machine), global batch 64, for a small and a larger MLP.
+
+`python tests/bench/ft.py` for the full run, `--short` for the quick one CI runs. Prints figures; asserts nothing."""
+import argparse, json, os, statistics, sys, tempfile, time
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from learncb.all import *
+from procs import join_group, run_workers, write_figures
+
+def make_learner(width, n_items):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n_items, 32, generator=g)
+    ds = TensorDataset(x, x.sum(1, keepdim=True))
+    model = nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+    learn = Learner(DataLoaders(DataLoader(ds, batch_size=64), None), model, loss_func=nn.MSELoss(),
+                    opt_func=torch.optim.Adam, lr=1e-3)
+    learn.logger = lambda *a: None            # figures only
+    return learn
+
+class StepTimer(Callback):
+    "Seconds per training step of each epoch"
+    def before_fit(self): self.per_step = []
+    def before_train(self): self.start = time.perf_counter()
+    def after_train(self): self.per_step.append((time.perf_counter() - self.start) / self.learn.n_iter)
+
+def timed_fit(learn, n_epoch, **ctx):
+    timer = StepTimer()
+    with learn.distrib_ctx(global_batch=64, **ctx): learn.fit(n_epoch, cbs=timer)
+    return min(timer.per_step[1:])            # the first epoch warms up (and, under torchft, forms the first quorums)
+
+def ddp_worker(rank, world, port, width, n_items, n_epoch, out):
+    join_group(rank, world, port)
+    per_step = timed_fit(make_learner(width, n_items), n_epoch)
+    if rank == 0: write_figures({'per_step': per_step}, out)
+
+def ft_worker(width, n_items, n_epoch, out):
+    per_step = timed_fit(make_learner(width, n_items), n_epoch, strategy='torchft')
+    if os.environ['REPLICA_GROUP_ID'] == '0': write_figures({'per_step': per_step}, out)
+
+def torchft_figures(width, n_items, n_epoch, timeout):
+    out = os.path.join(tempfile.mkdtemp(), 'figures.json')
+    try: launch_replicas(ft_worker, width, n_items, n_epoch, out, n=2, timeout=timeout)
+    except Exception as e: return f'{type(e).__name__}: {e}'
+    with open(out) as fh: return json.load(fh)
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument('--short', action='store_true')
+    args = p.parse_args()
+    try: import_torchft()
+    except ImportError as e:
+        print(f'torchft: skipped ({e})')
+        return
+    n_items,n_epoch = (64 * 30, 3) if args.short else (64 * 100, 4)
+    for width in (64, 512):
+        ddp = run_workers(ddp_worker, (width, n_items, n_epoch), world=2, timeout=300)
+        ft = torchft_figures(width, n_items, n_epoch, timeout=300)
+        if isinstance(ddp, str) or isinstance(ft, str):
+            print(f'MLP width {width}: no figures (ddp: {ddp if isinstance(ddp, str) else "ok"}; torchft: '
+                  f'{ft if isinstance(ft, str) else "ok"})')
+            continue
+        d,f = ddp['per_step'] * 1e3,ft['per_step'] * 1e3
+        print(f"MLP width {width}, global batch 64, 2 processes, gloo, best epoch of {n_epoch - 1}: DDP {d:.2f} ms/step, "
+              f"torchft {f:.2f} ms/step: +{f - d:.2f} ms/step ({f / d:.2f}x)")
+
+if __name__ == '__main__': main()
