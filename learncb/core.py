@@ -278,6 +278,7 @@ class Order:
     CHECKPOINT = 95       # CheckpointCallback: saves what every callback before it has set
     SANITY = 100          # SanityCheckCallback: sees the setup the other callbacks' before_fit made
     LAST = 200            # resuming, Optuna: after every other callback's before_fit (or after_fit)
+    REPLICA = 205         # a torchft replica: joins the run, and heals, once a checkpoint is restored
     GUARD = 210           # SpikeGuard: snapshots the run as every other callback (resuming too) has left it
     FINAL = 10_000        # the ranks' agreement of a distributed fit
 

@@ -159,10 +159,10 @@ class TorchFT(Strategy):
         "A new quorum (torchft's `start_quorum`); a state to heal from is taken only at the first one (`heal`)"
         try: self.manager.start_quorum()
         except Exception as e:
-            if 'timed out' not in str(e).lower() and 'deadline' not in str(e).lower(): raise
+            if not isinstance(e, TimeoutError) and 'timeout' not in str(e).lower(): raise
             raise TimeoutError(f"strategy='torchft': no quorum formed within quorum_timeout={self.quorum_timeout} s "
-                               f"(lighthouse {self.settings[0]}): check that the lighthouse runs, or raise "
-                               f"TorchFT(quorum_timeout=...)") from e
+                               f"(lighthouse {self.settings[0]}): check that the lighthouse runs and that as many replicas as its "
+                               f"--min_replicas are started, or raise TorchFT(quorum_timeout=...)") from e
         self.rank = self.manager.participating_rank()
         if self._received is not None and not heal: raise RuntimeError(
             "strategy='torchft': this replica fell behind the run in the middle of its fit (its quorum said to heal "
@@ -276,7 +276,7 @@ class FaultTolerantStep(Step):
 # %% ../../nbs/23e_ft.ipynb #a1f0e005
 class ReplicaCallback(Callback):
     "The replica's part of a fit under `TorchFT`: the first quorum and heal, the random state before each batch, the step"
-    order = Order.LAST
+    order = Order.REPLICA      # after a checkpoint's restore: a live peer's state is newer
     def __init__(self, strategy): self.strategy,self.heal = strategy,None
 
     def before_fit(self):

@@ -1,9 +1,10 @@
 """One replica group of a fault-tolerant run (tests/distributed/test_ft.py), or with --plain the same fit in one process.
 
 python tests/distributed/ft_script.py OUT [--plain] [--epochs E] [--kill-at K --kill-in forward|backward|allreduce|step]
-    [--slow-alone S] [--wait-for N]
+    [--slow-alone S] [--wait-for N] [--slow S] [--seed S] [--n-items N] [--ckpt]
 torchft's variables (TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS) say which replica this is. The replica
 SIGKILLs itself once (a marker file in OUT keeps a restart from doing it again) at committed step K, in the stage named.
+With --ckpt each replica writes checkpoints to OUT/ckpt{REPLICA_GROUP_ID} and resumes from them (resume='auto').
 Each replica saves OUT/result{REPLICA_GROUP_ID}.pt: weights, optimizer state, counters, the Recorder's values."""
 import argparse, os, signal, time
 from pathlib import Path
@@ -17,7 +18,7 @@ p.add_argument('out'); p.add_argument('--plain', action='store_true'); p.add_arg
 p.add_argument('--kill-at', type=int, default=None); p.add_argument('--kill-in', default='forward')
 p.add_argument('--slow-alone', type=float, default=0.0); p.add_argument('--wait-for', type=int, default=0)
 p.add_argument('--slow', type=float, default=0.0); p.add_argument('--seed', type=int, default=0)
-p.add_argument('--n-items', type=int, default=64 * 12)
+p.add_argument('--n-items', type=int, default=64 * 12); p.add_argument('--ckpt', action='store_true')
 args = p.parse_args()
 out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
 torch.set_num_threads(1)
@@ -72,6 +73,7 @@ if args.plain:
     with learn.distrib_ctx(global_batch=64): learn.fit(args.epochs)
 else:
     with learn.distrib_ctx(strategy=TorchFT(timeout=30, quorum_timeout=120), global_batch=64):
-        learn.fit(args.epochs, cbs=Chaos())
+        ckpt = [CheckpointCallback(out/f'ckpt{replica}', every_n_steps=4, background=False)] if args.ckpt else []
+        learn.fit(args.epochs, cbs=[Chaos(), *ckpt], resume='auto' if args.ckpt else None)
     assert isinstance(learn.model, nn.Sequential) and type(learn.opt).__name__ == 'Adam'
 torch.save(result(), out / f'result{replica}.pt')

@@ -119,3 +119,87 @@ def test_a_new_replica_joins_a_running_one(tmp_path, lighthouse, plain):
     assert_same(a, b)
     assert_close_to(a, plain)
     assert b['healed_at'] >= 8          # it joined a run that was under way, and healed from it
+
+def test_every_replica_restarted_resumes_from_its_checkpoint(tmp_path, lighthouse, plain):
+    "CheckpointCallback still works: both replicas killed, both started again, each resumes from its own checkpoint"
+    procs = [start(tmp_path, lighthouse, r, 2, '--ckpt', '--kill-at', '18') for r in range(2)]
+    assert finish(procs) == [-9, -9], logs(tmp_path)
+    assert all(list((tmp_path/f'ckpt{r}').iterdir()) for r in range(2))
+    assert finish([start(tmp_path, lighthouse, r, 2, '--ckpt') for r in range(2)]) == [0, 0], logs(tmp_path)
+    a,b = result(tmp_path, 0),result(tmp_path, 1)
+    assert 'resuming the run from' in logs(tmp_path) and min(a['healed_at'], b['healed_at']) >= 16
+    assert_same(a, b)
+    assert_close_to(a, plain)
+
+def test_a_replica_of_other_data_is_refused_and_the_run_goes_on(tmp_path, lighthouse, plain):
+    "A replica whose training data differs from the run's stops before its first batch; the run goes on, exact"
+    first = start(tmp_path, lighthouse, 0, 2, '--slow', '0.3')
+    deadline = time.monotonic() + WAIT
+    while not (tmp_path/'step0').exists() or int((tmp_path/'step0').read_text() or 0) < 5:
+        assert first.poll() is None and time.monotonic() < deadline, logs(tmp_path)
+        time.sleep(0.1)
+    odd = start(tmp_path, lighthouse, 1, 2, '--n-items', str(64 * 10))
+    assert finish([odd]) == [1]
+    assert 'resume with the data the run was trained on' in (tmp_path/'log1-0').read_text()
+    assert finish([first]) == [0], logs(tmp_path)
+    assert_close_to(result(tmp_path, 0), plain)
+
+def test_replicas_with_different_weights_stop_at_the_first_step(tmp_path):
+    "Replicas that start together with models made differently (not seeded alike) say so before the first step is taken"
+    with Lighthouse(min_replicas=2, join_timeout=10, heartbeat_timeout=2) as both:     # the first quorum holds both
+        assert finish([start(tmp_path, both, r, 2, '--seed', str(r)) for r in range(2)]) == [1, 1]
+    assert logs(tmp_path).count('start with different weights') == 2
+
+# In this process: what is wrong is said before the first batch, and nothing of the learner's is lost
+
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from learncb.all import Learner, DataLoaders, TorchFT, replica_settings
+
+def tiny_learner():
+    ds = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    return Learner(DataLoaders(DataLoader(ds, batch_size=16), None), nn.Linear(4, 1), loss_func=nn.MSELoss())
+
+def fit_torchft(monkeypatch, env, strategy=None):
+    for k in ('TORCHFT_LIGHTHOUSE', 'REPLICA_GROUP_ID', 'NUM_REPLICA_GROUPS', 'WORLD_SIZE'): monkeypatch.delenv(k, raising=False)
+    for k,v in env.items(): monkeypatch.setenv(k, v)
+    learn = tiny_learner()
+    model,weights = learn.model,{k: v.clone() for k,v in learn.model.state_dict().items()}
+    try:
+        with learn.distrib_ctx(strategy=strategy or TorchFT(connect_timeout=2)): learn.fit(1)
+    finally:
+        assert learn.model is model and learn.strategy is None
+        assert all(torch.equal(v, learn.model.state_dict()[k]) for k,v in weights.items())   # no step was taken
+
+def test_no_lighthouse_is_an_error_before_the_first_batch(monkeypatch):
+    env = replica_env(f'http://127.0.0.1:{free_port()}', 0, 1)
+    with pytest.raises(ConnectionError, match='no lighthouse answers at TORCHFT_LIGHTHOUSE.*torchft_lighthouse'):
+        fit_torchft(monkeypatch, env)
+
+def test_missing_settings_are_named(monkeypatch):
+    with pytest.raises(ValueError, match='TORCHFT_LIGHTHOUSE is not set'): fit_torchft(monkeypatch, {})
+    with pytest.raises(ValueError, match="REPLICA_GROUP_ID=None"):
+        fit_torchft(monkeypatch, {'TORCHFT_LIGHTHOUSE': 'http://127.0.0.1:1'})
+    with pytest.raises(ValueError, match='one process per replica group.*WORLD_SIZE=2'):
+        fit_torchft(monkeypatch, {**replica_env('http://127.0.0.1:1', 0, 1), 'WORLD_SIZE': '2'})
+
+def test_an_untested_or_missing_torchft_is_named(monkeypatch):
+    import importlib.metadata
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, 'version', lambda n: '0.1.0' if n == 'torchft' else real(n))
+    with pytest.raises(ImportError, match=r'torchft 0\.1\.0 is installed.*torchft==0\.2\.0.*allow_untested=True'):
+        fit_torchft(monkeypatch, replica_env('http://127.0.0.1:1', 0, 1))
+    def missing(n): raise importlib.metadata.PackageNotFoundError(n)
+    monkeypatch.setattr(importlib.metadata, 'version', missing)
+    with pytest.raises(ImportError, match=r"pip install 'learncb\[ft\]'"):
+        fit_torchft(monkeypatch, replica_env('http://127.0.0.1:1', 0, 1))
+
+def test_a_quorum_that_does_not_form_says_which_timeout_expired(monkeypatch):
+    with Lighthouse(min_replicas=2) as lh, pytest.raises(TimeoutError, match=r'quorum_timeout=2 s.*--min_replicas'):
+        fit_torchft(monkeypatch, replica_env(lh, 0, 2), TorchFT(quorum_timeout=2))
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
