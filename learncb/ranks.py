@@ -37,7 +37,7 @@ def is_rank0():
     return rank_distrib() == 0
 
 def refused(learn, capability):
-    "Why `learn`'s strategy cannot run `capability` (`'microbatch'`, `'compiled step'`, `'weight averaging'`), or `None`"
+    "Why `learn`'s strategy cannot run `capability` (`'microbatch'`, `'compiled step'`, `'weight averaging'`, `'rollback'`), or `None`"
     strategy = getattr(learn, 'strategy', None)
     return None if strategy is None else strategy.refuses(capability)
 

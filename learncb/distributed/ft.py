@@ -86,10 +86,13 @@ class TorchFT(Strategy):
         self._ready,self._received,self._rng,self._first_fit,self.rank = False,None,None,True,0
 
     def refuses(self, capability):
-        "Micro-batches and the compiled step are not yet fault tolerant"
+        "Micro-batches, the compiled step and rollbacks (`SpikeGuard`) are not yet fault tolerant"
         if capability in ('microbatch', 'compiled step'): return (
             f"strategy='torchft' does not run the {capability} yet (its step shares each batch among the replicas "
             f"present): fit without it, or with strategy='ddp'")
+        if capability == 'rollback': return (
+            "strategy='torchft' does not roll back yet (a replica that heals would hold a newer snapshot than its "
+            "peers): fit without SpikeGuard; TerminateOnNaNCallback runs")
         return None
 
     def shard_train(self, dl):

@@ -102,7 +102,7 @@ class Strategy:
         return model
 
     def refuses(self, capability):
-        "Why this strategy cannot run `capability` (`'microbatch'`, `'compiled step'`, `'weight averaging'`), or `None`: it can"
+        "Why this strategy cannot run `capability` (`'microbatch'`, `'compiled step'`, `'weight averaging'`, `'rollback'`), or `None`: it can"
         return None
 
     needs_group = True

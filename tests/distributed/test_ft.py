@@ -198,6 +198,18 @@ def test_a_quorum_that_does_not_form_says_which_timeout_expired(monkeypatch):
     with Lighthouse(min_replicas=2) as lh, pytest.raises(TimeoutError, match=r'quorum_timeout=2 s.*--min_replicas'):
         fit_torchft(monkeypatch, replica_env(lh, 0, 2), TorchFT(quorum_timeout=2))
 
+def test_what_the_step_does_not_do_yet_is_refused_before_the_first_batch(monkeypatch):
+    "SpikeGuard's rollbacks and AutoMicrobatch are refused by name; the learner keeps its model and weights"
+    from learncb.all import SpikeGuard, AutoMicrobatch
+    with Lighthouse() as lh:
+        for cb,says in ((SpikeGuard(), 'SpikeGuard.*does not roll back yet'), (AutoMicrobatch(), 'microbatch')):
+            learn = tiny_learner()
+            monkeypatch.setenv('RUST_LOG', 'warn')
+            for k,v in replica_env(lh, 0, 1).items(): monkeypatch.setenv(k, v)
+            with pytest.raises(ValueError, match=says):
+                with learn.distrib_ctx(strategy='torchft'): learn.fit(1, cbs=cb)
+            assert isinstance(learn.model, nn.Linear) and learn.train_iter == 0
+
 def free_port():
     import socket
     with socket.socket() as s:
