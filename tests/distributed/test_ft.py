@@ -211,6 +211,17 @@ def test_what_the_step_does_not_do_yet_is_refused_before_the_first_batch(monkeyp
                 with learn.distrib_ctx(strategy='torchft'): learn.fit(1, cbs=cb)
             assert isinstance(learn.model, nn.Linear) and learn.train_iter == 0
 
+def test_a_replica_alone_trains_and_nothing_callable_is_set_on_the_learner(monkeypatch):
+    "One replica under a lighthouse trains at once, through FaultTolerantStep, setting no function on an instance"
+    from test_step import AtThirdBatch
+    with Lighthouse() as lh:
+        for k,v in {**replica_env(lh, 0, 2), 'RUST_LOG': 'warn'}.items(): monkeypatch.setenv(k, v)
+        learn,seen = tiny_learner(),AtThirdBatch()
+        opt_func = learn.opt_func
+        with learn.distrib_ctx(strategy='torchft'): learn.fit(1, cbs=seen)
+    assert seen.seen == ([], [], 'FaultTolerantStep') and learn.train_iter == 4
+    assert isinstance(learn.model, nn.Linear) and learn.opt_func is opt_func and learn.strategy is None
+
 def free_port():
     import socket
     with socket.socket() as s:
