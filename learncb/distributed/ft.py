@@ -145,7 +145,7 @@ class TorchFT(Strategy):
 
     def _shutdown(self):
         if self.manager is not None: self.manager.shutdown(wait=False)
-        self.manager,self.learn = None,None
+        self.manager,self.learn,self._store = None,None,None
 
     def join(self, learn):
         "The first quorum of this process, before the first batch: the state of a live peer to heal from, or `None`"
@@ -164,8 +164,8 @@ class TorchFT(Strategy):
         except Exception as e:
             if not isinstance(e, TimeoutError) and 'timeout' not in str(e).lower(): raise
             raise TimeoutError(f"strategy='torchft': no quorum formed within quorum_timeout={self.quorum_timeout} s "
-                               f"(lighthouse {self.settings[0]}): check that the lighthouse runs and that as many replicas as its "
-                               f"--min_replicas are started, or raise TorchFT(quorum_timeout=...)") from e
+                               f"(lighthouse {self.settings[0]}): check that the lighthouse runs and that as many "
+                               f"replicas as its --min_replicas are started, or raise TorchFT(quorum_timeout=...)") from e
         self.rank = self.manager.participating_rank()
         if self._received is not None and not heal: raise RuntimeError(
             "strategy='torchft': this replica fell behind the run in the middle of its fit (its quorum said to heal "
@@ -198,27 +198,26 @@ class TorchFT(Strategy):
     def sum_and_commit(self, learn, params, loss):
         "Sum the gradients and `loss` over the quorum (one all-reduce); the global batch's loss if the quorum commits, else `None`"
         m = self.manager
-        first = m.current_step() == 0           # every replica of a quorum at step 0 started fresh: compare the models
-        checks = [1., learn.epoch, learn.iter, _weights_sum(params) if first else 0.]
+        own = _weights_sum(params) if m.current_step() == 0 else None    # all at step 0 started afresh: compare models
+        checks = [1., learn.epoch, learn.iter, own or 0.]
         dtype = params[0].dtype if params else torch.float32
         flat = torch.cat([*(p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params),
                           loss.detach().reshape(1).to(dtype), torch.tensor(checks, dtype=dtype, device=loss.device)])
         m.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
-        if m.errored() is None: self._check_agreement(flat[-4:].tolist(), learn, params, first)
+        if m.errored() is None: self._check_agreement(flat[-4:].tolist(), learn, own)
         if not m.should_commit():
             for p in params: p.grad = None
             return None
         for p,g in zip(params, flat[:-5].split([p.numel() for p in params])): p.grad = g.view_as(p).to(p.dtype)
         return flat[-5].to(loss.dtype)
 
-    def _check_agreement(self, checks, learn, params, first):
-        "Raise if the replicas of the quorum did not compute the same batch of the same model"
+    def _check_agreement(self, checks, learn, own):
+        "Raise if the replicas of the quorum did not compute the same batch, or (`own`: this one's sum) start from the same weights"
         k,epoch,it,total = checks
         if epoch != k * learn.epoch or it != k * learn.iter: raise RuntimeError(
             f"strategy='torchft': the {k:.0f} replicas of this step are not at the same batch (this one: epoch "
             f"{learn.epoch}, batch {learn.iter}): give every replica the same data, global batch and number of epochs")
-        own = _weights_sum(params) if first else 0.
-        if first and abs(total - k * own) > 1e-5 * max(abs(total), 1.): raise RuntimeError(
+        if own is not None and abs(total - k * own) > 1e-5 * max(abs(total), 1.): raise RuntimeError(
             f"strategy='torchft': the {k:.0f} replicas start with different weights: make the model the same way in "
             f"every replica (torch.manual_seed(...) before building it), or load the same weights")
 
