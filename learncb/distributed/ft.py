@@ -236,6 +236,7 @@ class FaultTolerantStep(Step):
     def __init__(self, learn, strategy):
         super().__init__(learn)
         self.strategy,self.tries = strategy,0
+        self.params = [p for g in learn.opt.param_groups for p in g['params']]     # a frozen one's gradient: zeros
 
     def run(self):
         "A training batch: tries until a quorum commits it, then its events (`after_pred` to `after_step`) once"
@@ -243,8 +244,7 @@ class FaultTolerantStep(Step):
         if not learn.training: return super().run()
         xb,yb = learn.xb,learn.yb
         self.loss_items = find_bs(yb or xb)
-        params = [p for g in learn.opt.param_groups for p in g['params'] if p.requires_grad]
-        while (loss := self.try_batch(xb, yb, params)) is None: self.tries += 1
+        while (loss := self.try_batch(xb, yb, self.params)) is None: self.tries += 1
         learn.loss = loss
         self.fire_committed()
 

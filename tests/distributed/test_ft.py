@@ -107,13 +107,18 @@ def test_three_replicas_two_killed_one_restarted(tmp_path, lighthouse, plain):
     assert_same(a, c)
     assert_close_to(a, plain)
 
+def running_past(out, lighthouse, step):
+    "Replica 0 of 2, slowed, once it has committed `step` steps"
+    first = start(out, lighthouse, 0, 2, '--slow', '0.3')
+    deadline = time.monotonic() + WAIT
+    while not (out/'step0').exists() or int((out/'step0').read_text() or 0) < step:
+        assert first.poll() is None and time.monotonic() < deadline, logs(out)
+        time.sleep(0.1)
+    return first
+
 def test_a_new_replica_joins_a_running_one(tmp_path, lighthouse, plain):
     "Scale up: a replica started for the first time while another trains heals from it and takes its share"
-    first = start(tmp_path, lighthouse, 0, 2, '--slow', '0.3')
-    deadline = time.monotonic() + WAIT
-    while not (tmp_path/'step0').exists() or int((tmp_path/'step0').read_text() or 0) < 8:
-        assert first.poll() is None and time.monotonic() < deadline, logs(tmp_path)
-        time.sleep(0.1)
+    first = running_past(tmp_path, lighthouse, 8)
     late = start(tmp_path, lighthouse, 1, 2)
     assert finish([first, late]) == [0, 0], logs(tmp_path)
     a,b = result(tmp_path, 0),result(tmp_path, 1)
@@ -134,11 +139,7 @@ def test_every_replica_restarted_resumes_from_its_checkpoint(tmp_path, lighthous
 
 def test_a_replica_of_other_data_is_refused_and_the_run_goes_on(tmp_path, lighthouse, plain):
     "A replica whose training data differs from the run's stops before its first batch; the run goes on, exact"
-    first = start(tmp_path, lighthouse, 0, 2, '--slow', '0.3')
-    deadline = time.monotonic() + WAIT
-    while not (tmp_path/'step0').exists() or int((tmp_path/'step0').read_text() or 0) < 5:
-        assert first.poll() is None and time.monotonic() < deadline, logs(tmp_path)
-        time.sleep(0.1)
+    first = running_past(tmp_path, lighthouse, 5)
     odd = start(tmp_path, lighthouse, 1, 2, '--n-items', str(64 * 10))
     assert finish([odd]) == [1]
     assert 'resume with the data the run was trained on' in (tmp_path/'log1-0').read_text()
