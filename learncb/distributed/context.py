@@ -8,7 +8,7 @@ Docs: https://learncb.github.io/learncb/distributed.html.md"""
 __all__ = ['launched_world', 'global_batch_dl', 'agree_on_round', 'launch']
 
 # %% ../../nbs/23c_distributed.ipynb #232e6db2
-import datetime, gc, os, socket, time, uuid
+import datetime, gc, os, time, uuid
 from contextlib import contextmanager
 import torch
 import torch.distributed as dist
@@ -157,11 +157,6 @@ def _to_rank_device(self:Learner, move=True):
     return [local]
 
 # %% ../../nbs/23c_distributed.ipynb #91d82938
-def _free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
 def _launched(rank, fn, args, nprocs, port):
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs))
@@ -172,5 +167,5 @@ def launch(fn, *args, nprocs=2, start_method='fork', port=None):
     "Run `fn(*args)` in `nprocs` processes that form a distributed run (in each, `learn.distrib_ctx()` joins it)"
     check_int(nprocs, 'nprocs', ge=1, who='launch', hint='the number of processes')
     import torch.multiprocessing as mp
-    mp.start_processes(_launched, args=(fn, args, nprocs, port or _free_port()), nprocs=nprocs,
+    mp.start_processes(_launched, args=(fn, args, nprocs, port or free_port()), nprocs=nprocs,
                        start_method=start_method, join=True)

@@ -18,6 +18,7 @@ from ..utils import *
 from ..learner import *
 from ..step import Step
 from ..optim import clear_grads
+from ..ranks import free_port
 from ..resume import ResumeCallback, check_same_run
 from .strategy import *
 
@@ -311,17 +312,12 @@ class ReplicaCallback(Callback):
     def make_step(self): return FaultTolerantStep(self.learn, self.strategy)
 
 # %% ../../nbs/23e_ft.ipynb #a1f0e006
-def _free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
 class Lighthouse:
     "torchft's lighthouse (`torchft_lighthouse`) as a local process: `address` for `TORCHFT_LIGHTHOUSE`; a context manager"
     def __init__(self, min_replicas=1, join_timeout=10.0, heartbeat_timeout=5.0, port=None):
         "Timeouts in seconds: `join_timeout`, how long a quorum waits for a live replica that has not joined yet"
         import_torchft(allow_untested=True)
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.address = f'http://127.0.0.1:{self.port}'
         exe = os.path.join(os.path.dirname(sys.executable), 'torchft_lighthouse')
         self.proc = subprocess.Popen([exe if os.path.exists(exe) else 'torchft_lighthouse', '--min_replicas',

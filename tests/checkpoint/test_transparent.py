@@ -12,6 +12,8 @@ from test_distributed import free_port
 from transparent_script import make_learner, run_fits
 
 SCRIPT = Path(__file__).parent/'transparent_script.py'
+# pytest -n: the tests that share a module fixture's runs go to one worker, which makes them once
+shares_ddp, shares_killed_on_two = pytest.mark.xdist_group('transparent_ddp'), pytest.mark.xdist_group('transparent_killed_on_two')
 
 def run(out, *args, nproc=1, check=True):
     "The script in `nproc` processes (torchrun) or one (plain python), never longer than 240 s"
@@ -104,15 +106,18 @@ def ddp(tmp_path_factory):
     run(out/'plain2', '--bs', '4', '--fits', '2', nproc=2)
     return out
 
+@shares_ddp
 def test_ddp_with_and_without_checkpoints(ddp, tmp_path):
     run(tmp_path/'saved', '--bs', '4', '--ckpt', nproc=2)
     assert_same_run(result(tmp_path/'saved'), result(ddp/'plain'))
     assert result(ddp/'plain')['world'] == 2
 
+@shares_ddp
 def test_ddp_two_fits_in_a_row(ddp, tmp_path):
     run(tmp_path/'saved', '--bs', '4', '--fits', '2', '--ckpt', nproc=2)
     assert_same_run(result(tmp_path/'saved'), result(ddp/'plain2'))
 
+@shares_ddp
 def test_ddp_sigkill_then_resume(ddp, tmp_path):
     assert run(tmp_path/'k', '--bs', '4', '--ckpt', '--kill-at', '17', nproc=2, check=False).returncode != 0
     assert 'resuming the run from' in run(tmp_path/'k', '--bs', '4', '--ckpt', nproc=2).stdout
@@ -147,6 +152,7 @@ def killed_on_two(request, tmp_path_factory):
     assert run(out/'killed', *common, '--ckpt', '--kill-at', '13', nproc=2, check=False).returncode != 0
     return out, request.param
 
+@shares_killed_on_two
 @pytest.mark.parametrize('nproc, bs', [(1, '12'), (3, '4')])
 def test_resume_on_another_number_of_processes_keeps_the_table(killed_on_two, tmp_path, nproc, bs):
     out, strategy = killed_on_two

@@ -7,6 +7,7 @@ from learncb.ranks import num_distrib, rank_distrib
 
 SCRIPT = Path(__file__).parent/'ddp_script.py'
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason='torch.distributed is not available')
+shared_runs = pytest.mark.xdist_group('ddp_one_and_two')   # pytest -n: the tests sharing a module fixture's runs go to one worker, which makes them once
 
 def free_port():
     with socket.socket() as s:
@@ -36,6 +37,7 @@ def one_and_two(tmp_path_factory):
     res = run(two, '--bs', '8')
     return result(one), result(two), res
 
+@shared_runs
 def test_two_processes_train_like_one(one_and_two):
     one, two, res = one_and_two
     assert two['world'] == 2 and one['world'] == 1 and two['is_plain']     # the model is unwrapped after the fit
@@ -44,6 +46,7 @@ def test_two_processes_train_like_one(one_and_two):
         assert all(abs(x - y) < 1e-6 for x, y in zip(a, b)), (a, b)
     assert ranks_said(res) == {0: (2, 3, 0), 1: (2, 3, 0)}
 
+@shared_runs
 def test_get_preds_gathers_in_order_without_duplicates(one_and_two):
     one, two, _ = one_and_two
     assert two['preds'].shape == (33, 3)                                     # 33 items: 17 on rank 0, 16 on rank 1

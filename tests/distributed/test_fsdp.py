@@ -6,6 +6,8 @@ import pytest, torch
 from test_distributed import free_port, run, result, ranks_said
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason='torch.distributed is not available')
+shared_runs = pytest.mark.xdist_group('fsdp_runs')   # pytest -n: the tests sharing a module fixture's runs go to one worker, which makes them once
+
 COMMON = ('--blocks', '--adam', '--ckpt', '--shuffle', '--dist-order')     # checkpoints every batch, shuffled data
 # (--dist-order: a run of one process reads DistributedSampler's order, as the ranks of a distributed run do together)
 FSDP = ('--strategy', 'fsdp')
@@ -39,6 +41,7 @@ def copy_of(folder, tmp_path, name):
     shutil.copytree(folder, tmp_path/name)
     return tmp_path/name
 
+@shared_runs
 def test_fsdp_trains_like_one_process(runs):
     one, two, res, _ = runs
     assert two['world'] == 2 and two['is_plain']                    # learn.model is the plain model again
@@ -47,6 +50,7 @@ def test_fsdp_trains_like_one_process(runs):
     assert torch.equal(two['preds'], two['alone'])                   # get_preds under FSDP: gathered in dataset order
     assert ranks_said(res) == {0: (2, 3, 0), 1: (2, 3, 0)}
 
+@shared_runs
 def test_fsdp_shards_parameters_and_optimizer_state(runs):
     one, two, _, _ = runs
     alone, ranks = one['sizes'][0], two['sizes']
@@ -55,6 +59,7 @@ def test_fsdp_shards_parameters_and_optimizer_state(runs):
     block = max(alone['units'])
     for r in ranks: assert r['params'] <= alone['params'] / 2 + block and r['opt'] <= alone['opt'] / 2 + 2 * block
 
+@shared_runs
 def test_export_after_fsdp_loads_in_a_fresh_process(runs, tmp_path):
     _, two, _, folder = runs
     torch.save(two['x_valid'], tmp_path/'x.pt')
@@ -76,6 +81,7 @@ def test_gradient_clip_and_bf16_under_fsdp(tmp_path):
     vals = result(tmp_path)['values']
     assert len(vals) == 3 and all(v == v for row in vals for v in row) and ranks_said(res)[1][1] == 3
 
+@shared_runs
 def test_sigkill_then_resume_on_two_processes_is_exact(runs, killed, tmp_path):
     _, ref, _, _ = runs
     out = copy_of(killed['fsdp'], tmp_path, 'again')
@@ -87,6 +93,7 @@ def test_sigkill_then_resume_on_two_processes_is_exact(runs, killed, tmp_path):
     assert_weights_equal(got, ref)
     assert got['losses'] == ref['losses'] and got['values'] == ref['values']
 
+@shared_runs
 @pytest.mark.parametrize('strategy', ['fsdp', 'ddp'])
 def test_resume_on_another_number_of_processes(runs, killed, tmp_path, strategy):
     one, _, _, _ = runs                      # the uninterrupted run (two processes give the same, within 1e-5)
@@ -99,6 +106,7 @@ def test_resume_on_another_number_of_processes(runs, killed, tmp_path, strategy)
         assert_weights_close(got, one)
         assert len(got['values']) == 3
 
+@shared_runs
 def test_another_global_batch_is_refused(killed, tmp_path):
     out = copy_of(killed['fsdp'], tmp_path, 'other_batch')
     res = run(out, *COMMON, '--bs', '8', '--resume', nproc=1, check=False)
@@ -106,6 +114,7 @@ def test_another_global_batch_is_refused(killed, tmp_path):
     assert 'global batch of 16 (8 per process x 2 processes), but this run\'s is 8 (8 x 1 process)' in res.stderr
     assert 'Resume with a batch size of 16 per process' in res.stderr
 
+@shared_runs
 @pytest.mark.parametrize('remove', ['__1_0.distcp', 'complete.pt'])
 def test_an_incomplete_checkpoint_folder_is_skipped(runs, killed, tmp_path, remove):
     _, ref, _, _ = runs
@@ -133,6 +142,7 @@ def test_gradient_clip_clips_the_global_norm(tmp_path):
     run(tmp_path/'two', '--blocks', *FSDP, '--bs', '8', '--clip')
     assert_weights_close(result(tmp_path/'two'), result(tmp_path/'one'), atol=1e-6)
 
+@shared_runs
 def test_save_in_an_fsdp_fit_writes_a_whole_file(runs, tmp_path):
     "SaveModelCallback saves each epoch, while the model is sharded: a file of whole tensors, for one process"
     _, two, _, _ = runs

@@ -10,6 +10,7 @@ from conftest import child_pythonpath
 import pytest, torch
 from fastcore.nbio import read_nb
 ray = pytest.importorskip('ray', reason='ray is not installed (pip install "learncb[ray]")')
+pytestmark = pytest.mark.xdist_group('ray')   # with pytest -n: one local Ray at a time, on one worker
 
 HERE = Path(__file__).parent
 
