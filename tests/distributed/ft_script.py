@@ -4,6 +4,8 @@ python tests/distributed/ft_script.py OUT [--plain] [--epochs E] [--kill-at K --
     [--slow-alone S] [--wait-for N] [--slow S] [--seed S] [--n-items N] [--ckpt]
 torchft's variables (TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS) say which replica this is. The replica
 SIGKILLs itself once (a marker file in OUT keeps a restart from doing it again) at committed step K, in the stage named.
+With --wait-for N a replica in a quorum of fewer than N waits while OUT/hold exists (the test makes it before it starts
+a replica; that replica removes it), then sleeps --slow-alone seconds a batch: it cannot finish before the one started.
 With --ckpt each replica writes checkpoints to OUT/ckpt{REPLICA_GROUP_ID} and resumes from them (resume='auto').
 Each replica saves OUT/result{REPLICA_GROUP_ID}.pt: weights, optimizer state, counters, the Recorder's values."""
 import argparse, os, signal, time
@@ -24,6 +26,7 @@ out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
 torch.set_num_threads(1)
 replica = os.environ.get('REPLICA_GROUP_ID', 'plain')
 marker = out / f'killed{replica}'
+hold = out / 'hold'
 
 def data(n, seed):
     g = torch.Generator().manual_seed(seed)
@@ -35,6 +38,12 @@ model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1), nn.Flatten(
 dls = DataLoaders(DataLoader(data(args.n_items, 1), batch_size=16, shuffle=True), DataLoader(data(100, 2), batch_size=50))
 learn = Learner(dls, model, loss_func=nn.MSELoss(), opt_func=torch.optim.Adam, lr=3e-3, metrics=[lambda p, y: (p - y).abs().mean()],
                 cbs=TerminateOnNaNCallback())      # a guard that runs under torchft (it changes nothing here)
+
+def wait_alone():
+    "Short of replicas: wait while OUT/hold is there (the test is starting one; it removes the file), then slow down"
+    deadline = time.monotonic() + 240
+    while hold.exists() and time.monotonic() < deadline: time.sleep(0.05)
+    time.sleep(args.slow_alone)
 
 def die():
     marker.write_text('killed')
@@ -53,7 +62,7 @@ class Chaos(Callback):
         learn,ft = self.learn,self.learn.strategy
         if self.healed_at is None and learn.training: Chaos.healed_at = learn.train_iter
         if args.slow: time.sleep(args.slow)
-        if args.wait_for and ft.manager.num_participants() < args.wait_for: time.sleep(args.slow_alone)
+        if args.wait_for and ft.manager.num_participants() < args.wait_for: wait_alone()
         if not learn.training or args.kill_at is None or marker.exists() or learn.train_iter != args.kill_at: return
         if args.kill_in == 'forward': learn.model.register_forward_hook(lambda *a: die())
         elif args.kill_in == 'backward': learn.model[0].weight.register_hook(lambda g: die())
@@ -74,6 +83,7 @@ if args.plain:
     with learn.distrib_ctx(global_batch=64): learn.fit(args.epochs)
 else:
     with learn.distrib_ctx(strategy=TorchFT(timeout=30, quorum_timeout=120), global_batch=64):
+        hold.unlink(missing_ok=True)      # its manager is up: the replicas that waited for it go on, and meet it
         ckpt = [CheckpointCallback(out/f'ckpt{replica}', every_n_steps=4, background=False)] if args.ckpt else []
         learn.fit(args.epochs, cbs=[Chaos(), *ckpt], resume='auto' if args.ckpt else None)
     assert isinstance(learn.model, nn.Sequential) and type(learn.opt).__name__ == 'Adam'

@@ -65,7 +65,9 @@ def kill_and_restart(out, lighthouse, n, kills, restart, slow_alone=0.4):
     for r in kills:
         while procs[r].poll() is None and time.monotonic() < deadline: time.sleep(0.1)
         assert procs[r].returncode == -9, logs(out)           # it died of its SIGKILL, in the stage asked
-        if r in restart: procs[r] = start(out, lighthouse, r, n, *common)
+        if r in restart:
+            (out/'hold').touch()            # the others wait for it (ft_script.py's --wait-for): they cannot finish first
+            procs[r] = start(out, lighthouse, r, n, *common)
     codes = finish([p for r,p in procs.items() if r not in kills or r in restart])
     assert codes == [0] * len(codes), logs(out)
     return [r for r in range(n) if r not in kills or r in restart]
@@ -108,12 +110,13 @@ def test_three_replicas_two_killed_one_restarted(tmp_path, lighthouse, plain):
     assert_close_to(a, plain)
 
 def running_past(out, lighthouse, step):
-    "Replica 0 of 2, slowed, once it has committed `step` steps"
-    first = start(out, lighthouse, 0, 2, '--slow', '0.3')
+    "Replica 0 of 2, slowed while alone, once it has committed `step` steps; it then waits for the next one to start"
+    first = start(out, lighthouse, 0, 2, '--wait-for', '2', '--slow-alone', '0.3')
     deadline = time.monotonic() + WAIT
     while not (out/'step0').exists() or int((out/'step0').read_text() or 0) < step:
         assert first.poll() is None and time.monotonic() < deadline, logs(out)
         time.sleep(0.1)
+    (out/'hold').touch()
     return first
 
 def test_a_new_replica_joins_a_running_one(tmp_path, lighthouse, plain):

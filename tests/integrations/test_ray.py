@@ -34,7 +34,7 @@ def local_ray(tmp_path, monkeypatch):
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
 
-def run(out, storage, fail_at=None, checkpoint=None, fsdp=False, workers=2, max_failures=2):
+def run(out, storage, fail_at=None, checkpoint=None, fsdp=False, workers=2):
     "The recipe (`fsdp`: under FSDP) on `workers` Ray workers; its result, and what rank 0 saved at the end"
     from ray.train import ScalingConfig, RunConfig, FailureConfig
     from ray.train.torch import TorchTrainer
@@ -46,7 +46,7 @@ def run(out, storage, fail_at=None, checkpoint=None, fsdp=False, workers=2, max_
                                               'checkpoint': checkpoint},
                            scaling_config=ScalingConfig(num_workers=workers),
                            run_config=RunConfig(storage_path=str(storage), name=out.name,
-                                                failure_config=FailureConfig(max_failures=max_failures)))
+                                                failure_config=FailureConfig(max_failures=2)))
     result = trainer.fit()
     return result, torch.load(out/'final.pt', weights_only=False)
 
@@ -66,7 +66,7 @@ def test_ray_train_restarts_a_failed_worker_and_the_run_ends_exactly(local_ray):
 
 def test_an_fsdp_run_restarts_a_failed_worker_and_ends_exactly_also_on_one_worker(local_ray):
     """Under FSDP the sharded checkpoint is read in `before_train`: the copy Ray restored must still be there. The run
-    restarts on its two workers and ends as the unfailed run; a run that gave up continues on one worker"""
+    restarts on its two workers and ends as the unfailed run; its checkpoint of the middle of an epoch continues on one"""
     from ray.train import Checkpoint
     tmp = local_ray
     before = restored_copies()
@@ -75,9 +75,7 @@ def test_an_fsdp_run_restarts_a_failed_worker_and_ends_exactly_also_on_one_worke
     assert (tmp/'failed'/'failed').exists() and got['train_iter'] == ref['train_iter'] == 18
     for k in ref['model']: assert torch.equal(got['model'][k], ref['model'][k]), k
     assert got['values'] == ref['values'] and restored_copies() == before
-    with pytest.raises(Exception, match='rank 1 fails after step 8'):        # no restart: Ray gives up
-        run(tmp/'gave_up', tmp/'storage', fail_at=8, fsdp=True, max_failures=0)
-    last = next((tmp/'storage'/'gave_up').glob('checkpoint_*/checkpoint_00000005_batch')).parent   # mid-epoch: step 5
+    last = next((tmp/'storage'/'failed').glob('checkpoint_*/checkpoint_00000005_batch')).parent    # mid-epoch: step 5
     two_ranks = Checkpoint.from_directory(str(last))           # its shards, written by two ranks, read by one
     _, one = run(tmp/'one', tmp/'storage', checkpoint=two_ranks, fsdp=True, workers=1)
     result, one_failed = run(tmp/'one_failed', tmp/'storage', checkpoint=two_ranks, fsdp=True, workers=1, fail_at=8)
