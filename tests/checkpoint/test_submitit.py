@@ -23,7 +23,9 @@ def run_job(folder, out, timeout_min, n_held=0, tasks=1):
     from cluster_recipe import Train
     from submitit_job import job_learner
     executor = submitit.LocalExecutor(folder=folder, max_num_timeout=10)
-    executor.update_parameters(timeout_min=timeout_min, signal_delay_s=4, tasks_per_node=tasks)
+    # signal_delay_s: the time a task has, after the signal, to checkpoint and exit before submitit gives up on the job
+    # (10 s: the two tasks of a loaded 2-core machine need more than 4)
+    executor.update_parameters(timeout_min=timeout_min, signal_delay_s=10, tasks_per_node=tasks)
     out.mkdir(parents=True)
     job = executor.submit(Train(partial(job_learner, out, n_held), n_epoch=3))
     job.results()                                   # one per task
@@ -37,7 +39,7 @@ def test_submitit_requeues_at_the_time_limit_and_the_job_resumes_exactly(tmp_pat
     monkeypatch.setenv('OMP_NUM_THREADS', '1')
     starts, ref = run_job(tmp_path/'ref', tmp_path/'ref_out', timeout_min=5, tasks=tasks)
     assert starts == 1 and ref['train_iter'] == 36 // tasks
-    starts, got = run_job(tmp_path/'job', tmp_path/'job_out', timeout_min=0.25, n_held=2, tasks=tasks)  # SIGUSR2 at 11 s
+    starts, got = run_job(tmp_path/'job', tmp_path/'job_out', timeout_min=0.4, n_held=2, tasks=tasks)   # SIGUSR2 at 14 s
     assert starts >= 3 and got['train_iter'] == 36 // tasks, starts                                  # requeued at least twice
     for k in ref['model']: assert torch.equal(got['model'][k], ref['model'][k]), k
     assert got['losses'] == ref['losses'] and got['values'] == ref['values']
