@@ -1,9 +1,10 @@
 """The two seams of the docs, run as users would: the `SQLiteStore` of the store page and the `AveragedGrads` strategy
 of the distributed page (chosen by the name it registers), taken from the notebooks' own cells, each in a run killed by SIGKILL and resumed with
 `resume='auto'` in a new process, equal to the run that was never interrupted."""
-import json, signal, socket, subprocess, sys, textwrap
+import json, signal, subprocess, sys, textwrap
 from pathlib import Path
 import pytest, torch
+from learncb.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -13,11 +14,6 @@ def docs_cell(notebook, start):
     found = [''.join(c['source']) for c in cells if c['cell_type'] == 'code' and start in ''.join(c['source'])]
     assert len(found) == 1, (notebook, start, len(found))
     return found[0]
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
 
 run_script = '''
 import os, signal, sys, torch

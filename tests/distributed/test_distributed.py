@@ -1,18 +1,13 @@
 """Distributed training on the CPU with gloo: 2 processes launched by torchrun, each run bounded by a timeout.
 Runs tests/distributed/ddp_script.py; rank 0 saves its results, which are compared with a 1-process run."""
-import random, re, socket, subprocess, sys, time
+import random, re, subprocess, sys, time
 from pathlib import Path
 import pytest, torch
-from learncb.ranks import num_distrib, rank_distrib
+from learncb.ranks import num_distrib, rank_distrib, free_port   # free_port: the other test modules import it from here
 
 SCRIPT = Path(__file__).parent/'ddp_script.py'
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason='torch.distributed is not available')
 shared_runs = pytest.mark.xdist_group('ddp_one_and_two')   # pytest -n: the tests sharing a module fixture's runs go to one worker, which makes them once
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
 
 def run(out, *args, nproc=2, check=True, timeout=180):
     "Run the script in `nproc` processes (torchrun) or in one (`nproc=1`, plain python); never longer than `timeout`"

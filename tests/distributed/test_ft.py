@@ -8,6 +8,7 @@ import pytest, torch
 
 torchft = pytest.importorskip('torchft')
 from learncb.distributed.ft import Lighthouse, replica_env
+from learncb.ranks import free_port
 
 SCRIPT = Path(__file__).parent/'ft_script.py'
 WAIT = 240          # seconds any one wait may take, on a loaded 2-core machine
@@ -226,8 +227,3 @@ def test_a_replica_alone_trains_and_nothing_callable_is_set_on_the_learner(monke
     assert seen.seen == ([], [], 'FaultTolerantStep') and learn.train_iter == 4
     assert isinstance(learn.model, nn.Linear) and learn.opt_func is opt_func and learn.strategy is None
 
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
