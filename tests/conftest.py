@@ -18,6 +18,46 @@ def child_pythonpath(*first):
     "`PYTHONPATH` for a process a test starts: `first`, the test folders, then the one of this process"
     return os.pathsep.join([*map(str, first), *map(str, test_folders), os.environ.get('PYTHONPATH', '')])
 
+_forkserver = []
+
+def _run_as_main(argv, env, cwd, out, err):
+    "In the forked process: `python *argv` (a script and its arguments, or `-m module ...`), its output to `out`, `err`"
+    import atexit, runpy
+    for fd, name in ((1, out), (2, err)):
+        f = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC); os.dup2(f, fd); os.close(f)
+    os.environ.clear(); os.environ.update(env); os.chdir(cwd)
+    module = argv[1] if argv[0] == '-m' else None
+    sys.argv = list(argv[1:] if module else argv)
+    if not module: sys.path.insert(0, str(Path(argv[0]).parent))
+    try: runpy.run_module(module, run_name='__main__', alter_sys=True) if module else runpy.run_path(argv[0], run_name='__main__')
+    finally: atexit._run_exitfuncs()      # as at the end of a process (multiprocessing's children skip them)
+
+def run_forked(*argv, timeout=300, env=None):
+    """`subprocess.run([python, *argv], capture_output=True, text=True, timeout=timeout, env=env)`, but forked from a
+    process that imported `learncb.all` (a forkserver): the same run without its 2 to 3 s of CPU for imports. A process
+    of its own all the same: it can SIGKILL itself (its return code is then -9), and it gets this process's environment
+    and folder of now. Not for what must be set before Python starts (`MALLOC_*`, `PYTHONWARNINGS`)."""
+    import multiprocessing as mp, subprocess, tempfile
+    if not _forkserver:
+        ctx = mp.get_context('forkserver'); ctx.set_forkserver_preload(['learncb.all']); _forkserver.append(ctx)
+    argv = [str(a) for a in argv]
+    with tempfile.TemporaryDirectory() as d:
+        out, err = Path(d)/'out', Path(d)/'err'
+        proc = _forkserver[0].Process(target=_run_as_main, args=(argv, dict(os.environ if env is None else env),
+                                                                 os.getcwd(), out, err))
+        proc.start(); proc.join(timeout)
+        timed_out = proc.is_alive()
+        if timed_out: proc.kill(); proc.join()
+        said = lambda f: f.read_text(errors='replace') if f.exists() else ''
+        if timed_out: raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, said(out), said(err))
+        return subprocess.CompletedProcess([sys.executable, *argv], proc.exitcode, said(out), said(err))
+
+def run_script(script, *args, nproc=1, timeout=240, env=None):
+    "`python script *args`, or `torchrun --nproc_per_node=nproc script *args` when `nproc` > 1, forked (`run_forked`)"
+    from learncb.ranks import free_port
+    torchrun = ('-m', 'torch.distributed.run', f'--nproc_per_node={nproc}', f'--master-port={free_port()}')
+    return run_forked(*(torchrun if nproc > 1 else ()), script, *args, timeout=timeout, env=env)
+
 @pytest.fixture
 def learner(): return synth_learner()
 

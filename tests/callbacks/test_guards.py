@@ -1,7 +1,7 @@
 """`SpikeGuard`: a poisoned batch rolled back and skipped, so that the run ends equal to the run on data that never
 held it (one process, and two under DDP and FSDP where one rank alone sees the bad batch); a run killed after a rollback and
 resumed skips the same batches; the snapshot reuses its memory; no step on a non-finite loss with a fused optimizer."""
-import contextlib, io, re, subprocess, sys, warnings
+import contextlib, io, re, warnings
 from functools import partial
 from pathlib import Path
 import pytest, torch
@@ -156,10 +156,8 @@ def test_a_dataloader_that_cannot_replay_is_refused_before_the_first_batch():
 
 def run(out, *args, nproc=1, timeout=300, check=True):
     "The guard script in `nproc` processes (torchrun, gloo) or in one, never longer than `timeout`"
-    from test_distributed import free_port
-    launcher = ([sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}', f'--master-port={free_port()}']
-                if nproc > 1 else [sys.executable])
-    res = subprocess.run([*launcher, str(SCRIPT), str(out), *args], capture_output=True, text=True, timeout=timeout)
+    from conftest import run_script
+    res = run_script(SCRIPT, out, *args, nproc=nproc, timeout=timeout)
     if check: assert res.returncode == 0, res.stderr[-4000:]
     return res
 

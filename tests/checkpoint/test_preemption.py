@@ -6,18 +6,18 @@ from pathlib import Path
 import pytest, torch
 from learncb.checkpoint.callback import checkpoints_in
 from learncb.files import load_torch_file
-from test_resume import run_script, assert_same_run, reference
+from test_resume import run_resume, assert_same_run, reference
 from test_distributed import free_port, run, result
 
 HERE = Path(__file__).parent
 
 def test_sigterm_writes_one_checkpoint_exits_143_and_auto_resume_is_exact(reference, tmp_path):
-    stopped = run_script(tmp_path, '--every', '0', '--term', '1,4', check=False)   # epoch 1, batch 4 (of 10)
+    stopped = run_resume(tmp_path, '--every', '0', '--term', '1,4', check=False)   # epoch 1, batch 4 (of 10)
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert 'stopped by SIGTERM' in stopped.stderr and 'SIGTERM HANDLER BACK True' in stopped.stdout
     names = [p.name for p in checkpoints_in(tmp_path/'checkpoints')]
     assert names == ['checkpoint_00000010_epoch_end.pt', 'checkpoint_00000015_batch.pt'], names   # the end of epoch 0, and the stop
-    resumed = run_script(tmp_path, '--every', '0', '--resume', '--out', str(tmp_path/'final.pt'))
+    resumed = run_resume(tmp_path, '--every', '0', '--resume', '--out', str(tmp_path/'final.pt'))
     assert "resume='auto': resuming the run from" in resumed.stdout and 'checkpoint_00000015_batch.pt' in resumed.stdout
     assert_same_run(load_torch_file(tmp_path/'final.pt'), reference)
 
@@ -28,23 +28,23 @@ def test_requeue_asks_slurm_once_the_checkpoint_is_written_and_the_job_resumes_e
     fake.write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n'); fake.chmod(0o755)
     env = {**os.environ, 'PATH': f"{bin_dir}:{os.environ['PATH']}", 'SLURM_JOB_ID': '4242',
            'SCONTROL_LOG': str(tmp_path/'scontrol.log')}
-    stopped = run_script(tmp_path, '--every', '0', '--term', '1,4', '--signal', sig, '--requeue', check=False, env=env)
+    stopped = run_resume(tmp_path, '--every', '0', '--term', '1,4', '--signal', sig, '--requeue', check=False, env=env)
     assert stopped.returncode == 128 + signal.Signals[sig], stopped.stderr[-3000:]
     assert (tmp_path/'scontrol.log').read_text() == 'requeue 4242\n'
     assert 'learncb: requeued SLURM job 4242' in stopped.stdout
     assert checkpoints_in(tmp_path/'checkpoints')[-1].name == 'checkpoint_00000015_batch.pt'   # written before
-    resumed = run_script(tmp_path, '--every', '0', '--signal', sig, '--requeue', '--resume', '--out',
+    resumed = run_resume(tmp_path, '--every', '0', '--signal', sig, '--requeue', '--resume', '--out',
                          str(tmp_path/'final.pt'), env=env)      # what SLURM runs again
     assert 'checkpoint_00000015_batch.pt' in resumed.stdout
     assert_same_run(load_torch_file(tmp_path/'final.pt'), reference)
 
 def test_requeue_outside_slurm_warns_and_exits_as_usual(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith('SLURM_')}
-    stopped = run_script(tmp_path, '--every', '0', '--term', '1,4', '--requeue', check=False, env=env)
+    stopped = run_resume(tmp_path, '--every', '0', '--term', '1,4', '--requeue', check=False, env=env)
     assert stopped.returncode == 143 and 'this is not a SLURM job (no SLURM_JOB_ID)' in stopped.stderr
 
 def test_resume_auto_starts_a_run_without_checkpoints(tmp_path, reference):
-    res = run_script(tmp_path, '--resume', '--out', str(tmp_path/'final.pt'))
+    res = run_resume(tmp_path, '--resume', '--out', str(tmp_path/'final.pt'))
     assert "resume='auto': no checkpoint in" in res.stdout
     assert_same_run(load_torch_file(tmp_path/'final.pt'), reference)
 

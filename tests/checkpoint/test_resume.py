@@ -6,22 +6,22 @@ from pathlib import Path
 import pytest, torch
 from torch import nn
 from learncb.all import *
-from conftest import FailAfterEpoch, CrashAt
+from conftest import FailAfterEpoch, CrashAt, run_script
 
 HERE = Path(__file__).parent
 SCRIPT = HERE/'resume_script.py'
 N_EPOCH, N_TRAIN, N_VALID = 3, 10, 4           # as in resume_script.py
 
-def run_script(path, *args, check=True, env=None):
-    res = subprocess.run([sys.executable, str(SCRIPT), str(path), *args], capture_output=True, text=True, timeout=300,
-                         env=env)
+def run_resume(path, *args, check=True, env=None):
+    "resume_script.py's run in `path` (forked: `run_script`); fails on an exit other than 0 if `check`"
+    res = run_script(SCRIPT, path, *args, timeout=300, env=env)
     if check and res.returncode != 0: raise AssertionError(f'{args}: exit {res.returncode}\n{res.stdout}\n{res.stderr}')
     return res
 
 @pytest.fixture(scope='module')
 def reference(tmp_path_factory):
     path = tmp_path_factory.mktemp('ref')
-    run_script(path, '--out', str(path/'final.pt'))
+    run_resume(path, '--out', str(path/'final.pt'))
     return load_torch_file(path/'final.pt')
 
 def assert_same_run(a, b):
@@ -48,9 +48,9 @@ def kill_points(n=20, seed=2024):
 
 def kill_and_resume(point, path):
     spec = ','.join(map(str, point))
-    killed = run_script(path, '--kill', spec, check=False)
+    killed = run_resume(path, '--kill', spec, check=False)
     assert killed.returncode == -signal.SIGKILL, f'{spec}: expected SIGKILL, got {killed.returncode}\n{killed.stderr}'
-    run_script(path, '--resume', '--out', str(path/'final.pt'))
+    run_resume(path, '--resume', '--out', str(path/'final.pt'))
     return load_torch_file(path/'final.pt')
 
 def test_resume_after_sigkill_at_20_points(reference, tmp_path):
@@ -76,7 +76,7 @@ def test_kill_while_writing_a_checkpoint_keeps_the_previous_one(reference, tmp_p
     assert done, 'no complete checkpoint left'
     state = load_torch_file(done[-1])          # the previous checkpoint is intact and loadable
     assert state['format'] == 'learncb-checkpoint'
-    run_script(tmp_path, '--resume', '--out', str(tmp_path/'final.pt'))
+    run_resume(tmp_path, '--resume', '--out', str(tmp_path/'final.pt'))
     assert not list(folder.glob('.checkpoint_*.tmp'))         # the stale temporary file was cleaned up
     assert_same_run(reference, load_torch_file(tmp_path/'final.pt'))
 
@@ -308,12 +308,12 @@ def test_a_compiled_fit_killed_and_resumed_equals_the_uninterrupted_one(tmp_path
     """learn.compile(step=True), dropout, one-cycle and GradientAccumulation: SIGKILL, then resume='auto', compiled again.
     Within 1e-6, not bitwise: the resumed process compiles its graphs in another order, which may round differently"""
     ref = tmp_path/'ref'
-    run_script(ref, '--compile-step', '--out', str(ref/'final.pt'))
+    run_resume(ref, '--compile-step', '--out', str(ref/'final.pt'))
     reference = load_torch_file(ref/'final.pt')
     for i, point in enumerate([('after_batch', 1, 3, 'train'), ('before_batch', 2, 1, 'valid')]):
         path, spec = tmp_path/f'run{i}', ','.join(map(str, point))
-        killed = run_script(path, '--compile-step', '--kill', spec, check=False)
+        killed = run_resume(path, '--compile-step', '--kill', spec, check=False)
         assert killed.returncode == -signal.SIGKILL, f'{spec}: expected SIGKILL, got {killed.returncode}\n{killed.stderr}'
-        run_script(path, '--compile-step', '--resume', '--out', str(path/'final.pt'))
+        run_resume(path, '--compile-step', '--resume', '--out', str(path/'final.pt'))
         try: assert_close_run(reference, load_torch_file(path/'final.pt'))
         except AssertionError as e: raise AssertionError(f'kill at {point}: {e}') from None

@@ -1,10 +1,10 @@
 """The two seams of the docs, run as users would: the `SQLiteStore` of the store page and the `AveragedGrads` strategy
 of the distributed page (chosen by the name it registers), taken from the notebooks' own cells, each in a run killed by SIGKILL and resumed with
 `resume='auto'` in a new process, equal to the run that was never interrupted."""
-import json, signal, subprocess, sys, textwrap
+import json
 from pathlib import Path
 import pytest, torch
-from learncb.ranks import free_port
+from conftest import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -15,7 +15,7 @@ def docs_cell(notebook, start):
     assert len(found) == 1, (notebook, start, len(found))
     return found[0]
 
-run_script = '''
+script_template = '''
 import os, signal, sys, torch
 import torch.distributed as dist
 from pathlib import Path
@@ -46,14 +46,11 @@ with learn.distrib_ctx(strategy='ddp' if use_store else 'averaged-grads', timeou
 
 def script(tmp_path, docs):
     path = tmp_path/'run.py'
-    path.write_text(run_script.format(docs=docs))
+    path.write_text(script_template.format(docs=docs))
     return path
 
 def launch(path, out, kill_at, resume, seam, nproc):
-    launcher = ([sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}', f'--master-port={free_port()}']
-                if nproc > 1 else [sys.executable])
-    return subprocess.run([*launcher, str(path), str(out), str(kill_at), 'resume' if resume else 'fresh', seam],
-                          capture_output=True, text=True, timeout=240)
+    return run_script(path, out, kill_at, 'resume' if resume else 'fresh', seam, nproc=nproc, timeout=240)
 
 def killed_then_resumed_equals_whole(tmp_path, docs, seam, nproc):
     path = script(tmp_path, docs)

@@ -2,13 +2,13 @@
 `CheckpointCallback(every_n_steps=5)` and without, killed by SIGKILL and resumed with resume='auto', fitted twice in a
 row, on one process and on two (DDP, gloo), and resumed on another number of processes: every run ends with the
 weights, the recorded losses and table, and the next `torch.rand(3)` of the run that never checkpointed.
-Runs tests/checkpoint/transparent_script.py (in this process, or in subprocesses bounded by timeouts)."""
-import shutil, subprocess, sys, warnings
+Runs tests/checkpoint/transparent_script.py (in this process, or in processes bounded by timeouts: conftest.run_script)."""
+import shutil, warnings
 from pathlib import Path
 import pytest, torch
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 from learncb.all import *
-from test_distributed import free_port
+from conftest import run_script
 from transparent_script import make_learner, run_fits
 
 SCRIPT = Path(__file__).parent/'transparent_script.py'
@@ -17,9 +17,7 @@ shares_ddp, shares_killed_on_two = pytest.mark.xdist_group('transparent_ddp'), p
 
 def run(out, *args, nproc=1, check=True):
     "The script in `nproc` processes (torchrun) or one (plain python), never longer than 240 s"
-    launcher = ([sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}', f'--master-port={free_port()}']
-                if nproc > 1 else [sys.executable])
-    res = subprocess.run([*launcher, str(SCRIPT), str(out), *args], capture_output=True, text=True, timeout=240)
+    res = run_script(SCRIPT, out, *args, nproc=nproc, timeout=240)
     if check and res.returncode != 0: raise AssertionError(f'{args}: exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}')
     return res
 

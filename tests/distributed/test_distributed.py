@@ -1,19 +1,18 @@
 """Distributed training on the CPU with gloo: 2 processes launched by torchrun, each run bounded by a timeout.
 Runs tests/distributed/ddp_script.py; rank 0 saves its results, which are compared with a 1-process run."""
-import random, re, subprocess, sys, time
+import random, re
 from pathlib import Path
 import pytest, torch
 from learncb.ranks import num_distrib, rank_distrib, free_port   # free_port: the other test modules import it from here
+from conftest import run_script
 
 SCRIPT = Path(__file__).parent/'ddp_script.py'
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason='torch.distributed is not available')
 shared_runs = pytest.mark.xdist_group('ddp_one_and_two')   # pytest -n: the tests sharing a module fixture's runs go to one worker, which makes them once
 
 def run(out, *args, nproc=2, check=True, timeout=180):
-    "Run the script in `nproc` processes (torchrun) or in one (`nproc=1`, plain python); never longer than `timeout`"
-    launcher = ([sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}', f'--master-port={free_port()}']
-                if nproc > 1 else [sys.executable])
-    res = subprocess.run([*launcher, str(SCRIPT), str(out), *args], capture_output=True, text=True, timeout=timeout)
+    "Run the script in `nproc` processes (torchrun) or in one (`nproc=1`, plain python), forked; never longer than `timeout`"
+    res = run_script(SCRIPT, out, *args, nproc=nproc, timeout=timeout)
     if check and res.returncode != 0:
         raise AssertionError(f'{args}: exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}')
     return res
