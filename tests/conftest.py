@@ -23,8 +23,9 @@ _forkserver = []
 def _run_as_main(argv, env, cwd, out, err):
     "In the forked process: `python *argv` (a script and its arguments, or `-m module ...`), its output to `out`, `err`"
     import atexit, runpy
-    for fd, name in ((1, out), (2, err)):
-        f = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC); os.dup2(f, fd); os.close(f)
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC); os.dup2(fd, 1); os.close(fd)
+    if err == out: os.dup2(1, 2)
+    else: fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC); os.dup2(fd, 2); os.close(fd)
     os.environ.clear(); os.environ.update(env); os.chdir(cwd)
     module = argv[1] if argv[0] == '-m' else None
     sys.argv = list(argv[1:] if module else argv)
@@ -32,25 +33,47 @@ def _run_as_main(argv, env, cwd, out, err):
     try: runpy.run_module(module, run_name='__main__', alter_sys=True) if module else runpy.run_path(argv[0], run_name='__main__')
     finally: atexit._run_exitfuncs()      # as at the end of a process (multiprocessing's children skip them)
 
-def run_forked(*argv, timeout=300, env=None):
-    """`subprocess.run([python, *argv], capture_output=True, text=True, timeout=timeout, env=env)`, but forked from a
-    process that imported `learncb.all` (a forkserver): the same run without its 2 to 3 s of CPU for imports. A process
-    of its own all the same: it can SIGKILL itself (its return code is then -9), and it gets this process's environment
-    and folder of now. Not for what must be set before Python starts (`MALLOC_*`, `PYTHONWARNINGS`)."""
-    import multiprocessing as mp, subprocess, tempfile
+class ForkedProcess:
+    "A process `start_forked` started, as `subprocess.Popen` shows one: `pid`, `poll`, `wait`, `kill`, `returncode`"
+    def __init__(self, proc, argv): self.proc, self.args = proc, [sys.executable, *argv]
+    @property
+    def pid(self): return self.proc.pid
+    @property
+    def returncode(self): return self.proc.exitcode
+    def poll(self): return self.proc.exitcode
+    def kill(self): self.proc.kill()
+    def wait(self, timeout=None):
+        import subprocess
+        self.proc.join(timeout)
+        if self.proc.exitcode is None: raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.proc.exitcode
+
+def start_forked(*argv, out, err=None, env=None):
+    """`subprocess.Popen([python, *argv], stdout=out, stderr=err or out, env=env)` with `out` and `err` file names, but
+    forked from a process that imported `learncb.all` (a forkserver): no 2 to 3 s of CPU for imports. A process of its
+    own all the same (it can SIGKILL itself: its return code is then -9), with this process's environment and folder of
+    now. Not for what must be set before Python starts (`MALLOC_*`, `PYTHONWARNINGS`)."""
+    import multiprocessing as mp
     if not _forkserver:
         ctx = mp.get_context('forkserver'); ctx.set_forkserver_preload(['learncb.all']); _forkserver.append(ctx)
     argv = [str(a) for a in argv]
+    proc = _forkserver[0].Process(target=_run_as_main, args=(argv, dict(os.environ if env is None else env), os.getcwd(),
+                                                             str(out), str(err or out)))
+    proc.start()
+    return ForkedProcess(proc, argv)
+
+def run_forked(*argv, timeout=300, env=None):
+    "`subprocess.run([python, *argv], capture_output=True, text=True, timeout=timeout, env=env)`, forked: `start_forked`"
+    import subprocess, tempfile
     with tempfile.TemporaryDirectory() as d:
         out, err = Path(d)/'out', Path(d)/'err'
-        proc = _forkserver[0].Process(target=_run_as_main, args=(argv, dict(os.environ if env is None else env),
-                                                                 os.getcwd(), out, err))
-        proc.start(); proc.join(timeout)
-        timed_out = proc.is_alive()
-        if timed_out: proc.kill(); proc.join()
         said = lambda f: f.read_text(errors='replace') if f.exists() else ''
-        if timed_out: raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, said(out), said(err))
-        return subprocess.CompletedProcess([sys.executable, *argv], proc.exitcode, said(out), said(err))
+        p = start_forked(*argv, out=out, err=err, env=env)
+        try: p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill(); p.wait()
+            raise subprocess.TimeoutExpired(p.args, timeout, said(out), said(err)) from None
+        return subprocess.CompletedProcess(p.args, p.returncode, said(out), said(err))
 
 def run_script(script, *args, nproc=1, timeout=240, env=None):
     "`python script *args`, or `torchrun --nproc_per_node=nproc script *args` when `nproc` > 1, forked (`run_forked`)"

@@ -1,7 +1,9 @@
 """Fault tolerance per step on torchft (CPU, gloo, a lighthouse on loopback): replicas killed in the middle of a step,
 started again or for the first time while the others train; every replica that finishes ends as the undisturbed run.
 
-Each replica group is a plain `python tests/distributed/ft_script.py` process; every wait is bounded by a timeout."""
+Each replica group is a process running `tests/distributed/ft_script.py`: forked from one that imported learncb (no
+2 to 3 s of imports each), or the plain `python ft_script.py` of a user (the new replica that joins a running one);
+every wait is bounded by a timeout."""
 import os, subprocess, sys, time
 from pathlib import Path
 import pytest, torch
@@ -9,15 +11,19 @@ import pytest, torch
 torchft = pytest.importorskip('torchft')
 from learncb.distributed.ft import Lighthouse, replica_env
 from learncb.ranks import free_port
+from conftest import run_forked, start_forked
 
 SCRIPT = Path(__file__).parent/'ft_script.py'
 WAIT = 240          # seconds any one wait may take, on a loaded 2-core machine
 
-def start(out, lighthouse, replica, n, *args):
-    "Replica group `replica` of `n`, a plain python process (its output in OUT/log{replica}-{k})"
-    log = open(out/f'log{replica}-{len(list(out.glob(f"log{replica}-*")))}', 'w')
+def start(out, lighthouse, replica, n, *args, plain_python=False):
+    """Replica group `replica` of `n` (its output in OUT/log{replica}-{k}): a process forked from one that imported
+    learncb (`start_forked`), or with `plain_python` the `python ft_script.py` a user runs"""
+    log = out/f'log{replica}-{len(list(out.glob(f"log{replica}-*")))}'
     env = {**os.environ, **replica_env(lighthouse, replica, n), 'RUST_LOG': 'warn'}
-    return subprocess.Popen([sys.executable, str(SCRIPT), str(out), *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+    if not plain_python: return start_forked(SCRIPT, out, *args, env=env, out=log)
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(out), *args], env=env, stdout=open(log, 'w'),
+                            stderr=subprocess.STDOUT)
 
 def finish(procs):
     "Wait for every process; kill them all if one takes longer than WAIT; the exit codes"
@@ -34,7 +40,8 @@ def result(out, replica): return torch.load(out/f'result{replica}.pt', weights_o
 def plain(tmp_path_factory):
     "The same fit on one process under distrib_ctx(global_batch=64)"
     out = tmp_path_factory.mktemp('plain')
-    subprocess.run([sys.executable, str(SCRIPT), str(out), '--plain'], check=True, timeout=WAIT, capture_output=True)
+    res = run_forked(SCRIPT, out, '--plain', timeout=WAIT)
+    assert res.returncode == 0, res.stderr[-3000:]
     return result(out, 'plain')
 
 def assert_same(a, b):
@@ -123,7 +130,7 @@ def running_past(out, lighthouse, step):
 def test_a_new_replica_joins_a_running_one(tmp_path, lighthouse, plain):
     "Scale up: a replica started for the first time while another trains heals from it and takes its share"
     first = running_past(tmp_path, lighthouse, 8)
-    late = start(tmp_path, lighthouse, 1, 2)
+    late = start(tmp_path, lighthouse, 1, 2, plain_python=True)      # as a user starts one: no other variables
     assert finish([first, late]) == [0, 0], logs(tmp_path)
     a,b = result(tmp_path, 0),result(tmp_path, 1)
     assert_same(a, b)
