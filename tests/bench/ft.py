@@ -42,7 +42,9 @@ def ft_worker(width, n_items, n_epoch, out):
 
 def torchft_figures(width, n_items, n_epoch, timeout):
     out = os.path.join(tempfile.mkdtemp(), 'figures.json')
-    try: launch_replicas(ft_worker, width, n_items, n_epoch, out, n=2, timeout=timeout)
+    try:    # min_replicas=2: the first quorum waits for both (else on a loaded machine one trains alone while the other starts)
+        with Lighthouse(min_replicas=2) as lighthouse:
+            launch_replicas(ft_worker, width, n_items, n_epoch, out, n=2, lighthouse=lighthouse, timeout=timeout)
     except Exception as e: return f'{type(e).__name__}: {e}'
     with open(out) as fh: return json.load(fh)
 
