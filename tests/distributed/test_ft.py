@@ -139,7 +139,9 @@ def test_a_new_replica_joins_a_running_one(tmp_path, lighthouse, plain):
 
 def test_every_replica_restarted_resumes_from_its_checkpoint(tmp_path, lighthouse, plain):
     "CheckpointCallback still works: both replicas killed, both started again, each resumes from its own checkpoint"
-    procs = [start(tmp_path, lighthouse, r, 2, '--ckpt', '--kill-at', '18') for r in range(2)]
+    first = start(tmp_path, lighthouse, 0, 2, '--ckpt', '--kill-at', '18', '--wait-for', '2')
+    (tmp_path/'hold').touch()                # the first waits for the second (a loaded machine may start it late)
+    procs = [first, start(tmp_path, lighthouse, 1, 2, '--ckpt', '--kill-at', '18')]
     assert finish(procs) == [-9, -9], logs(tmp_path)
     assert all(list((tmp_path/f'ckpt{r}').iterdir()) for r in range(2))
     assert finish([start(tmp_path, lighthouse, r, 2, '--ckpt') for r in range(2)]) == [0, 0], logs(tmp_path)
