@@ -18,20 +18,15 @@ def preload():
     import nbdev.test, execnb.shell, IPython, learncb.all   # noqa: F401
 
 def test_one(nb, log):
-    "In a forked child: run notebook `nb` as `nbdev-test nb` does, its output to the file `log`; never returns"
+    "In a forked child: `nbdev-test nb` (nbdev's own function, config and all), its output to the file `log`; never returns"
     code = 1
     try:
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(fd, 1); os.dup2(fd, 2); os.close(fd)
-        from nbdev.config import get_config
-        from nbdev.test import test_nb
-        from fastcore.xtras import working_directory
-        cfg = get_config(nb.parent)
-        flags = cfg.tst_flags.split() if isinstance(cfg.tst_flags, str) else cfg.tst_flags
-        with working_directory(cfg.nbs_path):
-            ok, _ = test_nb(nb, skip_flags=flags, force_flags=[], basepath=cfg.config_path,
-                            cell_timeout=cfg.cell_timeout or None)
-        code = 0 if ok else 1
+        from nbdev.test import nbdev_test
+        nbdev_test.__wrapped__(str(nb))      # the function under the CLI: no parsing of this script's arguments
+        code = 0
+    except SystemExit as e: code = e.code if isinstance(e.code, int) else 1     # nbdev_test exits 1 when it fails
     except BaseException:
         import traceback; traceback.print_exc()
     finally:
