@@ -12,6 +12,8 @@ import datetime, gc, os, time, uuid
 from contextlib import contextmanager
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  its functions take the default group as a default argument when imported:
+                             # imported now, before any group, they hold none, and an ended group is freed at once
 from fastcore.basics import patch
 from ..core import *
 from ..utils import *

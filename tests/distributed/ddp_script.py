@@ -147,6 +147,8 @@ with learn.distrib_ctx(strategy=args.strategy, timeout=args.timeout):
     all_sizes = gather_objects(sizes)
     if args.export: learn.export(out/'export.pkl')
     print(f'RANK {rank} OF {world} EPOCHS {learn.epoch + 1} WRITES {sum(writes.values())} {sorted(writes)}', flush=True)
+gloo_left = sum(open(t/'comm').read().startswith(('gloo', 'pt_gloo')) for t in Path('/proc/self/task').iterdir())
+print(f'RANK {rank} GLOO THREADS LEFT {gloo_left}', flush=True)   # the group ended with its threads, before the interpreter's teardown
 if rank == 0:
     alone = learn.get_preds()[0]           # the group is over: one process, the whole validation set, same weights
     opt = learn.opt.state_dict()
