@@ -26,7 +26,7 @@ def test_one(nb, log):
         from nbdev.test import nbdev_test
         nbdev_test.__wrapped__(str(nb))      # the function under the CLI: no parsing of this script's arguments
         code = 0
-    except SystemExit as e: code = e.code if isinstance(e.code, int) else 1     # nbdev_test exits 1 when it fails
+    except SystemExit as e: code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1   # it exits 1 when it fails
     except BaseException:
         import traceback; traceback.print_exc()
     finally:

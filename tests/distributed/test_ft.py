@@ -25,6 +25,11 @@ def start(out, lighthouse, replica, n, *args, plain_python=False):
     return subprocess.Popen([sys.executable, str(SCRIPT), str(out), *args], env=env, stdout=open(log, 'w'),
                             stderr=subprocess.STDOUT)
 
+def start_awaited(out, lighthouse, replica, n, *args, plain_python=False):
+    "`start` after making OUT/hold: the replicas started with `--wait-for` wait for this one, however late it starts"
+    (out/'hold').touch()
+    return start(out, lighthouse, replica, n, *args, plain_python=plain_python)
+
 def finish(procs):
     "Wait for every process; kill them all if one takes longer than WAIT; the exit codes"
     try: return [p.wait(timeout=WAIT) for p in procs]
@@ -73,12 +78,9 @@ def kill_and_restart(out, lighthouse, n, kills, restart, slow_alone=0.4):
     for r in kills:
         while procs[r].poll() is None and time.monotonic() < deadline: time.sleep(0.1)
         assert procs[r].returncode == -9, logs(out)           # it died of its SIGKILL, in the stage asked
-        if r in restart:
-            (out/'hold').touch()            # the others wait for it (ft_script.py's --wait-for): they cannot finish first
-            procs[r] = start(out, lighthouse, r, n, *common)
+        if r in restart: procs[r] = start_awaited(out, lighthouse, r, n, *common)    # the others cannot finish first
     codes = finish([p for r,p in procs.items() if r not in kills or r in restart])
     assert codes == [0] * len(codes), logs(out)
-    return [r for r in range(n) if r not in kills or r in restart]
 
 @pytest.fixture
 def lighthouse():
@@ -87,7 +89,7 @@ def lighthouse():
 @pytest.mark.parametrize('stage', ['forward'])
 def test_killed_replica_heals_and_both_end_as_one_process(tmp_path, lighthouse, plain, stage):
     "Two replicas, one SIGKILLed in the middle of a step of epoch 1 and started again: both end as the undisturbed fit"
-    done = kill_and_restart(tmp_path, lighthouse, 2, {1: (18, stage)}, restart={1})
+    kill_and_restart(tmp_path, lighthouse, 2, {1: (18, stage)}, restart={1})
     a,b = result(tmp_path, 0),result(tmp_path, 1)
     assert b['healed_at'] > 18              # started again, it healed from its peer: it did not train from the start
     assert a['tries'] >= 1                  # the step its peer died in was not committed: the survivor computed it again
@@ -110,27 +112,26 @@ def test_a_kill_in_any_stage_neither_repeats_nor_loses_a_step(tmp_path, lighthou
 
 def test_three_replicas_two_killed_one_restarted(tmp_path, lighthouse, plain):
     "Three replicas, two killed at different steps, one of them started again: the two that finish, the same"
-    done = kill_and_restart(tmp_path, lighthouse, 3, {1: (10, 'forward'), 2: (20, 'backward')}, restart={2})
-    assert done == [0, 2]
+    kill_and_restart(tmp_path, lighthouse, 3, {1: (10, 'forward'), 2: (20, 'backward')}, restart={2})
+    assert not (tmp_path/'result1.pt').exists()     # the one not started again finished nothing
     a,c = result(tmp_path, 0),result(tmp_path, 2)
     assert c['healed_at'] > 20
     assert_same(a, c)
     assert_close_to(a, plain)
 
 def running_past(out, lighthouse, step):
-    "Replica 0 of 2, slowed while alone, once it has committed `step` steps; it then waits for the next one to start"
+    "Replica 0 of 2, slowed while alone, once it has committed `step` steps (the next one: `start_awaited`)"
     first = start(out, lighthouse, 0, 2, '--wait-for', '2', '--slow-alone', '0.3')
     deadline = time.monotonic() + WAIT
     while not (out/'step0').exists() or int((out/'step0').read_text() or 0) < step:
         assert first.poll() is None and time.monotonic() < deadline, logs(out)
         time.sleep(0.1)
-    (out/'hold').touch()
     return first
 
 def test_a_new_replica_joins_a_running_one(tmp_path, lighthouse, plain):
     "Scale up: a replica started for the first time while another trains heals from it and takes its share"
     first = running_past(tmp_path, lighthouse, 8)
-    late = start(tmp_path, lighthouse, 1, 2, plain_python=True)      # as a user starts one: no other variables
+    late = start_awaited(tmp_path, lighthouse, 1, 2, plain_python=True)  # as a user starts one: no other variables
     assert finish([first, late]) == [0, 0], logs(tmp_path)
     a,b = result(tmp_path, 0),result(tmp_path, 1)
     assert_same(a, b)
@@ -140,8 +141,7 @@ def test_a_new_replica_joins_a_running_one(tmp_path, lighthouse, plain):
 def test_every_replica_restarted_resumes_from_its_checkpoint(tmp_path, lighthouse, plain):
     "CheckpointCallback still works: both replicas killed, both started again, each resumes from its own checkpoint"
     first = start(tmp_path, lighthouse, 0, 2, '--ckpt', '--kill-at', '18', '--wait-for', '2')
-    (tmp_path/'hold').touch()                # the first waits for the second (a loaded machine may start it late)
-    procs = [first, start(tmp_path, lighthouse, 1, 2, '--ckpt', '--kill-at', '18')]
+    procs = [first, start_awaited(tmp_path, lighthouse, 1, 2, '--ckpt', '--kill-at', '18')]
     assert finish(procs) == [-9, -9], logs(tmp_path)
     assert all(list((tmp_path/f'ckpt{r}').iterdir()) for r in range(2))
     assert finish([start(tmp_path, lighthouse, r, 2, '--ckpt') for r in range(2)]) == [0, 0], logs(tmp_path)
@@ -169,7 +169,7 @@ def test_replicas_with_different_weights_stop_at_the_first_step(tmp_path):
 
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from learncb.all import Learner, DataLoaders, TorchFT, replica_settings
+from learncb.all import Learner, DataLoaders, TorchFT
 
 def tiny_learner():
     ds = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
