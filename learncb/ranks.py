@@ -36,15 +36,14 @@ def is_rank0():
     "Whether this process is the one that prints, draws and writes files: rank 0, or the only process"
     return rank_distrib() == 0
 
-def refused(learn, capability):
-    "Why `learn`'s strategy cannot run `capability` (`'microbatch'`, `'compiled step'`, `'weight averaging'`, `'rollback'`), or `None`"
-    strategy = getattr(learn, 'strategy', None)
-    return None if strategy is None else strategy.refuses(capability)
+def refused(learn, capability, who):
+    "Why `learn`'s strategy cannot run `capability` (`'microbatch'`, `'compiled step'`, `'weight averaging'`, `'rollback'`) for `who` (a callback, named first), or `None`"
+    why = learn.strategy.refuses(capability)
+    return None if why is None else f"{who if isinstance(who, str) else type(who).__name__}: {why}"
 
 def local_model(learn):
     "The model this rank computes with: `learn.model` without the wrapper that reduces gradients (its strategy's answer)"
-    strategy = getattr(learn, 'strategy', None)
-    return learn.model if strategy is None else strategy.local_model(learn.model)
+    return learn.strategy.local_model(learn.model)
 
 def _collective_device():
     "Where tensors must be for the process group's collectives: the current CUDA device for NCCL, else the CPU"

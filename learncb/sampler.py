@@ -121,8 +121,7 @@ def batch_items(dl, i):
 
 def user_train_dl(learn):
     "The training dataloader the user gave: under a strategy that shards it, not this rank's share of it"
-    dl,strategy = learn.dls.train,learn.strategy
-    return dl if strategy is None else strategy.user_dl(dl)
+    return learn.strategy.user_dl(learn.dls.train)
 
 # %% ../nbs/16e_sampler.ipynb #64003cf8
 def resumable_sampler(dl, seed=None):

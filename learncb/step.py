@@ -22,10 +22,15 @@ def _hook(learn, name):
         f"the step's {name.removeprefix('step_')} in a fit; fit with one of them")
     return cbs[0] if cbs else None
 
+_stage_cancels = {'backward': CancelBackwardException, 'step': CancelStepException}
+_cancels = tuple(_stage_cancels.values())
+
 class Step:
     "A learner's step: the model, the loss, and in training backward, the optimizer step and zero_grad, with their events"
     loss_items = None
     "How many items `learn.loss` is the mean of when not the batch's (`None`): a fault-tolerant step's global batch"
+    stage_now = None
+    "The stage under way (`'backward'`, `'step'`), whose cancel ends it; `None` outside them"
     def __init__(self, learn, hooks=True):
         "`hooks=False`: no callback's `step_forward` or `step_backward` (the step of a learner outside a fit)"
         self.learn,self.forward_hook,self.backward_hook = learn,None,None
@@ -36,22 +41,78 @@ class Step:
         self.forward_hook,self.backward_hook = _hook(self.learn, 'step_forward'),_hook(self.learn, 'step_backward')
 
     def run(self):
-        "The current batch's step: `after_pred`, `after_loss`, and in training the `backward` and `step` stages"
+        "The current batch's step (`steps`), and the end of a stage that a cancel cut short"
+        self.stage_now = None
+        try: self.steps()
+        except _cancels as e: self.after_cancel(e, self.stage_now)
+        except Exception as e:
+            if self.stage_now is not None: note_where(e, 'step')    # backward and callbacks have marked theirs
+            raise
+
+    # The order of the step's events, written once: a variant of the step overrides the computations further down
+    def steps(self):
+        "`after_pred`, `after_loss`, and in training the `backward` stage and the `step` stage, in the order of `loop_outline`"
         learn = self.learn
         self.predict()
-        learn._fire('after_pred')
+        self.fire('after_pred')
         lf = self.compute_loss()
-        learn._fire('after_loss')
-        if learn.training and lf is not None: self.backward_and_step()
+        self.fire('after_loss')
+        if not learn.training or lf is None: return
+        self.begin_stage('backward')
+        self.backward() if self.backward_hook is None else self.backward_hook.step_backward(self)
+        self.end_stage('backward')
+        self.step_stage()
 
+    def step_stage(self):
+        "`before_step`, the optimizer's step, `after_step`, then zero_grad"
+        self.begin_stage('step')
+        self.optimizer_step()
+        self.end_stage('step')
+        self.zero_grad()
+
+    def after_cancel(self, cancel, stage):
+        "The rest of the step after `cancel` was raised in `stage`: its cancel's events, then the step stage after a cancelled backward"
+        if stage is None or not isinstance(cancel, _stage_cancels[stage]): raise cancel     # not its stage's: the loop's
+        self.stage_now = None
+        self.cancelled(stage)
+        if stage == 'backward': self.run_stage(self.step_stage)
+
+    def run_stage(self, stage):
+        "Run `stage` (a method that begins and ends one stage) and the end of it after a cancel"
+        try: stage()
+        except _cancels as e: self.after_cancel(e, self.stage_now)
+
+    def fire(self, event):
+        "Call the handlers of `event`: the step's way to fire one (a variant of the step fires none itself)"
+        self.learn._fire(event)
+
+    def begin_stage(self, name):
+        "`before_<name>`: from here to `end_stage`, a cancel of stage `name` ends it"
+        self.stage_now = name
+        self.fire(stage_events[name][0])
+
+    def end_stage(self, name):
+        "`after_<name>` (`learn.step_taken` set first for the step stage: the optimizer stepped)"
+        self.stage_now = None
+        if name == 'step': self.learn.step_taken = True
+        self.fire(stage_events[name][2])
+
+    def cancelled(self, stage):
+        "The end of `stage` (`'backward'`, `'step'`) after a cancel raised inside it: `after_cancel_<stage>`, `after_<stage>`; `False`"
+        _,after_cancel,after = stage_events[stage]
+        if stage == 'step': self.learn.step_taken = False        # what `after_step` handlers read: the optimizer did not step
+        self.fire(after_cancel); self.fire(after)
+        return False
+
+    # The computations, each without an event: what a variant of the step overrides
     def predict(self):
-        "`learn.pred`, the model's output on the batch (through a callback's `step_forward` if one has it); no event"
+        "`learn.pred`, the model's output on the batch (through a callback's `step_forward` if one has it)"
         learn,hook = self.learn,self.forward_hook
         try: learn.pred = learn.forward_batch() if hook is None else hook.step_forward(learn.forward_batch)
         except Exception as e: note_failure(learn, e, 'model'); raise
 
     def compute_loss(self):
-        "`learn.loss_grad` and `learn.loss` of the batch; returns the loss function, `None` without one (predictions only); no event"
+        "`learn.loss_grad` and `learn.loss` of the batch; returns the loss function, `None` without one (predictions only)"
         learn = self.learn
         lf = learn._batch_loss_func()
         if lf is None: learn.loss = learn.loss_grad = None      # predictions only: no targets, no loss of the model's
@@ -62,22 +123,10 @@ class Step:
             except Exception as e: note_where(e, 'loss value'); raise
         return lf
 
-    def backward_and_step(self):
-        "The `backward` stage, then the `step` stage, then zero_grad if the optimizer stepped"
-        learn = self.learn
-        try:
-            learn._with_events(self.backward if self.backward_hook is None else self._hooked_backward, 'backward',
-                               CancelBackwardException)
-            if self.step_stage(): clear_grads(learn.opt)
-        except Exception as e: note_where(e, 'step'); raise     # backward and callbacks have marked theirs
-
-    def _hooked_backward(self): self.backward_hook.step_backward(self)
-
     def backward(self):
-        "The plain backward of the loss, with the reason when it fails for a reason of the user's (a loss that is not a scalar)"
+        "The backward of the loss with the reduction of the gradients (`Strategy.backward`); the reason when the user's loss cannot have one"
         learn = self.learn
-        strategy = learn.strategy                   # a strategy owns the backward of a distributed fit
-        try: learn.loss_grad.backward() if strategy is None else strategy.backward(learn.loss_grad)
+        try: learn.strategy.backward(learn.loss_grad)
         except Exception as e:
             note_where(e, 'backward')
             if not isinstance(e, RuntimeError): raise
@@ -87,27 +136,17 @@ class Step:
             if not learn.loss_grad.requires_grad: add_note(e, f"learncb: {why_no_grad(learn)}")
             raise
 
-    def step_stage(self):
-        "`before_step`, the optimizer's step, `after_step`; sets `learn.step_taken` (whether the optimizer stepped) and returns it"
-        learn = self.learn
-        try:
-            learn._fire('before_step')
-            self.optimizer_step()
-        except CancelStepException: return self.cancelled('step')
-        learn.step_taken = True
-        learn._fire('after_step')
-        return True
-
-    def cancelled(self, stage):
-        "The end of `stage` (`'backward'`, `'step'`) after a cancel raised inside it: `after_cancel_<stage>`, `after_<stage>`; `False`"
-        learn = self.learn
-        _,after_cancel,after = stage_events[stage]
-        if stage == 'step': learn.step_taken = False        # what `after_step` handlers read: the optimizer did not step
-        learn._fire(after_cancel); learn._fire(after)
-        return False
-
     def optimizer_step(self):
         "The optimizer's step (`opt_step`: torch's, without its profiler wrapper when nothing needs it)"
         opt_step(self.learn.opt)
+
+    def zero_grad(self):
+        "Clear the gradients, after a step the optimizer took"
+        clear_grads(self.learn.opt)
+
+    def batch_items(self):
+        "How many items the run's batch holds, of which this process computes the current batch (`Strategy.global_items`)"
+        learn = self.learn
+        return learn.strategy.global_items(find_bs(learn.yb or learn.xb))
 
     def __repr__(self): return f'{type(self).__name__}()'

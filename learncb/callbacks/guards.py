@@ -105,7 +105,7 @@ class SpikeGuard(Callback):
     "Whether it rolls the run back to an older snapshot (a strategy may refuse: `refuses('rollback')`)"
     def before_fit(self):
         learn = self.learn
-        if self.rolls_back and (why := refused(learn, 'rollback')): raise ValueError(f"{type(self).__name__}: {why}")
+        if self.rolls_back and (why := refused(learn, 'rollback', self)): raise ValueError(why)
         self.rollbacks,self._snap = 0,None        # `history` starts empty (a resumed fit has it back from its checkpoint)
         self._take_order()
         self._params = [p for g in learn.opt.param_groups for p in g['params']]

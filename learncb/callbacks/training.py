@@ -35,7 +35,7 @@ def _is_last_batch(learn):
     return learn.n_iter is not None and learn.iter == learn.n_iter - 1
 
 class GradientAccumulation(Callback):
-    "Step the optimizer once every `n_acc` samples, with the gradient a batch of `n_acc` samples would give"
+    "Step the optimizer once every `n_acc` samples of the run (all ranks'), with the gradient a batch of `n_acc` samples would give"
     order,run_valid,_state_attrs = Order.ACCUMULATE,False,('count',)
     compiled_events = ('before_backward', 'before_step')
     def __init__(self, n_acc=32):
@@ -49,11 +49,11 @@ class GradientAccumulation(Callback):
         "Under DDP or FSDP, reduce the gradients over the ranks only in the backward of a batch that steps"
         if self._sync is not None:
             learn = self.learn
-            self._sync(self.count + find_bs(learn.yb or learn.xb) >= self.n_acc or _is_last_batch(learn))
+            self._sync(self.count + learn.stepper.batch_items() >= self.n_acc or _is_last_batch(learn))
 
     def before_backward(self):
         learn = self.learn
-        bs = find_bs(learn.yb or learn.xb)       # no targets: a model that takes them among its inputs
+        bs = learn.stepper.batch_items()      # the run's batch: every rank's items (the strategy's count)
         self.count += bs
         learn.loss_grad = learn.loss_grad * (bs / self.n_acc)
 
@@ -67,6 +67,7 @@ class GradientAccumulation(Callback):
         "The optimizer steps an epoch over `dl` takes: one every `n_acc` samples, and one for the rest at the epoch's end"
         n,bs = n_batches(dl),getattr(dl, 'batch_size', None)
         if not n or not bs: return n
+        bs = self.learn.strategy.global_items(bs) if self.learn is not None else bs
         return math.ceil(n / math.ceil(self.n_acc / bs))
 
     def after_fit(self):
@@ -159,7 +160,7 @@ class MixedPrecision(Callback):
 
     def before_fit(self):
         strategy = self.learn.strategy          # FSDP's MixedPrecisionPolicy casts the model: no autocast, no scaler
-        self.in_model = strategy is not None and strategy.casts_model(self.amp_dtype(self.learn.device.type))
+        self.in_model = strategy.casts_model(self.amp_dtype(self.learn.device.type))
         if self.in_model:
             self._region,self._device_type,self.scaler = _Region(contextlib.nullcontext()),None,None
             return

@@ -30,7 +30,7 @@ def store_for(learn, folder=None, background=True):
         cb = next((cb for cb in learn.cbs if isinstance(cb, CheckpointCallback)), None)
         if cb is not None and cb.store is not None: return cb.store
         folder = cb.folder if cb is not None else learn.path/'checkpoints'
-    sharded = getattr(learn.strategy, 'sharded', False)     # every rank writes its shards (DCP), or rank 0 the file
+    sharded = learn.strategy.sharded           # every rank writes its shards (DCP), or rank 0 the file
     return store_at(folder, sharded, map_location=model_device(learn.model, learn.device), background=background)
 
 def _stepped_uncounted(learn, pos):

@@ -9,7 +9,7 @@ __all__ = ['tested_torchft', 'import_torchft', 'replica_settings', 'TorchFT', 'F
            'Lighthouse', 'replica_env', 'launch_replicas']
 
 # %% ../../nbs/23e_ft.ipynb #a1f0e001
-import datetime, importlib.metadata, os, socket, subprocess, sys, time
+import copy, datetime, importlib.metadata, os, socket, subprocess, sys, time
 from contextlib import contextmanager
 from urllib.parse import urlparse
 import torch
@@ -75,6 +75,8 @@ def _sliced(b, lo, hi):
     return map_tensors(lambda t: t[lo:hi], b)
 
 # %% ../../nbs/23e_ft.ipynb #a1f0e003
+_not_yet = {'microbatch': 'micro-batches (AutoMicrobatch)', 'compiled step': 'a compiled step'}
+
 class TorchFT(Strategy):
     "Fault tolerance per step on torchft: one process per replica group, a quorum each step, the global batch shared among the replicas present"
     needs_group = False
@@ -88,9 +90,9 @@ class TorchFT(Strategy):
 
     def refuses(self, capability):
         "Micro-batches, the compiled step and rollbacks (`SpikeGuard`) are not yet fault tolerant"
-        if capability in ('microbatch', 'compiled step'): return (
-            f"strategy='torchft' does not run the {capability} yet (its step shares each batch among the replicas "
-            f"present): fit without it, or with strategy='ddp'")
+        if capability in _not_yet: return (
+            f"strategy='torchft' does not run {_not_yet[capability]} yet (its step shares each batch among the "
+            f"replicas of each quorum): fit without it, or with strategy='ddp'")
         if capability == 'rollback': return (
             "strategy='torchft' does not roll back yet (a replica that heals would hold a newer snapshot than its "
             "peers): fit without SpikeGuard; TerminateOnNaNCallback runs")
@@ -99,6 +101,10 @@ class TorchFT(Strategy):
     def shard_train(self, dl):
         "Every replica reads the whole training order: each step it computes its share of the global batch"
         return dl
+
+    def global_items(self, n):
+        "`n`: every replica reads the whole global batch"
+        return n
 
     def shard_valid(self, dl):
         "Every replica validates on all of `dl`: no collective in a validation, the same values on every replica"
@@ -231,50 +237,86 @@ def _weights_sum(params):
 register_strategy('torchft', TorchFT)
 
 # %% ../../nbs/23e_ft.ipynb #a1f0e004
+def _no_items(*args):
+    "The loss of a share without items (more replicas than the batch has items): nothing to add"
+    return torch.zeros(())
+
 class FaultTolerantStep(Step):
-    "The step of a replica group: a quorum, this replica's share of the batch, the sums over the quorum; again until committed"
+    "The step of a replica group: the quorum and this replica's share of the batch before the forward, the sum over the quorum in the backward, again until a quorum commits"
     loss_items = None
     def __init__(self, learn, strategy):
         super().__init__(learn)
         self.strategy,self.tries = strategy,0
         self.params = [p for g in learn.opt.param_groups for p in g['params']]     # a frozen one's gradient: zeros
+        self._before_backward = [cb for cb in learn.ordered_cbs('before_backward') if cb.takes_part('before_backward', True)]
 
     def run(self):
-        "A training batch: tries until a quorum commits it, then its events (`after_pred` to `after_step`) once"
+        "The batch's step as `Step` runs it; in training on this replica's share of the global batch, held in `loss_items`"
         learn = self.learn
-        if not learn.training: return super().run()
-        xb,yb = learn.xb,learn.yb
-        self.loss_items = find_bs(yb or xb)
-        while (loss := self.try_batch(xb, yb, self.params)) is None: self.tries += 1
-        learn.loss = loss
-        self.fire_committed()
+        if learn.training: self._batch,self.loss_items = (learn.xb, learn.yb),find_bs(learn.yb or learn.xb)
+        super().run()
 
-    def try_batch(self, xb, yb, params):
-        "One try: the quorum, this replica's share forward and backward, the sums; the global loss, or `None` (not committed)"
+    def batch_items(self):
+        "The global batch: every replica reads all of it, and computes its share"
+        return self.loss_items if self.learn.training else super().batch_items()
+
+    def predict(self):
+        "In training, the step's quorum, then the forward of this replica's share of the batch (none when it has no item)"
+        if not self.learn.training or self._share(): super().predict()
+        else: self.learn.pred = None
+
+    def _share(self):
+        "A quorum, and this replica's share of the batch in `learn.xb`, `learn.yb`: whether it has an item"
         learn,ft = self.learn,self.strategy
         lo,hi = ft.quorum_share(self.loss_items)
+        xb,yb = self._batch
         learn.xb,learn.yb = _sliced(xb, lo, hi),_sliced(yb, lo, hi)
         ft.weight = (hi - lo) / self.loss_items
-        if hi == lo:                 # more replicas than items: this one adds nothing
-            learn.pred,learn.loss_grad = None,None
-            return ft.sum_and_commit(learn, params, torch.zeros(()))
+        return hi > lo
+
+    def compute_loss(self):
+        "The loss of this replica's share (zero without an item) in a tensor of its own, which the sum over the quorum makes the global batch's"
+        learn = self.learn
+        if not learn.training: return super().compute_loss()
+        if learn.pred is None:
+            learn.loss_grad = learn.loss = torch.zeros(())
+            return _no_items
+        lf = super().compute_loss()
+        learn.loss = learn.loss.clone()
+        return lf
+
+    def backward(self):
+        """This replica's share of the backward, then the sum over the quorum (gradients kept by a cancelled step are not
+        summed again); a try the quorum does not commit is taken back and done again on a new quorum"""
+        learn = self.learn
+        loss,kept,states = learn.loss,[p.grad for p in self.params],self._states()
+        for p in self.params: p.grad = None
+        try:
+            while (total := self._try()) is None: self._again(states)
+        except BaseException:
+            for p,g in zip(self.params, kept): p.grad = g
+            raise
+        for p,g in zip(self.params, kept):
+            if g is not None: p.grad = g.add_(p.grad)
+        learn.loss = loss.copy_(total)             # the tensor `after_loss` handlers saw: now the global batch's loss
+
+    def _try(self):
+        "This share's backward, weighted by its part of the global batch, and the sum over the quorum: the global loss, or `None`"
+        learn,ft = self.learn,self.strategy
+        if ft.weight: super().backward()
+        return ft.sum_and_commit(learn, self.params, learn.loss * ft.weight)
+
+    def _states(self):
+        "The state of the callbacks that handle `before_backward`, as before the batch's first try"
+        return [(cb, copy.deepcopy(cb.state_dict())) for cb in self._before_backward]
+
+    def _again(self, states):
+        "After a try not committed: those callbacks' state back, a new quorum, this replica's new share, its loss, `before_backward`"
+        self.tries += 1
+        for cb,state in states: cb.load_state_dict(copy.deepcopy(state))
         self.predict()
         self.compute_loss()
-        self.backward()
-        return ft.sum_and_commit(learn, params, learn.loss_grad.detach() * ft.weight)
-
-    def fire_committed(self):
-        "The batch's events, once its step is committed: the loss is the global batch's, the gradients summed over the quorum"
-        learn = self.learn
-        grad = learn.loss_grad
-        learn(['after_pred', 'after_loss'])
-        if learn.loss_grad is not grad: raise RuntimeError(
-            "strategy='torchft': a callback changed learn.loss_grad in after_loss, but under torchft after_loss fires "
-            "once the step is committed, after the backward: put that term in the loss function")
-        try: learn('before_backward')                # the backward is done: its events, with the global gradients
-        except CancelBackwardException: self.cancelled('backward')
-        else: learn('after_backward')
-        if self.step_stage(): clear_grads(learn.opt)
+        self.fire('before_backward')
 
 # %% ../../nbs/23e_ft.ipynb #a1f0e005
 class ReplicaCallback(Callback):

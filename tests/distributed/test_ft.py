@@ -91,7 +91,7 @@ def test_killed_replica_heals_and_both_end_as_one_process(tmp_path, lighthouse, 
     "Two replicas, one SIGKILLed in the middle of a step of epoch 1 and started again: both end as the undisturbed fit"
     kill_and_restart(tmp_path, lighthouse, 2, {1: (18, stage)}, restart={1})
     a,b = result(tmp_path, 0),result(tmp_path, 1)
-    assert b['healed_at'] > 18              # started again, it healed from its peer: it did not train from the start
+    assert b['healed_at'] >= 18             # started again, it healed from its peer: it did not train from the start
     assert a['tries'] >= 1                  # the step its peer died in was not committed: the survivor computed it again
     assert_each_step_once(a, b)
     assert_same(a, b)
@@ -115,7 +115,7 @@ def test_three_replicas_two_killed_one_restarted(tmp_path, lighthouse, plain):
     kill_and_restart(tmp_path, lighthouse, 3, {1: (10, 'forward'), 2: (20, 'backward')}, restart={2})
     assert not (tmp_path/'result1.pt').exists()     # the one not started again finished nothing
     a,c = result(tmp_path, 0),result(tmp_path, 2)
-    assert c['healed_at'] > 20
+    assert c['healed_at'] >= 20
     assert_same(a, c)
     assert_close_to(a, plain)
 
@@ -183,7 +183,7 @@ def fit_torchft(monkeypatch, env, strategy=None):
     try:
         with learn.distrib_ctx(strategy=strategy or TorchFT(connect_timeout=2)): learn.fit(1)
     finally:
-        assert learn.model is model and learn.strategy is None
+        assert learn.model is model and type(learn.strategy).__name__ == 'SingleProcess'
         assert all(torch.equal(v, learn.model.state_dict()[k]) for k,v in weights.items())   # no step was taken
 
 def test_no_lighthouse_is_an_error_before_the_first_batch(monkeypatch):
@@ -217,7 +217,7 @@ def test_what_the_step_does_not_do_yet_is_refused_before_the_first_batch(monkeyp
     "SpikeGuard's rollbacks and AutoMicrobatch are refused by name; the learner keeps its model and weights"
     from learncb.all import SpikeGuard, AutoMicrobatch
     with Lighthouse() as lh:
-        for cb,says in ((SpikeGuard(), 'SpikeGuard.*does not roll back yet'), (AutoMicrobatch(), 'microbatch')):
+        for cb,says in ((SpikeGuard(), 'SpikeGuard.*does not roll back yet'), (AutoMicrobatch(), "AutoMicrobatch: strategy='torchft' does not run micro-batches")):
             learn = tiny_learner()
             monkeypatch.setenv('RUST_LOG', 'warn')
             for k,v in replica_env(lh, 0, 1).items(): monkeypatch.setenv(k, v)
@@ -234,5 +234,5 @@ def test_a_replica_alone_trains_and_nothing_callable_is_set_on_the_learner(monke
         opt_func = learn.opt_func
         with learn.distrib_ctx(strategy='torchft'): learn.fit(1, cbs=seen)
     assert seen.seen == ([], [], 'FaultTolerantStep') and learn.train_iter == 4
-    assert isinstance(learn.model, nn.Linear) and learn.opt_func is opt_func and learn.strategy is None
+    assert isinstance(learn.model, nn.Linear) and learn.opt_func is opt_func and type(learn.strategy).__name__ == 'SingleProcess'
 
