@@ -60,6 +60,10 @@ class Step:
         if not learn.training or lf is None: return
         self.begin_stage('backward')
         self.backward() if self.backward_hook is None else self.backward_hook.step_backward(self)
+        while not self.committed():               # a fault-tolerant step's try that the quorum did not commit
+            self.take_back()
+            self.fire('before_backward')
+            self.backward()
         self.end_stage('backward')
         self.step_stage()
 
@@ -135,6 +139,14 @@ class Step:
                 f"reduce it (e.g. .mean()) or use a loss with reduction='mean'") from e
             if not learn.loss_grad.requires_grad: add_note(e, f"learncb: {why_no_grad(learn)}")
             raise
+
+    def committed(self):
+        "Whether the gradients of this try of the batch are kept (`True`); a variant that can lose a try says (torchft's quorum)"
+        return True
+
+    def take_back(self):
+        "Undo a try that was not committed and compute the batch again up to its loss, for `before_backward` and the backward"
+        raise NotImplementedError(f"{type(self).__name__}.committed() said no, but it cannot take the try back")
 
     def optimizer_step(self):
         "The optimizer's step (`opt_step`: torch's, without its profiler wrapper when nothing needs it)"

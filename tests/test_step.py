@@ -175,3 +175,29 @@ def test_a_fit_on_torchs_public_api_alone_gets_the_same_weights(compiled, fused)
     if compiled: close(private.model, public.model, 1e-5)       # the backward traced into the graph, or not
     else:
         for p, q in zip(private.model.parameters(), public.model.parameters()): assert torch.equal(p, q)
+
+def step_event_calls(path):
+    "`(line, what)` for each place in `path` that fires a step event by name or calls a handler of one"
+    import ast
+    names = set(step_events) | {e for s in ('backward', 'step') for e in stage_events[s]}
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call): continue
+        f = node.func
+        parent_s = isinstance(f, ast.Attribute) and isinstance(f.value, ast.Call) and getattr(f.value.func, 'id', '') == 'super'
+        if isinstance(f, ast.Attribute) and f.attr in names and not parent_s: found.append((node.lineno, f'.{f.attr}()'))
+        literals = [a.value for a in ast.walk(node) if isinstance(a, ast.Constant) and a.value in names]
+        if literals and (isinstance(f, ast.Name) and f.id in ('learn', 'self') or
+                         isinstance(f, ast.Attribute) and f.attr in ('fire', '_fire', 'learn')):
+            found.append((node.lineno, f'fires {literals}'))
+    return found
+
+def test_no_step_variant_restates_the_order_of_the_step_events():
+    "Only learncb/step.py fires the step's events: a variant of the step (compiled, fault-tolerant) overrides computations"
+    import learncb
+    from pathlib import Path
+    pkg = Path(learncb.__file__).parent
+    assert step_event_calls(pkg/'step.py'), 'the check finds the step firing its events'
+    elsewhere = {str(p.relative_to(pkg)): c for p in pkg.rglob('*.py') if p.name != 'step.py'
+                 and (c := step_event_calls(p))}
+    assert elsewhere == {}

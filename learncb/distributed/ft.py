@@ -246,14 +246,16 @@ class FaultTolerantStep(Step):
     loss_items = None
     def __init__(self, learn, strategy):
         super().__init__(learn)
-        self.strategy,self.tries = strategy,0
+        self.strategy,self.tries,self._total = strategy,0,None
         self.params = [p for g in learn.opt.param_groups for p in g['params']]     # a frozen one's gradient: zeros
         self._before_backward = [cb for cb in learn.ordered_cbs('before_backward') if cb.takes_part('before_backward', True)]
 
     def run(self):
         "The batch's step as `Step` runs it; in training on this replica's share of the global batch, held in `loss_items`"
         learn = self.learn
-        if learn.training: self._batch,self.loss_items = (learn.xb, learn.yb),find_bs(learn.yb or learn.xb)
+        if learn.training:
+            self._batch,self.loss_items = (learn.xb, learn.yb),find_bs(learn.yb or learn.xb)
+            self._states,self._seen_loss = [(cb, copy.deepcopy(cb.state_dict())) for cb in self._before_backward],None
         super().run()
 
     def batch_items(self):
@@ -286,37 +288,36 @@ class FaultTolerantStep(Step):
         return lf
 
     def backward(self):
-        """This replica's share of the backward, then the sum over the quorum (gradients kept by a cancelled step are not
-        summed again); a try the quorum does not commit is taken back and done again on a new quorum"""
-        learn = self.learn
-        loss,kept,states = learn.loss,[p.grad for p in self.params],self._states()
+        """This replica's share of the backward, weighted by its part of the global batch, then the sum over the quorum
+        and its vote (`committed`): gradients a cancelled step kept are not summed again, and stay as they were when the
+        try is not committed"""
+        learn,ft = self.learn,self.strategy
+        kept,self._total = [p.grad for p in self.params],None
         for p in self.params: p.grad = None
         try:
-            while (total := self._try()) is None: self._again(states)
-        except BaseException:
-            for p,g in zip(self.params, kept): p.grad = g
-            raise
-        for p,g in zip(self.params, kept):
-            if g is not None: p.grad = g.add_(p.grad)
-        learn.loss = loss.copy_(total)             # the tensor `after_loss` handlers saw: now the global batch's loss
+            if ft.weight: super().backward()
+            self._total = ft.sum_and_commit(learn, self.params, learn.loss * ft.weight)
+        finally:
+            for p,g in zip(self.params, kept):
+                if self._total is None: p.grad = g                 # not committed, or failed: as before the try
+                elif g is not None: p.grad = g.add_(p.grad)        # committed: this batch's sum added to them
+        if self._total is None: return
+        loss = learn.loss if self._seen_loss is None else self._seen_loss     # the tensor `after_loss` handlers saw
+        learn.loss = loss.copy_(self._total)                                 # the global batch's loss from here on
 
-    def _try(self):
-        "This share's backward, weighted by its part of the global batch, and the sum over the quorum: the global loss, or `None`"
-        learn,ft = self.learn,self.strategy
-        if ft.weight: super().backward()
-        return ft.sum_and_commit(learn, self.params, learn.loss * ft.weight)
+    def committed(self):
+        "Whether the quorum committed this try"
+        return self._total is not None
 
-    def _states(self):
-        "The state of the callbacks that handle `before_backward`, as before the batch's first try"
-        return [(cb, copy.deepcopy(cb.state_dict())) for cb in self._before_backward]
-
-    def _again(self, states):
-        "After a try not committed: those callbacks' state back, a new quorum, this replica's new share, its loss, `before_backward`"
+    def take_back(self):
+        """After a try the quorum did not commit: the state of the callbacks that handle `before_backward` as before the
+        batch, then a new quorum, this replica's new share and its loss (`Step.steps` fires `before_backward` again)"""
+        learn = self.learn
         self.tries += 1
-        for cb,state in states: cb.load_state_dict(copy.deepcopy(state))
+        if self._seen_loss is None: self._seen_loss = learn.loss
+        for cb,state in self._states: cb.load_state_dict(copy.deepcopy(state))
         self.predict()
         self.compute_loss()
-        self.fire('before_backward')
 
 # %% ../../nbs/23e_ft.ipynb #a1f0e005
 class ReplicaCallback(Callback):

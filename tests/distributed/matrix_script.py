@@ -1,0 +1,89 @@
+"""The capability x strategy matrix (tests/distributed/test_matrix.py): one fit per capability, each from the same
+weights and data, under one strategy; every result saved for the test to hold against the one-process fit.
+
+python tests/distributed/matrix_script.py OUT --strategy one|ddp|fsdp|torchft [--only CAP,CAP]
+'one': this process, `distrib_ctx(global_batch=64)` (the order the others are held against); 'ddp', 'fsdp': two
+processes (learncb's `launch`, gloo); 'torchft': two replica groups of one process under a lighthouse of their own
+(`launch_replicas`). Each process saves OUT/<strategy><rank>.pt: `{capability: {'weights', 'steps', 'refused',
+'train_iter', 'losses'}}`, where `refused` is the error of a fit refused before its first batch (else `None`)."""
+import argparse, os
+from pathlib import Path
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from learncb.all import *
+
+N_ITEMS,GLOBAL_BATCH,EPOCHS = 512,64,2
+
+def data(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, (x @ torch.randn(8, 1, generator=g)).squeeze(1) + 0.1 * torch.randn(n, generator=g))
+
+class StepCount(Callback):
+    "The optimizer steps taken in the fit (counted after a compiled step)"
+    order,deferred_events,n = Order.FINAL,('after_step',),0
+    def before_fit(self): self.n = 0
+    def after_step(self): self.n += bool(self.learn.step_taken)
+
+def ckpt(folder): return [CheckpointCallback(folder, every_n_steps=5, background=False)]
+
+capabilities = {       # name: the callbacks of the fit, given its checkpoint folder
+    'none': lambda folder: [],
+    'accumulation': lambda folder: [GradientAccumulation(128)],
+    'clip': lambda folder: [GradientClip(0.05)],
+    'precision': lambda folder: [MixedPrecision('bf16')],
+    'terminate_on_nan': lambda folder: [TerminateOnNaNCallback()],
+    'spike_guard': lambda folder: [SpikeGuard(check_every=4, snapshot_every=4)],
+    'microbatch': lambda folder: [AutoMicrobatch()],
+    'ema': lambda folder: [EMACallback(0.9)],
+    'swa': lambda folder: [SWACallback(start_epoch=1, swa_lr=1e-3)],
+    'schedule_by_step': lambda folder: [ParamScheduler({'lr': SchedCos(3e-3, 1e-4)}, by='step')],
+    'checkpoint': ckpt,
+    'compiled_step': lambda folder: [],
+}
+
+def learner():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1), nn.Flatten(0))
+    dls = DataLoaders(DataLoader(data(N_ITEMS, 1), batch_size=GLOBAL_BATCH, shuffle=True),
+                      DataLoader(data(128, 2), batch_size=64))
+    return Learner(dls, model, loss_func=nn.MSELoss(), opt_func=torch.optim.Adam, lr=3e-3, default_cbs=False,
+                   cbs=[TrainEvalCallback(), Recorder()])
+
+def fit(cap, strategy, out, rank):
+    "One fit with capability `cap`: what it computed, or why it was refused"
+    learn,steps = learner(),StepCount()
+    if cap == 'compiled_step': learn.compile(step=True, fallback=False)
+    folder = out/'ckpt'/strategy/(str(rank) if strategy == 'torchft' else '')/cap
+    refused,before = None,{k: v.clone() for k,v in learn.model.state_dict().items()}
+    ctx = learn.distrib_ctx(global_batch=GLOBAL_BATCH) if strategy == 'one' else learn.distrib_ctx(
+        strategy=TorchFT(timeout=30) if strategy == 'torchft' else strategy, global_batch=GLOBAL_BATCH)
+    try:
+        with ctx: learn.fit(EPOCHS, cbs=[steps, *capabilities[cap](folder)])
+    except ValueError as e:
+        refused = str(e)
+        assert all(torch.equal(v, learn.model.state_dict()[k]) for k,v in before.items()), cap   # nothing lost
+    return {'weights': {k: v.detach().clone() for k,v in learn.model.state_dict().items()}, 'steps': steps.n,
+            'refused': refused, 'train_iter': learn.train_iter, 'losses': [float(l) for l in learn.recorder.losses]}
+
+def run_all(out, strategy, caps):
+    rank = int(os.environ.get('REPLICA_GROUP_ID', os.environ.get('RANK', 0)))
+    torch.set_num_threads(1)
+    group = strategy in ('ddp', 'fsdp')      # one process group for all the fits (each distrib_ctx joins it)
+    if group: torch.distributed.init_process_group('gloo')
+    try: results = {cap: fit(cap, strategy, out, rank) for cap in caps}
+    finally:
+        if group: torch.distributed.destroy_process_group()
+    torch.save(results, out/f'{strategy}{rank}.pt')
+
+if __name__ == '__main__':
+    p = argparse.ArgumentParser()
+    p.add_argument('out'); p.add_argument('--strategy', default='one'); p.add_argument('--only', default=None)
+    args = p.parse_args()
+    out,caps = Path(args.out),args.only.split(',') if args.only else list(capabilities)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.strategy == 'one': run_all(out, 'one', caps)
+    elif args.strategy == 'torchft':
+        with Lighthouse(min_replicas=2) as lh: launch_replicas(run_all, out, 'torchft', caps, n=2, lighthouse=lh, timeout=900)
+    else: launch(run_all, out, args.strategy, caps, nprocs=2)

@@ -1,0 +1,50 @@
+"""The capability x strategy matrix: every built-in callback that acts on the step, in one process and under DDP, FSDP
+and torchft (two processes or replica groups, gloo), each fit held against the same fit in one process, or refused
+by name before its first batch. One launch per strategy runs every capability in turn (matrix_script.py)."""
+from pathlib import Path
+import pytest, torch
+from conftest import run_forked
+
+SCRIPT = Path(__file__).parent/'matrix_script.py'
+WAIT = 900
+pytestmark = pytest.mark.xdist_group('matrix')       # the one-process fits, made once, are read by every strategy
+
+# The cells a strategy refuses today, and who is named: a cell refused or run that is not in this table fails the test
+refused = {'ddp': {},
+           'fsdp': {'microbatch': 'AutoMicrobatch', 'ema': 'EMACallback', 'swa': 'SWACallback',
+                    'compiled_step': 'learn.compile(step=True)'},
+           'torchft': {'spike_guard': 'SpikeGuard', 'microbatch': 'AutoMicrobatch',
+                       'compiled_step': 'learn.compile(step=True)'}}
+tolerance = {'precision': 1e-2}       # bf16: equal to its rounding; every other cell to float32's (1e-5)
+
+def matrix(out, strategy):
+    "Every capability's fit under `strategy`, as rank (or replica) 0 saw it"
+    res = run_forked(SCRIPT, out, '--strategy', strategy, timeout=WAIT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return torch.load(out/f'{strategy}0.pt', weights_only=False)
+
+@pytest.fixture(scope='module')
+def one(tmp_path_factory):
+    "The fits in one process, in the order `distrib_ctx(global_batch=64)` gives"
+    return matrix(tmp_path_factory.mktemp('one'), 'one')
+
+def test_in_one_process_every_capability_runs_and_accumulation_steps_every_128_items(one):
+    assert all(r['refused'] is None and r['train_iter'] == 16 for r in one.values())
+    assert one['none']['steps'] == 16 and one['accumulation']['steps'] == 8     # 2 epochs of 512 items, 64 a batch
+
+def max_rel(a, b):
+    return max(((a[k] - w).abs().max() / w.abs().max()).item() for k,w in b.items())
+
+@pytest.mark.parametrize('strategy', ['ddp', 'fsdp', 'torchft'])
+def test_every_capability_means_the_same_under_every_strategy(strategy, one, tmp_path):
+    "Each cell: the one-process fit's optimizer steps and weights, or a refusal before the first batch naming who and why"
+    got = matrix(tmp_path, strategy)
+    assert set(got) == set(one)
+    for cap,r in got.items():
+        if cap in refused[strategy]:
+            assert r['refused'] is not None and r['train_iter'] == 0, cap
+            assert r['refused'].startswith(f"{refused[strategy][cap]}: strategy='{strategy}'"), r['refused']
+            continue
+        assert r['refused'] is None, (cap, r['refused'])
+        assert r['steps'] == one[cap]['steps'] and r['train_iter'] == 16, cap
+        assert max_rel(r['weights'], one[cap]['weights']) <= tolerance.get(cap, 1e-5), cap
