@@ -34,6 +34,7 @@ from .inference.interpret import *
 from .inference.summary import *
 from .inference.export import *
 from .inference.program import *
+from .strategy import *
 from .distributed.strategy import *
 from .distributed.ddp import *
 from .distributed.fsdp import *

@@ -58,20 +58,24 @@ class Step:
         lf = self.compute_loss()
         self.fire('after_loss')
         if not learn.training or lf is None: return
-        self.begin_stage('backward')
+        self.stage_now = 'backward'               # from here to its `after_`, a cancel of this stage ends it
+        self.fire('before_backward')
         self.backward() if self.backward_hook is None else self.backward_hook.step_backward(self)
         while not self.committed():               # a fault-tolerant step's try that the quorum did not commit
             self.take_back()
             self.fire('before_backward')
             self.backward()
-        self.end_stage('backward')
+        self.stage_now = None
+        self.fire('after_backward')
         self.step_stage()
 
     def step_stage(self):
-        "`before_step`, the optimizer's step, `after_step`, then zero_grad"
-        self.begin_stage('step')
+        "`before_step`, the optimizer's step, `after_step` (`learn.step_taken` set first: the optimizer stepped), zero_grad"
+        self.stage_now = 'step'
+        self.fire('before_step')
         self.optimizer_step()
-        self.end_stage('step')
+        self.stage_now,self.learn.step_taken = None,True
+        self.fire('after_step')
         self.zero_grad()
 
     def after_cancel(self, cancel, stage):
@@ -89,17 +93,6 @@ class Step:
     def fire(self, event):
         "Call the handlers of `event`: the step's way to fire one (a variant of the step fires none itself)"
         self.learn._fire(event)
-
-    def begin_stage(self, name):
-        "`before_<name>`: from here to `end_stage`, a cancel of stage `name` ends it"
-        self.stage_now = name
-        self.fire(stage_events[name][0])
-
-    def end_stage(self, name):
-        "`after_<name>` (`learn.step_taken` set first for the step stage: the optimizer stepped)"
-        self.stage_now = None
-        if name == 'step': self.learn.step_taken = True
-        self.fire(stage_events[name][2])
 
     def cancelled(self, stage):
         "The end of `stage` (`'backward'`, `'step'`) after a cancel raised inside it: `after_cancel_<stage>`, `after_<stage>`; `False`"

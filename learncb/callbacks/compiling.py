@@ -148,6 +148,13 @@ class TracedStep(Step):
         learn.loss_grad.backward()
         learn.pred,learn.loss_grad = detached(learn.pred),learn.loss_grad.detach()   # their graph is spent: none escapes
 
+    @torch.compiler.disable(recursive=False)
+    def step_stage(self):
+        """`Step.step_stage` in a frame of its own, compiled apart from the forward and backward: a handler that cancels
+        the step on a Python value (`GradientAccumulation`) raises there, and torch then runs that frame eagerly
+        rather than the whole step"""
+        super().step_stage()
+
     def optimizer_step(self): self.compiled.opt_step()
     def zero_grad(self): pass             # after the graph, eagerly (torch.compile would not trace it)
 

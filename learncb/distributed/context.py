@@ -19,6 +19,7 @@ from ..core import *
 from ..utils import *
 from ..ranks import *
 from ..learner import *
+from ..strategy import *
 from .strategy import *
 from .ddp import *
 from .fsdp import *

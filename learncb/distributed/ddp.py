@@ -9,6 +9,7 @@ __all__ = ['DDP']
 
 # %% ../../nbs/23a_ddp.ipynb #e15a1a64
 from torch.nn.parallel import DistributedDataParallel
+from ..strategy import *
 from .strategy import *
 
 # %% ../../nbs/23a_ddp.ipynb #3300b2dc

@@ -15,6 +15,7 @@ from torch import nn
 from ..core import *
 from ..utils import *
 from ..ranks import *
+from ..strategy import *
 from .strategy import *
 from ..callbacks.training import MixedPrecision
 

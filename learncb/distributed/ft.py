@@ -20,6 +20,7 @@ from ..step import Step
 from ..optim import clear_grads
 from ..ranks import free_port
 from ..resume import ResumeCallback, check_same_run
+from ..strategy import *
 from .strategy import *
 
 # %% ../../nbs/23e_ft.ipynb #a1f0e002

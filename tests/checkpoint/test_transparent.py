@@ -124,7 +124,7 @@ def test_ddp_sigkill_then_resume(ddp, tmp_path):
 def test_ddp_order_is_distributed_samplers(tmp_path):
     "Rank r of a run reads what DistributedSampler(seed=0) gives rank r, epoch by epoch (a hand-written DDP loop's order)"
     learn = make_learner(tmp_path)
-    from learncb.distributed.strategy import shard_train_dl
+    from learncb.strategy import shard_train_dl
     ds = learn.dls.train.dataset
     for rank in (0, 1):
         share = shard_train_dl(learn.dls.train, rank, 2)

@@ -105,7 +105,7 @@ def test_launch_from_a_notebook_forks_a_run(tmp_path):
 
 def test_gradient_accumulation_skips_the_averaging_of_batches_that_do_not_step(tmp_path):
     run(tmp_path/'one', '--bs', '8', '--acc', '16', nproc=1)
-    run(tmp_path/'two', '--bs', '4', '--acc', '8')                 # per rank: 4 items a batch, a step every 8
+    run(tmp_path/'two', '--bs', '4', '--acc', '16')    # 4 items a batch per rank, 8 in all: the run's n_acc, as in one
     one, two = result(tmp_path/'one'), result(tmp_path/'two')
     assert two['syncs'][:6] == [False, True] * 3                      # no_sync in the backward of the first of each pair
     for k in one['model']: torch.testing.assert_close(two['model'][k], one['model'][k], atol=1e-6, rtol=1e-5)

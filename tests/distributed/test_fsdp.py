@@ -71,7 +71,7 @@ def test_export_after_fsdp_loads_in_a_fresh_process(runs, tmp_path):
 
 def test_gradient_accumulation_skips_the_reduce_scatter(tmp_path):
     run(tmp_path/'one', '--blocks', '--bs', '8', '--acc', '16', nproc=1)
-    run(tmp_path/'two', '--blocks', *FSDP, '--bs', '4', '--acc', '8')       # per rank: 4 a batch, a step every 8
+    run(tmp_path/'two', '--blocks', *FSDP, '--bs', '4', '--acc', '16')   # 8 items a batch in all: the run's n_acc
     one, two = result(tmp_path/'one'), result(tmp_path/'two')
     assert two['syncs'][:6] == [False, True] * 3                     # a reduce-scatter in the backward of a step only
     assert_weights_close(two, one, atol=1e-6)
