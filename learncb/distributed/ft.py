@@ -17,7 +17,6 @@ from ..core import *
 from ..utils import *
 from ..learner import *
 from ..step import Step
-from ..optim import clear_grads
 from ..ranks import free_port
 from ..resume import ResumeCallback, check_same_run
 from ..strategy import *
