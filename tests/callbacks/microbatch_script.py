@@ -4,8 +4,9 @@
 python tests/callbacks/microbatch_script.py OUT [--auto] [--inject N] [--inject-rank R] [--cap-mb M] [--epochs E]
 
 --inject N: the model raises `torch.OutOfMemoryError` on a training batch of more than N items (on rank R only, if
-given). --cap-mb M: the process's address space is capped M MiB above what it maps after a warm-up fit, so that the
-CPU allocator itself fails (`RLIMIT_AS`). Each rank saves OUT/rank{r}.pt: the weights, the steps, the split history;
+given). --cap-mb M: the process's address space is capped M MiB above what it maps after a warm-up fit (in one
+process) or after its first training batch (under DDP), so that the CPU allocator itself fails (`RLIMIT_AS`): the
+cap leaves M MiB for what a batch allocates, whatever the machine maps before. Each rank saves OUT/rank{r}.pt: the weights, the steps, the split history;
 an error is saved as OUT/error{r}.txt (and the exit status is 3)."""
 import argparse, os, resource, sys, traceback
 from pathlib import Path
@@ -55,10 +56,12 @@ def cap_memory(mb):
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 class CapMemory(Callback):
-    "Under DDP: caps the address space `mb` MiB above what is mapped once the process group is up and the model wrapped"
-    order = Order.SETUP + 2
+    """Under DDP: caps the address space `mb` MiB above what is mapped after the first training batch, once its step made
+    what every step keeps (the gradients, DDP's buckets, the optimizer's state): what is left is the batch's own"""
+    order = Order.LAST
     def __init__(self, mb): self.mb = mb
-    def before_fit(self):
+    def after_batch(self):
+        if not self.training or self.learn.train_iter != 1: return
         limit = mapped_bytes() + self.mb * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
