@@ -132,7 +132,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         if not meta_tensors(self.model): self.model.to(self.device)     # a model on `meta` is refused by `fit`
         self.opt,self.state,self.logger,self.exception,self.cbs = None,AttrDict(),print_row,None,[]
         self.fitting,self.validating_aside,self.stop_reason,self.resume_from = False,0,None,None
-        self.strategy = SingleProcess()               # how fits run over the processes: this one, unless `distrib_ctx` says
+        self.strategy = SingleProcess()               # how fits run: `distrib_ctx` sets another
         self._running,self._opts_made = None,weakref.WeakKeyDictionary()  # who runs a fit now; the optimizers create_opt made
         self._removed_in_fit = []                     # callbacks removed during this fit: `learn` is cleared at its end
         for k,v in {**fit_attrs, **phase_attrs}.items(): setattr(self, k, v)

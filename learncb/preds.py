@@ -276,7 +276,7 @@ def _recorders_off(learn):
 def _over_ranks(learn, dl):
     "`(dl, None)` in one process; in a distributed run this rank's share of `dl` in order, and `collect(res)` of the shares"
     if num_distrib() == 1: return dl,None
-    strategy = learn.strategy               # a process group started without `distrib_ctx`: shared out in order
+    strategy = learn.strategy          # a process group started without `distrib_ctx`: shared out in order
     user = strategy.user_dl(dl)
     return strategy.shard_valid(user),partial(strategy.gather_in_order, n=len(user.dataset))
 

@@ -37,7 +37,8 @@ def is_rank0():
     return rank_distrib() == 0
 
 def refused(learn, capability, who):
-    "Why `learn`'s strategy cannot run `capability` (`'microbatch'`, `'compiled step'`, `'weight averaging'`, `'rollback'`) for `who` (a callback, named first), or `None`"
+    """Why `learn`'s strategy cannot run `capability` for `who` (a callback, named first), or `None`;
+    `capability`: `'microbatch'`, `'compiled step'`, `'weight averaging'`, `'rollback'`"""
     why = learn.strategy.refuses(capability)
     return None if why is None else f"{who if isinstance(who, str) else type(who).__name__}: {why}"
 

@@ -46,12 +46,12 @@ class Step:
         try: self.steps()
         except _cancels as e: self.after_cancel(e, self.stage_now)
         except Exception as e:
-            if self.stage_now is not None: note_where(e, 'step')    # backward and callbacks have marked theirs
+            if self.stage_now is not None: note_where(e, 'step')    # backward and callbacks marked theirs
             raise
 
-    # The order of the step's events, written once: a variant of the step overrides the computations further down
+    # The order of the step's events, written once: a variant of the step overrides the computations below
     def steps(self):
-        "`after_pred`, `after_loss`, and in training the `backward` stage and the `step` stage, in the order of `loop_outline`"
+        "`after_pred`, `after_loss`, and in training the `backward` and `step` stages, as `loop_outline` says"
         learn = self.learn
         self.predict()
         self.fire('after_pred')
@@ -70,7 +70,7 @@ class Step:
         self.step_stage()
 
     def step_stage(self):
-        "`before_step`, the optimizer's step, `after_step` (`learn.step_taken` set first: the optimizer stepped), zero_grad"
+        "`before_step`, the optimizer's step, `after_step` (`learn.step_taken` set before it), zero_grad"
         self.stage_now = 'step'
         self.fire('before_step')
         self.optimizer_step()
@@ -79,15 +79,13 @@ class Step:
         self.zero_grad()
 
     def after_cancel(self, cancel, stage):
-        "The rest of the step after `cancel` was raised in `stage`: its cancel's events, then the step stage after a cancelled backward"
-        if stage is None or not isinstance(cancel, _stage_cancels[stage]): raise cancel     # not its stage's: the loop's
+        """The rest of the step after `cancel` was raised in `stage`: its cancel's events, then the step stage
+        after a cancelled backward"""
+        if stage is None or not isinstance(cancel, _stage_cancels[stage]): raise cancel    # not this stage's
         self.stage_now = None
         self.cancelled(stage)
-        if stage == 'backward': self.run_stage(self.step_stage)
-
-    def run_stage(self, stage):
-        "Run `stage` (a method that begins and ends one stage) and the end of it after a cancel"
-        try: stage()
+        if stage != 'backward': return
+        try: self.step_stage()
         except _cancels as e: self.after_cancel(e, self.stage_now)
 
     def fire(self, event):
@@ -95,9 +93,10 @@ class Step:
         self.learn._fire(event)
 
     def cancelled(self, stage):
-        "The end of `stage` (`'backward'`, `'step'`) after a cancel raised inside it: `after_cancel_<stage>`, `after_<stage>`; `False`"
+        """The end of `stage` (`'backward'`, `'step'`) after a cancel raised inside it:
+        `after_cancel_<stage>`, `after_<stage>`; `False`"""
         _,after_cancel,after = stage_events[stage]
-        if stage == 'step': self.learn.step_taken = False        # what `after_step` handlers read: the optimizer did not step
+        if stage == 'step': self.learn.step_taken = False    # for `after_step`: the optimizer did not step
         self.fire(after_cancel); self.fire(after)
         return False
 
@@ -109,7 +108,7 @@ class Step:
         except Exception as e: note_failure(learn, e, 'model'); raise
 
     def compute_loss(self):
-        "`learn.loss_grad` and `learn.loss` of the batch; returns the loss function, `None` without one (predictions only)"
+        "`learn.loss_grad` and `learn.loss` of the batch; the loss function, or `None` (predictions only)"
         learn = self.learn
         lf = learn._batch_loss_func()
         if lf is None: learn.loss = learn.loss_grad = None      # predictions only: no targets, no loss of the model's
@@ -121,7 +120,8 @@ class Step:
         return lf
 
     def backward(self):
-        "The backward of the loss with the reduction of the gradients (`Strategy.backward`); the reason when the user's loss cannot have one"
+        """The backward of the loss with the reduction of the gradients (`Strategy.backward`); the reason when
+        the user's loss cannot have one"""
         learn = self.learn
         try: learn.strategy.backward(learn.loss_grad)
         except Exception as e:
@@ -134,12 +134,14 @@ class Step:
             raise
 
     def committed(self):
-        "Whether the gradients of this try of the batch are kept (`True`); a variant that can lose a try says (torchft's quorum)"
+        "Whether the gradients of this try of the batch are kept (`True`); a variant that can lose a try says"
         return True
 
     def take_back(self):
-        "Undo a try that was not committed and compute the batch again up to its loss, for `before_backward` and the backward"
-        raise NotImplementedError(f"{type(self).__name__}.committed() said no, but it cannot take the try back")
+        """Undo a try that was not committed, and compute the batch again up to its loss
+        (`before_backward` and the backward follow)"""
+        raise NotImplementedError(f"{type(self).__name__}.committed() returned False: override take_back() "
+                                  f"to undo the try and compute the batch again up to its loss")
 
     def optimizer_step(self):
         "The optimizer's step (`opt_step`: torch's, without its profiler wrapper when nothing needs it)"
@@ -150,7 +152,8 @@ class Step:
         clear_grads(self.learn.opt)
 
     def batch_items(self):
-        "How many items the run's batch holds, of which this process computes the current batch (`Strategy.global_items`)"
+        """How many items the run's batch holds, of which this process computes this batch
+        (`Strategy.global_items`)"""
         learn = self.learn
         return learn.strategy.global_items(find_bs(learn.yb or learn.xb))
 

@@ -1,4 +1,4 @@
-"""`Strategy`, how a fit runs over the processes of a run: this rank's share of the data, the model it trains, the backward and the reduction of the gradients, sums over the ranks, what it can run. `SingleProcess` is a learner's own; `DDP`, `FSDP` and `TorchFT` are others; yours is a subclass.
+"""`Strategy`, how a fit runs over the processes of a run; `SingleProcess`, a learner's own.
 
 Docs: https://learncb.github.io/learncb/strategy.html.md"""
 
@@ -18,7 +18,8 @@ from .sampler import *
 
 # %% ../nbs/02f_strategy.ipynb #7ec88ade
 class DistributedResumableSampler(ResumableSampler):
-    "This rank's share of the order of torch's `DistributedSampler`: shuffled from `seed + epoch`, every `world`-th index from `rank`"
+    """This rank's share of torch's `DistributedSampler` order: shuffled from `seed + epoch`,
+    every `world`-th index from `rank`"""
     def __init__(self, n, rank, world, shuffle=True, seed=0):
         super().__init__(n, shuffle=shuffle, seed=seed, rank=rank, world=world)
 
@@ -37,13 +38,15 @@ def shard_train_dl(dl, rank=None, world=None, seed=0):
 
 # %% ../nbs/02f_strategy.ipynb #9673e094
 class Strategy:
-    "How a fit runs over the processes of a run: shards the data, keeps the plain model; subclass it to wrap the model"
+    """How a fit runs over the processes of a run: shards the data, keeps the plain model;
+    a subclass wraps the model"""
     sharded = False
-    "Whether each rank holds only a shard of the model's state: its checkpoints are then written by every rank"
+    "Whether each rank holds only a shard of the model's state: then every rank writes its checkpoints"
     seed = 0
-    "The seed of the training order: epoch `e` is shuffled from `seed + e`, as by `DistributedSampler(seed=seed)`"
+    """The seed of the training order: epoch `e` shuffled from `seed + e`, as by
+    `DistributedSampler(seed=seed)`"""
     def shard_train(self, dl):
-        "This rank's share of training dataloader `dl`: the same epoch order on every rank, each its own part of it"
+        "This rank's share of training dataloader `dl`: the same epoch order on every rank, each its own part"
         return self._sharded(shard_train_dl(dl, seed=self.seed), dl)
 
     def shard_valid(self, dl):
@@ -51,7 +54,7 @@ class Strategy:
         return self._sharded(shard_in_order(dl), dl)
 
     def _shares(self):
-        "`{share: the user's dataloader}`, made on first use (a subclass's `__init__` need not call this one's)"
+        "`{share: the user's dataloader}`, made on first use (a subclass's `__init__` need not call this one)"
         return self.__dict__.setdefault('_user_dls', weakref.WeakKeyDictionary())
 
     def _sharded(self, out, dl):
@@ -59,12 +62,12 @@ class Strategy:
         return out
 
     def user_dl(self, dl):
-        "The dataloader the user gave, of which `dl` is this rank's share (`dl` itself when it is not a share)"
+        "The dataloader the user gave, of which `dl` is this rank's share (`dl` itself when it is none)"
         try: return self._shares().get(dl, dl)
         except TypeError: return dl                       # not a dataloader this strategy could have made
 
     def wrap(self, learn):
-        "Put the model the ranks train in `learn.model`, when the fit starts (here: the plain model, as it is)"
+        "Put the model the ranks train in `learn.model` when the fit starts (here: the plain model, as it is)"
 
     def unwrap(self, learn):
         "Put the plain model, trained, back in `learn.model`, when the fit ends (after an error too)"
@@ -88,30 +91,35 @@ class Strategy:
         return gather_in_order(o, n)
 
     def global_items(self, n):
-        "How many items the run's batch holds when this process's batch holds `n`: every rank reads as many (DDP, FSDP)"
+        """How many items the run's batch holds when this process's holds `n`:
+        every rank reads as many (DDP, FSDP)"""
         return n * num_distrib()
 
     reduces_in_backward = False
-    "Whether the model's own backward reduces the gradients over the ranks (DDP's hooks): a compiled step leaves it untraced"
+    """Whether the model's backward reduces the gradients over the ranks (DDP's hooks):
+    a compiled step leaves it untraced"""
 
     def backward(self, loss):
-        "The backward of `loss` on this rank: the step calls it (its gradients reduced by the model it wraps, if any)"
+        """The backward of `loss` on this rank, which the step calls
+        (its gradients reduced by a wrapper, if any)"""
         loss.backward()
 
     def local_model(self, model):
-        "The model this rank computes with, without a wrapper that reduces the gradients (`model` itself here)"
+        "The model this rank computes with, without a wrapper that reduces gradients (`model` itself here)"
         return model
 
     def refuses(self, capability):
-        "Why this strategy cannot run `capability` (`'microbatch'`, `'compiled step'`, `'weight averaging'`, `'rollback'`), or `None`: it can"
+        """Why this strategy cannot run `capability` (`'microbatch'`, `'compiled step'`, `'weight averaging'`,
+        `'rollback'`), or `None`: it can"""
         return None
 
     needs_group = True
-    "Whether the strategy runs over torchrun's processes as one torch process group (`distrib_ctx` does nothing in one process)"
+    """Whether the strategy runs over torchrun's processes as one torch process group (`distrib_ctx` does
+    nothing in one process)"""
 
     @contextmanager
     def session(self, learn):
-        "Context manager around the `distrib_ctx` block, for what lives as long as it (a fault-tolerance manager)"
+        "Context manager around the `distrib_ctx` block, for what lives as long (a fault-tolerance manager)"
         yield
 
     def callbacks(self):
@@ -123,14 +131,16 @@ class Strategy:
         return logger if is_rank0() else noop
 
     def casts_model(self, dtype):
-        "Whether the model this strategy trains casts itself to `dtype` (then `MixedPrecision` does not autocast)"
+        """Whether the model this strategy trains casts itself to `dtype`
+        (`MixedPrecision` then does not autocast)"""
         return False
 
     def __repr__(self): return f'{type(self).__name__}()'
 
 # %% ../nbs/02f_strategy.ipynb #0460aa2c
 class SingleProcess(Strategy):
-    "The strategy of a learner outside `distrib_ctx`: this process reads the whole batch and trains the plain model"
+    """The strategy of a learner outside `distrib_ctx`:
+    this process reads the whole batch and trains the plain model"""
     needs_group = False
     def shard_train(self, dl):
         "The whole training dataloader: one process reads every item"

@@ -184,8 +184,8 @@ def step_event_calls(path):
     for node in ast.walk(ast.parse(path.read_text())):
         if not isinstance(node, ast.Call): continue
         f = node.func
-        parent_s = isinstance(f, ast.Attribute) and isinstance(f.value, ast.Call) and getattr(f.value.func, 'id', '') == 'super'
-        if isinstance(f, ast.Attribute) and f.attr in names and not parent_s: found.append((node.lineno, f'.{f.attr}()'))
+        calls_super = isinstance(f, ast.Attribute) and isinstance(f.value, ast.Call) and getattr(f.value.func, 'id', '') == 'super'
+        if isinstance(f, ast.Attribute) and f.attr in names and not calls_super: found.append((node.lineno, f'.{f.attr}()'))
         literals = [a.value for a in ast.walk(node) if isinstance(a, ast.Constant) and a.value in names]
         if literals and (isinstance(f, ast.Name) and f.id in ('learn', 'self') or
                          isinstance(f, ast.Attribute) and f.attr in ('fire', '_fire', 'learn')):

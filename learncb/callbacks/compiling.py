@@ -120,14 +120,15 @@ def _compiler_reason(e):
     return f"torch.compile failed ({type(e).__name__}: {' '.join(lines)})"
 
 class TracedStep(Step):
-    """The step `CompiledStep` traces, `Step.steps`: the handlers `step_plan` compiles (`cbs`), the model, the loss,
-    backward and the optimizer step as plain tensor code; a cancel leaves the graph, and the eager step ends its stage"""
+    """The step `CompiledStep` traces, `Step.steps`: the handlers `step_plan` compiles (`cbs`), the model, the
+    loss, backward and the optimizer step as plain tensor code; a cancel leaves the graph, and the eager
+    step ends its stage"""
     def __init__(self, learn, compiled):
         super().__init__(learn, hooks=False)
         self.compiled,self.cbs,self.xb,self.yb = compiled,{},(),()
 
     def prepare(self, xb, yb, cbs):
-        "Take the batch `xb`, `yb` and the handlers `cbs` (`{event: callbacks}`) of the next `steps`, outside the graph"
+        "Take the batch `xb`, `yb` and the handlers `cbs` (`{event: callbacks}`) of the next `steps`"
         self.xb,self.yb,self.cbs,self.stage_now = xb,yb,cbs,None
 
     def fire(self, event):
@@ -146,13 +147,13 @@ class TracedStep(Step):
     def backward(self):
         learn = self.learn
         learn.loss_grad.backward()
-        learn.pred,learn.loss_grad = detached(learn.pred),learn.loss_grad.detach()   # their graph is spent: none escapes
+        learn.pred,learn.loss_grad = detached(learn.pred),learn.loss_grad.detach()   # their graph is spent
 
     @torch.compiler.disable(recursive=False)
     def step_stage(self):
-        """`Step.step_stage` in a frame of its own, compiled apart from the forward and backward: a handler that cancels
-        the step on a Python value (`GradientAccumulation`) raises there, and torch then runs that frame eagerly
-        rather than the whole step"""
+        """`Step.step_stage` in a frame of its own, compiled apart from the forward and backward: a handler
+        that cancels the step on a Python value (`GradientAccumulation`) raises there, and torch then runs
+        that frame eagerly rather than the whole step"""
         super().step_stage()
 
     def optimizer_step(self): self.compiled.opt_step()
@@ -166,8 +167,8 @@ class CompiledStep(Step):
         self.fell_back,self.traced_backward = None,trace_backward and backward_traceable(learn)
         self.cuda_graphs = self._opt_graphs = False   # `mode='reduce-overhead'` on a GPU: the graphs replayed as CUDA graphs
         self._traced = TracedStep(learn, self)
-        self._train,self._valid,self._opt_step = (torch.compile(_own_code(m), **kwargs)     # the steps on code of their own
-                                                  for m in (self._traced.steps, self._traced.steps, self._step_alone))
+        steps = (self._traced.steps, self._traced.steps, self._step_alone)       # each on code of its own
+        self._train,self._valid,self._opt_step = (torch.compile(_own_code(m), **kwargs) for m in steps)
 
     def start_fit(self):
         "Set up a fit: its hooks and optimizer, and whether it runs compiled (a fit falls back when a handler cannot)"

@@ -35,7 +35,8 @@ def _is_last_batch(learn):
     return learn.n_iter is not None and learn.iter == learn.n_iter - 1
 
 class GradientAccumulation(Callback):
-    "Step the optimizer once every `n_acc` samples of the run (all ranks'), with the gradient a batch of `n_acc` samples would give"
+    """Step the optimizer once every `n_acc` samples of the run (all ranks'), with the gradient of a batch of
+    `n_acc`"""
     order,run_valid,_state_attrs = Order.ACCUMULATE,False,('count',)
     compiled_events = ('before_backward', 'before_step')
     def __init__(self, n_acc=32):

@@ -84,13 +84,14 @@ def _gather_into(sharded, model):
 
 # %% ../../nbs/23b_fsdp.ipynb #83af721a
 _refusals = {
-    'microbatch': ("strategy='fsdp' does not split a batch into micro-batches yet (the ranks gather each shard in "
-                   "the forward, so they would have to split alike before it): fit with DDP, or with a smaller batch"),
-    'compiled step': ("strategy='fsdp' does not run a compiled step: FSDP gathers and frees the shards around each "
-                      "layer in hooks the compiled step would have to trace; use learn.compile() (the model "
-                      "compiled) with FSDP"),
-    'weight averaging': ("strategy='fsdp' does not average weights yet (each rank holds shards of the weights, and "
-                         "the average is of whole weights): use it with DDP or one process")}
+    'microbatch': ("strategy='fsdp' does not split a batch into micro-batches yet (the ranks gather each "
+                   "shard in the forward, so they would have to split alike before it): fit with DDP, or "
+                   "with a smaller batch"),
+    'compiled step': ("strategy='fsdp' does not run a compiled step: FSDP gathers and frees the shards "
+                      "around each layer in hooks the compiled step would have to trace; use "
+                      "learn.compile() (the model compiled) with FSDP"),
+    'weight averaging': ("strategy='fsdp' does not average weights yet (each rank holds shards of the "
+                         "weights, and the average is of whole weights): use it with DDP or one process")}
 
 class FSDP(Strategy):
     "Training sharded by FSDP2: a sharded copy of the model trains, then its weights and optimizer state are gathered back"

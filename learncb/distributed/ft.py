@@ -91,8 +91,8 @@ class TorchFT(Strategy):
     def refuses(self, capability):
         "Micro-batches, the compiled step and rollbacks (`SpikeGuard`) are not yet fault tolerant"
         if capability in _not_yet: return (
-            f"strategy='torchft' does not run {_not_yet[capability]} yet (its step shares each batch among the "
-            f"replicas of each quorum): fit without it, or with strategy='ddp'")
+            f"strategy='torchft' does not run {_not_yet[capability]} yet (its step shares each batch among "
+            f"the replicas of each quorum): fit without it, or with strategy='ddp'")
         if capability == 'rollback': return (
             "strategy='torchft' does not roll back yet (a replica that heals would hold a newer snapshot than its "
             "peers): fit without SpikeGuard; TerminateOnNaNCallback runs")
@@ -242,20 +242,24 @@ def _no_items(*args):
     return torch.zeros(())
 
 class FaultTolerantStep(Step):
-    "The step of a replica group: the quorum and this replica's share of the batch before the forward, the sum over the quorum in the backward, again until a quorum commits"
+    """The step of a replica group: the quorum and this replica's share of the batch before the forward, the
+    sum over the quorum in the backward, again until a quorum commits"""
     loss_items = None
     def __init__(self, learn, strategy):
         super().__init__(learn)
         self.strategy,self.tries,self._total = strategy,0,None
         self.params = [p for g in learn.opt.param_groups for p in g['params']]     # a frozen one's gradient: zeros
-        self._before_backward = [cb for cb in learn.ordered_cbs('before_backward') if cb.takes_part('before_backward', True)]
+        self._before_backward = [cb for cb in learn.ordered_cbs('before_backward')
+                                 if cb.takes_part('before_backward', True)]
 
     def run(self):
-        "The batch's step as `Step` runs it; in training on this replica's share of the global batch, held in `loss_items`"
+        """The batch's step as `Step` runs it;
+        in training on this replica's share of the global batch (`loss_items`)"""
         learn = self.learn
         if learn.training:
             self._batch,self.loss_items = (learn.xb, learn.yb),find_bs(learn.yb or learn.xb)
-            self._states,self._seen_loss = [(cb, copy.deepcopy(cb.state_dict())) for cb in self._before_backward],None
+            self._states = [(cb, copy.deepcopy(cb.state_dict())) for cb in self._before_backward]
+            self._seen_loss = None
         super().run()
 
     def batch_items(self):
@@ -263,7 +267,8 @@ class FaultTolerantStep(Step):
         return self.loss_items if self.learn.training else super().batch_items()
 
     def predict(self):
-        "In training, the step's quorum, then the forward of this replica's share of the batch (none when it has no item)"
+        """In training, the step's quorum, then the forward of this replica's share of the batch
+        (none without an item)"""
         if not self.learn.training or self._share(): super().predict()
         else: self.learn.pred = None
 
@@ -277,7 +282,8 @@ class FaultTolerantStep(Step):
         return hi > lo
 
     def compute_loss(self):
-        "The loss of this replica's share (zero without an item) in a tensor of its own, which the sum over the quorum makes the global batch's"
+        """The loss of this replica's share (zero without an item) in a tensor of its own, which the sum over
+        the quorum makes the global batch's"""
         learn = self.learn
         if not learn.training: return super().compute_loss()
         if learn.pred is None:
@@ -288,9 +294,9 @@ class FaultTolerantStep(Step):
         return lf
 
     def backward(self):
-        """This replica's share of the backward, weighted by its part of the global batch, then the sum over the quorum
-        and its vote (`committed`): gradients a cancelled step kept are not summed again, and stay as they were when the
-        try is not committed"""
+        """This replica's share of the backward, weighted by its part of the global batch, then the sum over
+        the quorum and its vote (`committed`): gradients a cancelled step kept are not summed again, and
+        stay as they were when the try is not committed"""
         learn,ft = self.learn,self.strategy
         kept,self._total = [p.grad for p in self.params],None
         for p in self.params: p.grad = None
@@ -299,19 +305,20 @@ class FaultTolerantStep(Step):
             self._total = ft.sum_and_commit(learn, self.params, learn.loss * ft.weight)
         finally:
             for p,g in zip(self.params, kept):
-                if self._total is None: p.grad = g                 # not committed, or failed: as before the try
+                if self._total is None: p.grad = g             # not committed, or failed: as before the try
                 elif g is not None: p.grad = g.add_(p.grad)        # committed: this batch's sum added to them
         if self._total is None: return
-        loss = learn.loss if self._seen_loss is None else self._seen_loss     # the tensor `after_loss` handlers saw
-        learn.loss = loss.copy_(self._total)                                 # the global batch's loss from here on
+        loss = learn.loss if self._seen_loss is None else self._seen_loss     # what `after_loss` handlers saw
+        learn.loss = loss.copy_(self._total)                 # the global batch's loss from here on
 
     def committed(self):
         "Whether the quorum committed this try"
         return self._total is not None
 
     def take_back(self):
-        """After a try the quorum did not commit: the state of the callbacks that handle `before_backward` as before the
-        batch, then a new quorum, this replica's new share and its loss (`Step.steps` fires `before_backward` again)"""
+        """After a try the quorum did not commit: the state of the callbacks that handle `before_backward` as
+        before the batch, then a new quorum, this replica's new share and its loss (`Step.steps` fires
+        `before_backward` again)"""
         learn = self.learn
         self.tries += 1
         if self._seen_loss is None: self._seen_loss = learn.loss

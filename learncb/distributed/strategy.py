@@ -1,4 +1,4 @@
-"""Strategies by name (`register_strategy`, `strategy_named`) and the callbacks that run a fit the way its strategy says: each rank's share of the data, the model it trains, rank 0 alone speaking, every rank agreeing to stop.
+"""Strategies by name, and the callbacks that run a fit the way its strategy says.
 
 Docs: https://learncb.github.io/learncb/strategies.html.md"""
 
