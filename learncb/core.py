@@ -384,6 +384,15 @@ class Callback:
         "The state to load on `rank` when a run resumes on another number of processes, from every saved rank's `states`"
         return states[rank] if rank < len(states) else states[0]
 
+    def live_state(self):
+        """What a peer that joins the run in the middle of an epoch needs besides `state_dict` (empty by default): a
+        checkpoint is written after `before_checkpoint` settled what was pending, a live state is taken during any
+        batch, as the run stood before it"""
+        return {}
+
+    def load_live_state(self, state):
+        "Take what a live peer's `live_state` returned (after `load_state_dict` loaded its checkpoint part)"
+
     def __repr__(self): return type(self).__name__ if self._name is None else f'{type(self).__name__}({self._name!r})'
 
 # %% ../nbs/00_core.ipynb #100a3833

@@ -81,11 +81,12 @@ def read_checkpoint(store, ref):
 # %% ../nbs/16c_state.ipynb #8539fee3
 class StateHost:
     "The run's state as one dict, `state_dict` and `load_state_dict`, and checkpoints by hand: the part of `Learner` that saves and resumes"
-    def state_dict(self):
-        "Everything a run depends on: model, optimizer, gradients, loop position, random generators, data order, callbacks"
+    def state_dict(self, live=False):
+        """Everything a run depends on: model, optimizer, gradients, loop position, random generators, data order,
+        callbacks; `live`: with what a peer joining during a batch needs besides (the callbacks' `live_state`)"""
         dl = self.dls.train
         sampler = sampler_of(dl)
-        return {'format': 'learncb-checkpoint', 'version': 2,
+        state = {'format': 'learncb-checkpoint', 'version': 2,
                 'model': plain_model(self.model).state_dict(),
                 'opt': None if self.opt is None else self.opt.state_dict(), 'opt_params': _opt_param_names(self),
                 'grads': {n: p.grad for n,p in plain_model(self.model).named_parameters() if p.grad is not None},
@@ -100,6 +101,8 @@ class StateHost:
                 'state': dict(self.state),
                 'frozen': {'idx': self.frozen_idx, 'train_bn': self.train_bn,
                            'params': [n for n,p in plain_model(self.model).named_parameters() if not p.requires_grad]}}
+        if live: state['live'] = {k: s for k,cb in zip(_cb_keys(self.cbs), self.cbs) if (s := cb.live_state())}
+        return state
 
     def load_state_dict(self, state, strict=True, where='the checkpoint'):
         "Put back what `state_dict` returned if all of it fits this learner; else raise naming `where`, changing nothing"
@@ -115,6 +118,7 @@ class StateHost:
             if state['opt'] is not None: undos.append(self._load_opt_state(state['opt'], where))
             undos.append(self._load_sampler_state(state['data']))
             undos.append(self._load_cb_states(_rank_cb_states(state, self.cbs), where))
+            self._load_live_states(state.get('live') or {})
             plain_model(self.model).load_state_dict(weights, strict=strict)
         except BaseException:
             for undo in reversed(undos): undo()
@@ -167,6 +171,11 @@ class StateHost:
         if missing: warn_user(f"{where} has state for callbacks this learner does not have: {missing}; add them to "
                                   f"restore it, or ignore this if they are gone on purpose")
         return undo
+
+    def _load_live_states(self, states):
+        "What live peers' callbacks gave besides their checkpoint state (`state_dict(live=True)`), to the same callbacks"
+        for k,cb in zip(_cb_keys(self.cbs), self.cbs):
+            if k in states: cb.load_live_state(states[k])
 
     def _load_frozen(self, frozen, saved_weights):
         "Freeze exactly the parameters a checkpoint says were frozen (nothing to do for a checkpoint without the entry)"
@@ -225,16 +234,38 @@ def _put_back(before, after):
 
 class LearnerSnapshot:
     "The learner's state (`state_dict`) copied in memory, with its optimizer object, modes and batch; `restore` puts it back"
-    def __init__(self, learn): self.learn,self.state = learn,None; self.take()
+    def __init__(self, learn, state=None):
+        "A copy of `learn` as it is now, or as a peer's copy `state` (a `state_dict`) says"
+        self.learn,self.state = learn,None
+        if state is None: self.take()
+        else: self.load_state_dict(state)
 
     def take(self):
         "Copy the learner's state as it is now, into the tensors of the last copy (no new memory when the shapes hold)"
         learn = self.learn
         self.state = copy_into(self.state, learn.state_dict())
+        self.dl_rng = [(g, g.get_state()) for g in dl_generators(learn.dls.train)]
+        self._note_modes()
+
+    def _note_modes(self):
+        "The optimizer object, the modes and the phase of the learner now"
+        learn = self.learn
         self.opt,self.training = learn.opt,learn.training
         self.modes = [m.training for m in learn.model.modules()]
         self.phase = {k: getattr(learn, k) for k in phase_attrs}
-        self.dl_rng = [(g, g.get_state()) for g in dl_generators(learn.dls.train)]
+
+    def state_dict(self):
+        "The copy, for a peer that joins the run: the learner's state and the random states of its training dataloader"
+        return {'state': self.state, 'dl_rng': [s for _,s in self.dl_rng]}
+
+    def load_state_dict(self, state):
+        "Make a peer's copy (its `state_dict`) this learner's; its optimizer object, modes and phase are as they are now"
+        gens = dl_generators(self.learn.dls.train)
+        if len(gens) != len(state['dl_rng']): raise ValueError(
+            f"a peer's snapshot has the random states of {len(state['dl_rng'])} generators of its training dataloader, "
+            f"this learner's has {len(gens)}: give every replica the same dataloader")
+        self.state,self.dl_rng = state['state'],list(zip(gens, state['dl_rng']))
+        self._note_modes()
 
     def restore(self):
         "Put the learner back as it was when the snapshot was taken"

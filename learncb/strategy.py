@@ -126,9 +126,13 @@ class Strategy:
         "The callbacks a fit under this strategy adds, besides `DistributedCallback` and `RankAgreement`"
         return []
 
+    def speaks(self):
+        "Whether this process prints and writes for the run: rank 0"
+        return is_rank0()
+
     def logger_for(self, logger):
-        "The logger of a fit on this process: `logger` on rank 0, silent on the others"
-        return logger if is_rank0() else noop
+        "The logger of a fit on this process: `logger` where it `speaks`, silent elsewhere"
+        return logger if self.speaks() else noop
 
     def casts_model(self, dtype):
         """Whether the model this strategy trains casts itself to `dtype`

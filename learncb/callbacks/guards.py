@@ -91,6 +91,7 @@ class SpikeGuard(Callback):
         self.grad_norm,self.history,self.rollbacks,self.replayable = bool(grad_norm),{'loss': [], 'grad_norm': []},0,True
         self.skip_on_device = bool(skip_on_device)     # a fused optimizer's flag: no step on a non-finite loss, at a cost
         self._snap,self._start,self._snap_at,self._taken,self._found_inf,self._last = None,0,0,None,None,-1
+        self._joined = None           # a live peer's snapshot and unchecked losses, for a replica that joins the run
         self._clear()
 
     def _clear(self): self._losses,self._iters,self._norms,self._norm_iters = [],[],[],[]
@@ -133,7 +134,32 @@ class SpikeGuard(Callback):
         self._clear()
         self._skip_again()
         self._last = _last_batch(self.learn)
-        self._snapshot(self.learn.start_iter)
+        if self._joined is not None: self._join()
+        else: self._snapshot(self.learn.start_iter)
+
+    def live_state(self):
+        """For a replica that joins the run during batch `learn.iter`: the snapshot, and the losses (gradient norms)
+        of the batches before it not checked yet; so it checks and rolls back with this one"""
+        done = lambda iters, values: [(i, v.detach().clone()) for i,v in zip(iters, values) if i < self.learn.iter]
+        return {'snapshot': None if self._snap is None else self._snap.state_dict(), 'start': self._start,
+                'snap_at': self._snap_at, 'rollbacks': self.rollbacks,
+                'losses': done(self._iters, self._losses), 'norms': done(self._norm_iters, self._norms)}
+
+    def load_live_state(self, state): self._joined = state
+
+    def _join(self):
+        "The snapshot and the unchecked losses of the live peer this replica joined the run from, as this one's"
+        learn,state,self._joined = self.learn,self._joined,None
+        device = model_device(learn.model, learn.device)
+        if state['snapshot'] is not None and self.replayable:
+            self._snap = LearnerSnapshot(learn, state['snapshot'])
+            self._start,self._snap_at = state['start'],state['snap_at']
+        else: self._snapshot(learn.start_iter)
+        self.rollbacks = state['rollbacks']
+        self._iters,self._losses = [i for i,_ in state['losses']],[v.to(device) for _,v in state['losses']]
+        self._norm_iters,self._norms = [i for i,_ in state['norms']],[v.to(device) for _,v in state['norms']]
+        if self._found_inf is not None:                     # no step until the check, as on the peer
+            for v in self._losses: self._flag(v)
 
     def _skip_again(self):
         "When each epoch gives the same batches, skip those skipped in earlier epochs at the same place, with no rollback"
@@ -257,7 +283,7 @@ class SpikeGuard(Callback):
         give_order_back(self.learn, self._taken)
         opt = self.learn.opt
         if self._found_inf is not None and getattr(opt, 'found_inf', None) is self._found_inf: set_found_inf(opt, None)
-        self._snap,self._taken,self._found_inf = None,None,None
+        self._snap,self._taken,self._found_inf,self._joined = None,None,None,None
         self._clear()
 
 def _why(value, level):
@@ -279,6 +305,14 @@ class TerminateOnNaNCallback(SpikeGuard):
         self.found,self._stop_at = None,None
 
     def before_validate(self): self._valid = []
+
+    def live_state(self): return {**super().live_state(), 'stop_at': self._stop_at}
+
+    def _join(self):
+        "A live peer's state, and the batch it stops at (the bad batch it replays up to)"
+        stop_at = self._joined['stop_at']
+        super()._join()
+        self._stop_at = stop_at
 
     def before_batch(self):
         "The batch found bad, reached again after the replay of the ones before it: stop before it runs"

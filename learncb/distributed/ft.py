@@ -89,13 +89,10 @@ class TorchFT(Strategy):
         self._ready,self._received,self._rng,self._first_fit,self.rank = False,None,None,True,0
 
     def refuses(self, capability):
-        "Micro-batches, the compiled step and rollbacks (`SpikeGuard`) are not yet fault tolerant"
+        "Micro-batches and the compiled step are not yet fault tolerant"
         if capability in _not_yet: return (
             f"strategy='torchft' does not run {_not_yet[capability]} yet (its step shares each batch among "
             f"the replicas of each quorum): fit without it, or with strategy='ddp'")
-        if capability == 'rollback': return (
-            "strategy='torchft' does not roll back yet (a replica that heals would hold a newer snapshot than its "
-            "peers): fit without SpikeGuard; TerminateOnNaNCallback runs")
         return None
 
     def shard_train(self, dl):
@@ -120,7 +117,7 @@ class TorchFT(Strategy):
         return lambda *args, **kwargs: logger(*args, **kwargs) if self.speaks() else None
 
     def speaks(self):
-        "Whether this replica is the first of its latest quorum (the one that prints)"
+        "Whether this replica is the first of its latest quorum (the one that prints and writes)"
         return self.rank == 0
 
     @contextmanager
@@ -192,7 +189,7 @@ class TorchFT(Strategy):
     def _served_state(self):
         "The run's state for a replica that heals from this one: as a checkpoint after the last committed step"
         learn = self.learn
-        state = learn.state_dict()
+        state = learn.state_dict(live=True)      # with what its callbacks have pending (a guard's snapshot)
         state['loop'] = {**state['loop'], 'iter': learn.iter - 1}
         state['at'] = 'batch'
         if self._rng is not None: state['rng'] = self._rng      # as before this batch was read

@@ -1,11 +1,13 @@
 """One replica group of a fault-tolerant run (tests/distributed/test_ft.py), or with --plain the same fit in one process.
 
 python tests/distributed/ft_script.py OUT [--plain] [--epochs E] [--kill-at K --kill-in forward|backward|allreduce|step]
-    [--slow-alone S] [--wait-for N] [--slow S] [--seed S] [--n-items N] [--ckpt]
+    [--slow-alone S] [--wait-for N] [--slow S] [--seed S] [--n-items N] [--ckpt] [--spike-at EPOCH,BATCH]
 torchft's variables (TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS) say which replica this is. The replica
 SIGKILLs itself once (a marker file in OUT keeps a restart from doing it again) at committed step K, in the stage named.
 With --wait-for N a replica in a quorum of fewer than N waits while OUT/hold exists (the test makes it before it starts
 a replica; that replica removes it), then sleeps --slow-alone seconds a batch: it cannot finish before the one started.
+With --spike-at the targets of that training batch are made 100 times larger, and a SpikeGuard rolls the run back
+over it (its snapshot at the start of each epoch).
 With --ckpt each replica writes checkpoints to OUT/ckpt{REPLICA_GROUP_ID} and resumes from them (resume='auto').
 Each replica saves OUT/result{REPLICA_GROUP_ID}.pt: weights, optimizer state, counters, the Recorder's values."""
 import argparse, os, signal, time
@@ -21,6 +23,7 @@ p.add_argument('--kill-at', type=int, default=None); p.add_argument('--kill-in',
 p.add_argument('--slow-alone', type=float, default=0.0); p.add_argument('--wait-for', type=int, default=0)
 p.add_argument('--slow', type=float, default=0.0); p.add_argument('--seed', type=int, default=0)
 p.add_argument('--n-items', type=int, default=64 * 12); p.add_argument('--ckpt', action='store_true')
+p.add_argument('--spike-at', default=None)
 args = p.parse_args()
 out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
 torch.set_num_threads(1)
@@ -74,17 +77,27 @@ class Chaos(Callback):
             ft.manager.allreduce = reduce_then_die
         elif args.kill_in == 'step': learn.opt.register_step_post_hook(lambda *a: die())
 
+class Spike(Callback):
+    "The targets of training batch `--spike-at` made 100 times larger: a spike that SpikeGuard rolls back over"
+    at = tuple(map(int, args.spike_at.split(','))) if args.spike_at else None
+    def before_batch(self):
+        learn = self.learn
+        if learn.training and (learn.epoch, learn.iter) == self.at: learn.yb = (learn.yb[0] * 100,)
+
+guards = [SpikeGuard(check_every=4, snapshot_every=100), Spike()] if args.spike_at else []
+
 def result():
     return {'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(), 'values': learn.recorder.values,
             'counters': [learn.epoch, learn.iter, learn.train_iter], 'n_losses': len(learn.recorder.losses),
-            'healed_at': Chaos.healed_at, 'after_batch': Chaos.batches, 'tries': Chaos.tries}
+            'healed_at': Chaos.healed_at, 'after_batch': Chaos.batches, 'tries': Chaos.tries,
+            'skipped': learn.skipped_batches}
 
 if args.plain:
-    with learn.distrib_ctx(global_batch=64): learn.fit(args.epochs)
+    with learn.distrib_ctx(global_batch=64): learn.fit(args.epochs, cbs=guards)
 else:
     with learn.distrib_ctx(strategy=TorchFT(timeout=30, quorum_timeout=120), global_batch=64):
         hold.unlink(missing_ok=True)      # its manager is up: the replicas that waited for it go on, and meet it
         ckpt = [CheckpointCallback(out/f'ckpt{replica}', every_n_steps=4, background=False)] if args.ckpt else []
-        learn.fit(args.epochs, cbs=[Chaos(), *ckpt], resume='auto' if args.ckpt else None)
+        learn.fit(args.epochs, cbs=[Chaos(), *ckpt, *guards], resume='auto' if args.ckpt else None)
     assert isinstance(learn.model, nn.Sequential) and type(learn.opt).__name__ == 'Adam'
 torch.save(result(), out / f'result{replica}.pt')

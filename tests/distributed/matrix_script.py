@@ -5,7 +5,7 @@ python tests/distributed/matrix_script.py OUT --strategy one|ddp|fsdp|torchft [-
 'one': this process, `distrib_ctx(global_batch=64)` (the order the others are held against); 'ddp', 'fsdp': two
 processes (learncb's `launch`, gloo); 'torchft': two replica groups of one process under a lighthouse of their own
 (`launch_replicas`). Each process saves OUT/<strategy><rank>.pt: `{capability: {'weights', 'steps', 'refused',
-'train_iter', 'losses'}}`, where `refused` is the error of a fit refused before its first batch (else `None`)."""
+'train_iter', 'skipped', 'losses'}}`, where `refused` is the error of a fit refused before its first batch (else `None`)."""
 import argparse, os
 from pathlib import Path
 import torch
@@ -26,6 +26,13 @@ class StepCount(Callback):
     def before_fit(self): self.n = 0
     def after_step(self): self.n += bool(self.learn.step_taken)
 
+class Spikes(Callback):
+    "Scripted spikes: the targets of batch (0, 3) made NaN, those of batch (1, 2) 100 times larger (then skipped)"
+    def before_batch(self):
+        learn = self.learn
+        at = (learn.epoch, learn.iter) if learn.training else None
+        if at in ((0, 3), (1, 2)): learn.yb = (learn.yb[0] * (torch.nan if at == (0, 3) else 100.),)
+
 def ckpt(folder): return [CheckpointCallback(folder, every_n_steps=5, background=False)]
 
 capabilities = {       # name: the callbacks of the fit, given its checkpoint folder
@@ -34,7 +41,7 @@ capabilities = {       # name: the callbacks of the fit, given its checkpoint fo
     'clip': lambda folder: [GradientClip(0.05)],
     'precision': lambda folder: [MixedPrecision('bf16')],
     'terminate_on_nan': lambda folder: [TerminateOnNaNCallback()],
-    'spike_guard': lambda folder: [SpikeGuard(check_every=4, snapshot_every=4)],
+    'spike_guard': lambda folder: [SpikeGuard(check_every=4, snapshot_every=4), Spikes()],
     'microbatch': lambda folder: [AutoMicrobatch()],
     'ema': lambda folder: [EMACallback(0.9)],
     'swa': lambda folder: [SWACallback(start_epoch=1, swa_lr=1e-3)],
@@ -65,7 +72,8 @@ def fit(cap, strategy, out, rank):
         refused = str(e)
         assert all(torch.equal(v, learn.model.state_dict()[k]) for k,v in before.items()), cap   # nothing lost
     return {'weights': {k: v.detach().clone() for k,v in learn.model.state_dict().items()}, 'steps': steps.n,
-            'refused': refused, 'train_iter': learn.train_iter, 'losses': [float(l) for l in learn.recorder.losses]}
+            'refused': refused, 'train_iter': learn.train_iter, 'skipped': learn.skipped_batches,
+            'losses': [float(l) for l in learn.recorder.losses]}
 
 def run_all(out, strategy, caps):
     rank = int(os.environ.get('REPLICA_GROUP_ID', os.environ.get('RANK', 0)))

@@ -68,9 +68,10 @@ def assert_close_to(a, plain, tol=1e-6):
         assert row == pytest.approx(ref, rel=tol, abs=tol)
     assert a['counters'][0] == plain['counters'][0] and a['counters'][2] == plain['counters'][2]
 
-def kill_and_restart(out, lighthouse, n, kills, restart, slow_alone=0.4):
-    "Start `n` replicas; replica r of `kills` ({r: (step, stage)}) SIGKILLs itself once; those in `restart` start again"
-    common = ['--wait-for', str(n), '--slow-alone', str(slow_alone)]
+def kill_and_restart(out, lighthouse, n, kills, restart, slow_alone=0.4, args=()):
+    """Start `n` replicas (with `args`); replica r of `kills` ({r: (step, stage)}) SIGKILLs itself once; those in
+    `restart` start again"""
+    common = ['--wait-for', str(n), '--slow-alone', str(slow_alone), *args]
     procs = {r: start(out, lighthouse, r, n, *common, *([] if r not in kills else
                                                         ['--kill-at', str(kills[r][0]), '--kill-in', kills[r][1]]))
              for r in range(n)}
@@ -108,6 +109,23 @@ def test_a_kill_in_any_stage_neither_repeats_nor_loses_a_step(tmp_path, lighthou
     assert_each_step_once(a, b)
     assert_same(a, b)
     assert a['counters'][2] == plain['counters'][2]         # as many committed steps as the plain fit's batches
+    assert_close_to(a, plain)
+
+def test_a_spike_rolls_back_every_replica_one_that_healed_after_the_snapshot_too(tmp_path, lighthouse):
+    """SpikeGuard under torchft: replica 1, killed early in epoch 1 and started again, heals after the guard's snapshot
+    (the epoch's start) and before the scripted spike (its last batch); both roll back to that snapshot together,
+    skip the batch, and end bitwise equal to each other and as the same guarded fit in one process"""
+    spike = ['--spike-at', '1,11']
+    res = run_forked(SCRIPT, tmp_path/'plain', '--plain', *spike, timeout=WAIT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    plain = result(tmp_path/'plain', 'plain')
+    assert plain['skipped'] == ((1, 11),) and plain['counters'][2] == 35        # rolled back in one process
+    kill_and_restart(tmp_path, lighthouse, 2, {1: (13, 'forward')}, restart={1}, slow_alone=1.0, args=spike)
+    a,b = result(tmp_path, 0),result(tmp_path, 1)
+    assert 13 <= b['healed_at'] <= 23           # it joined after the snapshot (batch 12), by the spike (batch 23)
+    assert a['skipped'] == b['skipped'] == plain['skipped']
+    assert logs(tmp_path).count('SpikeGuard: rolled back over epoch 1 batch 11') == 1     # said once, by one replica
+    assert_same(a, b)
     assert_close_to(a, plain)
 
 def test_three_replicas_two_killed_one_restarted(tmp_path, lighthouse, plain):
@@ -214,10 +232,10 @@ def test_a_quorum_that_does_not_form_says_which_timeout_expired(monkeypatch):
         fit_torchft(monkeypatch, replica_env(lh, 0, 2), TorchFT(quorum_timeout=2))
 
 def test_what_the_step_does_not_do_yet_is_refused_before_the_first_batch(monkeypatch):
-    "SpikeGuard's rollbacks and AutoMicrobatch are refused by name; the learner keeps its model and weights"
-    from learncb.all import SpikeGuard, AutoMicrobatch
+    "AutoMicrobatch is refused by name; the learner keeps its model and weights"
+    from learncb.all import AutoMicrobatch
     with Lighthouse() as lh:
-        for cb,says in ((SpikeGuard(), 'SpikeGuard.*does not roll back yet'), (AutoMicrobatch(), "AutoMicrobatch: strategy='torchft' does not run micro-batches")):
+        for cb,says in ((AutoMicrobatch(), "AutoMicrobatch: strategy='torchft' does not run micro-batches"),):
             learn = tiny_learner()
             monkeypatch.setenv('RUST_LOG', 'warn')
             for k,v in replica_env(lh, 0, 1).items(): monkeypatch.setenv(k, v)
