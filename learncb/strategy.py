@@ -108,9 +108,16 @@ class Strategy:
         "The model this rank computes with, without a wrapper that reduces gradients (`model` itself here)"
         return model
 
-    def refuses(self, capability):
-        """Why this strategy cannot run `capability` (`'microbatch'`, `'compiled step'`, `'weight averaging'`,
-        `'rollback'`), or `None`: it can"""
+    def cannot_microbatch(self):
+        "Why this strategy cannot split a batch into micro-batches (`AutoMicrobatch`), or `None`: it can"
+        return None
+
+    def cannot_compile_step(self):
+        "Why it cannot run a compiled step (`learn.compile(step=True)`), or `None`: it can"
+        return None
+
+    def cannot_average_weights(self):
+        "Why it cannot keep an average of the weights (`EMACallback`, `SWACallback`), or `None`: it can"
         return None
 
     needs_group = True

@@ -309,7 +309,7 @@ class CompileCallback(Callback):
 
     def _prepare_step(self):
         learn = self.learn
-        if (why := refused(learn, 'compiled step', 'learn.compile(step=True)')): raise ValueError(why)
+        refuse('learn.compile(step=True)', learn.strategy.cannot_compile_step())
         if self.compiled_step is None or self.compiled_step.learn is not learn:     # kept for the next fits: no recompile
             self.compiled_step = CompiledStep(learn, trace_backward=self.trace_backward, fallback=self.fallback,
                                               **self.kwargs)

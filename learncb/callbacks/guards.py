@@ -102,11 +102,8 @@ class SpikeGuard(Callback):
         if event_name == 'before_step' and not (self.grad_norm and self.skip_on_device): return False
         return super().takes_part(event_name, training)
 
-    rolls_back = True
-    "Whether it rolls the run back to an older snapshot (a strategy may refuse: `refuses('rollback')`)"
     def before_fit(self):
         learn = self.learn
-        if self.rolls_back and (why := refused(learn, 'rollback', self)): raise ValueError(why)
         self.rollbacks,self._snap = 0,None        # `history` starts empty (a resumed fit has it back from its checkpoint)
         self._take_order()
         self._params = [p for g in learn.opt.param_groups for p in g['params']]
@@ -293,7 +290,7 @@ def _why(value, level):
 
 class TerminateOnNaNCallback(SpikeGuard):
     "Stops the fit at the first batch whose loss is NaN or infinite, before any step on it (validation: at its end)"
-    run_valid,rolls_back = True,False          # it goes back one batch at most, to stop there
+    run_valid = True
     _state_attrs = ('history', 'found')
     def __init__(self, check_every=32):
         check_int(check_every, 'check_every', ge=1, who='TerminateOnNaNCallback')

@@ -68,7 +68,7 @@ class AutoMicrobatch(Callback):
 
     def before_fit(self):
         "Find the model the micro-batches call; refuse FSDP"
-        if (why := refused(self.learn, 'microbatch', self)): raise ValueError(why)
+        refuse(self, self.learn.strategy.cannot_microbatch())
         self._world = num_distrib()
         # under DDP, the plain model: the gradients are averaged here, after the ranks agree on the split
         self._inner = local_model(self.learn)

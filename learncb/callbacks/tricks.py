@@ -135,7 +135,7 @@ class WeightAveraging(Callback):
     def _start(self, **kwargs):
         "Make this fit's average of the learner's model (refused under FSDP, whose ranks hold shards)"
         model = plain_model(self.learn.model)
-        if (why := refused(self.learn, 'weight averaging', self)): raise ValueError(why)
+        refuse(self, self.learn.strategy.cannot_average_weights())
         self.average,self._model,self._swapped = AveragedModel(model, **kwargs),model,False
 
     @property

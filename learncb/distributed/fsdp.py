@@ -83,16 +83,6 @@ def _gather_into(sharded, model):
         for k,v in sharded.state_dict().items(): own[k].copy_(v.full_tensor() if is_sharded(v) else v)
 
 # %% ../../nbs/23b_fsdp.ipynb #83af721a
-_refusals = {
-    'microbatch': ("strategy='fsdp' does not split a batch into micro-batches yet (the ranks gather each "
-                   "shard in the forward, so they would have to split alike before it): fit with DDP, or "
-                   "with a smaller batch"),
-    'compiled step': ("strategy='fsdp' does not run a compiled step: FSDP gathers and frees the shards "
-                      "around each layer in hooks the compiled step would have to trace; use "
-                      "learn.compile() (the model compiled) with FSDP"),
-    'weight averaging': ("strategy='fsdp' does not average weights yet (each rank holds shards of the "
-                         "weights, and the average is of whole weights): use it with DDP or one process")}
-
 class FSDP(Strategy):
     "Training sharded by FSDP2: a sharded copy of the model trains, then its weights and optimizer state are gathered back"
     sharded = True
@@ -101,9 +91,20 @@ class FSDP(Strategy):
         self.shard = shard
         if shard is not None: _shard_rule(shard)              # a bad `shard` fails now, not in the fit
 
-    def refuses(self, capability):
-        "FSDP refuses micro-batches, a compiled step and weight averaging, saying why"
-        return _refusals.get(capability)
+    def cannot_microbatch(self):
+        "The ranks gather each shard in the forward: they would have to split alike before it"
+        return ("strategy='fsdp' does not split a batch into micro-batches yet (the ranks gather each shard in the "
+                "forward, so they would have to split alike before it): fit with DDP, or with a smaller batch")
+
+    def cannot_compile_step(self):
+        "FSDP's hooks gather and free the shards around each layer, which the compiled step would have to trace"
+        return ("strategy='fsdp' does not run a compiled step: FSDP gathers and frees the shards around each layer "
+                "in hooks the compiled step would have to trace; use learn.compile() (the model compiled) with FSDP")
+
+    def cannot_average_weights(self):
+        "Each rank holds shards of the weights, and the average is of whole weights"
+        return ("strategy='fsdp' does not average weights yet (each rank holds shards of the weights, and the "
+                "average is of whole weights): use it with DDP or one process")
 
     def wrap(self, learn):
         "Shard a copy of the model over the ranks and make its optimizer, carrying over the state the optimizer had"

@@ -75,7 +75,8 @@ def _sliced(b, lo, hi):
     return map_tensors(lambda t: t[lo:hi], b)
 
 # %% ../../nbs/23e_ft.ipynb #a1f0e003
-_not_yet = {'microbatch': 'micro-batches (AutoMicrobatch)', 'compiled step': 'a compiled step'}
+def _not_yet(what): return (f"strategy='torchft' does not run {what} yet (its step shares each batch among the "
+                             f"replicas of each quorum): fit without it, or with strategy='ddp'")
 
 class TorchFT(Strategy):
     "Fault tolerance per step on torchft: one process per replica group, a quorum each step, the global batch shared among the replicas present"
@@ -88,12 +89,13 @@ class TorchFT(Strategy):
         self.allow_untested,self.manager,self.learn = allow_untested,None,None
         self._ready,self._received,self._rng,self._first_fit,self.rank = False,None,None,True,0
 
-    def refuses(self, capability):
-        "Micro-batches and the compiled step are not yet fault tolerant"
-        if capability in _not_yet: return (
-            f"strategy='torchft' does not run {_not_yet[capability]} yet (its step shares each batch among "
-            f"the replicas of each quorum): fit without it, or with strategy='ddp'")
-        return None
+    def cannot_microbatch(self):
+        "Not yet: the step shares each batch among the replicas of the quorum"
+        return _not_yet('micro-batches (AutoMicrobatch)')
+
+    def cannot_compile_step(self):
+        "Not yet: the step shares each batch among the replicas of the quorum"
+        return _not_yet('a compiled step')
 
     def shard_train(self, dl):
         "Every replica reads the whole training order: each step it computes its share of the global batch"
