@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 from .utils import *
+from .internals import batchnorm_types
 
 # %% ../nbs/02d_diagnose.ipynb #e023fcd2
 def describe_value(o):
@@ -147,7 +148,7 @@ def batch_notes(learn, e):
     if is_oom(e) and f.stage == 'train' and not any(type(cb).__name__ == 'AutoMicrobatch' for cb in learn.cbs):
         notes.append(_oom_note(f))
     if (where == 'model' and f.stage == 'train' and find_bs(b) == 1
-            and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in learn.model.modules())):
+            and any(isinstance(m, batchnorm_types) for m in learn.model.modules())):
         notes.append(_batchnorm_note(f))
     return notes
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from .utils import *
 from .ranks import *
+from .internals import state_metadata, set_state_metadata
 
 # %% ../nbs/01a_files.ipynb #7e795095
 def atomic_save(obj, path):
@@ -275,10 +276,10 @@ def _swap_prefix(state, theirs, ours):
     "`state` with `theirs` in front of each key (and of its module metadata) replaced by `ours`"
     if theirs == ours: return state
     out = type(state)((ours + k[len(theirs):], v) for k,v in state.items())
-    meta = getattr(state, '_metadata', None)
+    meta = state_metadata(state)
     if meta is not None:
         dotted = {(k + '.' if k else ''): v for k,v in meta.items()}
-        out._metadata = {(ours + k[len(theirs):]).rstrip('.'): v for k,v in dotted.items() if k.startswith(theirs)}
+        set_state_metadata(out, {(ours + k[len(theirs):]).rstrip('.'): v for k,v in dotted.items() if k.startswith(theirs)})
     return out
 
 def match_prefix(state, saved_keys, model_keys):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from .utils import *
 from .checks import *
-from .internals import unwrapped_step, profiling
+from .internals import unwrapped_step, profiling, fused_devices, batchnorm_types, instancenorm_types
 
 # %% ../nbs/02b_optim.ipynb #3962a17f
 def _first(v):
@@ -49,8 +49,7 @@ def _flat_params(params):
 
 def fusable(params):
     "Whether torch has a fused optimizer kernel for every one of `params` (their device and dtype; not sharded)"
-    from torch.optim.optimizer import _get_fused_kernels_supported_devices
-    devices = _get_fused_kernels_supported_devices()
+    devices = fused_devices()
     return all(type(p) in (torch.Tensor, nn.Parameter) and p.device.type in devices and p.dtype in _fused_dtypes
                for p in params)
 
@@ -110,7 +109,7 @@ def _param_group(g, splitter):
         f"[list(model.body.parameters()), list(model.head.parameters())]")
     return items
 
-_norm_types = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.LayerNorm)
+_norm_types = (*batchnorm_types, *instancenorm_types, nn.LayerNorm)
 
 def norm_params(model):
     "The parameters of `model`'s normalisation layers (BatchNorm, InstanceNorm, LayerNorm), as a set of ids"

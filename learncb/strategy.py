@@ -108,6 +108,11 @@ class Strategy:
         "The model this rank computes with, without a wrapper that reduces gradients (`model` itself here)"
         return model
 
+    def grad_sync_switch(self, model):
+        """A function that turns the reduction of `model`'s gradients over the ranks on or off for the next backwards
+        (`GradientAccumulation` reduces only before a step), or `None`: nothing to turn (one process, here)"""
+        return None
+
     def cannot_microbatch(self):
         "Why this strategy cannot split a batch into micro-batches (`AutoMicrobatch`), or `None`: it can"
         return None

@@ -18,7 +18,7 @@ from ..sampler import *
 from ..state import *
 from ..resume import replay_pass
 from ..recorder import tell, has_output
-from ..internals import foreach_norm, flag_non_finite, skips_on_device, set_found_inf
+from ..internals import foreach_norm, flag_non_finite, skips_on_device, set_found_inf, take_found_inf
 
 # %% ../../nbs/34_guards.ipynb #326d0aac
 def _grad_norm(params):
@@ -279,7 +279,7 @@ class SpikeGuard(Callback):
         self.history = {'loss': [], 'grad_norm': []}          # the next fit judges its own losses
         give_order_back(self.learn, self._taken)
         opt = self.learn.opt
-        if self._found_inf is not None and getattr(opt, 'found_inf', None) is self._found_inf: set_found_inf(opt, None)
+        if self._found_inf is not None: take_found_inf(opt, self._found_inf)
         self._snap,self._taken,self._found_inf,self._joined = None,None,None,None
         self._clear()
 

@@ -14,6 +14,7 @@ from torch import nn
 from ..core import *
 from ..utils import *
 from ..learner import *
+from ..internals import conv_types
 
 # %% ../../nbs/31_hooks.ipynb #1571d4a5
 class Hook:
@@ -168,7 +169,7 @@ class ActivationStats(HookCallback):
 # %% ../../nbs/31_hooks.ipynb #873fd479
 def _first_conv(m):
     "The first convolution of `m`"
-    conv = next((l for l in m.modules() if isinstance(l, nn.modules.conv._ConvNd)), None)
+    conv = next((l for l in m.modules() if isinstance(l, conv_types)), None)
     if conv is None: raise ValueError(f"{type(m).__name__} has no convolution, so the shape of its input cannot be "
                                       f"guessed: run an input of your own through it with hook_outputs")
     return conv

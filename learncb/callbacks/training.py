@@ -17,6 +17,7 @@ from ..core import *
 from ..utils import *
 from ..learner import *
 from ..recorder import *
+from ..internals import autocast_enabled
 
 # %% ../../nbs/13_training.ipynb #fc0b2c38
 def _scale_grads(learn, k):
@@ -25,11 +26,6 @@ def _scale_grads(learn, k):
         for p in pg['params']:
             if p.grad is not None: p.grad.mul_(k)
 
-def _grad_sync_switch(model):
-    "A function that turns the reduction of gradients over the ranks on or off: DDP's `no_sync`, FSDP's; `None` alone"
-    if hasattr(model, 'require_backward_grad_sync'): return partial(setattr, model, 'require_backward_grad_sync')
-    return getattr(model, 'set_requires_gradient_sync', None)
-
 def _is_last_batch(learn):
     "Whether this is the last batch of the dataloader (never known for a dataloader without a length)"
     return learn.n_iter is not None and learn.iter == learn.n_iter - 1
@@ -37,14 +33,14 @@ def _is_last_batch(learn):
 class GradientAccumulation(Callback):
     """Step the optimizer once every `n_acc` samples of the run (all ranks'), with the gradient of a batch of
     `n_acc`"""
-    order,run_valid,_state_attrs = Order.ACCUMULATE,False,('count',)
+    order,run_valid,_state_attrs,_sync = Order.ACCUMULATE,False,('count',),None
     compiled_events = ('before_backward', 'before_step')
     def __init__(self, n_acc=32):
         self.n_acc,self.count = check_int(n_acc, 'n_acc (a number of samples)', ge=1, who='GradientAccumulation'),0
 
     def before_fit(self):
         self.count = 0
-        self._sync = _grad_sync_switch(self.learn.model)
+        self._sync = self.learn.strategy.grad_sync_switch(self.learn.model)
 
     def before_batch(self):
         "Under DDP or FSDP, reduce the gradients over the ranks only in the backward of a batch that steps"
@@ -74,7 +70,7 @@ class GradientAccumulation(Callback):
     def after_fit(self):
         "Drop the gradients of samples that never got their step"
         if self.count and self.learn.opt is not None: self.learn.opt.zero_grad()
-        if getattr(self, '_sync', None) is not None: self._sync(True)
+        if self._sync is not None: self._sync(True)
         self.count = 0
 
 # %% ../../nbs/13_training.ipynb #c7eace64
@@ -111,7 +107,7 @@ def autocast_for(device_type, dtype):
         warnings.simplefilter('always')
         ctx = torch.autocast(device_type, dtype=dtype)
     refused = ' '.join(str(w.message).replace('\n', ' ') for w in caught if 'not supported' in str(w.message))
-    if refused or not getattr(ctx, '_enabled', True):
+    if refused or not autocast_enabled(ctx):
         other = 'torch.bfloat16' if dtype == torch.float16 else 'torch.float16'
         reason = refused or 'autocast turned itself off'
         raise ValueError(f"MixedPrecision: autocast on {device_type!r} does not support {dtype} ({reason}); pass "

@@ -19,6 +19,7 @@ from ..utils import *
 from ..ranks import *
 from ..learner import *
 from ..diagnose import describe_value
+from ..internals import batchnorm_types
 from ..preds import *
 
 # %% ../../nbs/29_tricks.ipynb #934551d5
@@ -283,7 +284,7 @@ class SWACallback(WeightAveraging):
 
 def _update_bn(learn, model):
     "Recompute the batch-norm statistics of `model` (the average) with a pass over the training data"
-    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()): return
+    if not any(isinstance(m, batchnorm_types) for m in model.modules()): return
     inputs = ((b[0] if isinstance(b, (tuple, list)) else b) for b in learn.dls.train)
     with rng_kept(): update_bn((to_device(x, model_device(model)) for x in inputs), model)
 
@@ -313,7 +314,7 @@ class ShortEpochCallback(Callback):
         if self.short_valid: raise CancelValidException()
 
 # %% ../../nbs/29_tricks.ipynb #52ef2b2d
-_bn_types = (nn.modules.batchnorm._BatchNorm,)
+_bn_types = batchnorm_types
 
 def frozen_bn_layers(model):
     "The batch-norm layers of `model` whose weights are all frozen (`requires_grad=False`)"

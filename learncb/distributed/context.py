@@ -25,6 +25,7 @@ from .ddp import *
 from .fsdp import *
 from .ft import *
 from ..sampler import resumable_sampler
+from ..internals import free_dtensor_caches
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 # %% ../../nbs/23c_distributed.ipynb #0b2fdfb2
@@ -96,8 +97,10 @@ def _global_batch(self:Learner, n, world, seed):
         if self.dls.train is made: self.dls.train = dl
 
 def _end_group():
-    "End the process group now, with its threads: what still refers to it (DDP's reducer, in reference cycles) is freed"
+    """End the process group now, with its threads: what still refers to it (DDP's reducer, in reference cycles;
+    FSDP2's device mesh, in DTensor's caches) is freed"""
     dist.destroy_process_group()
+    free_dtensor_caches()
     gc.collect()        # else gloo's threads may outlive the interpreter's teardown and abort the process at exit
 
 @patch

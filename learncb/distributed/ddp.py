@@ -32,6 +32,11 @@ class DDP(Strategy):
         "The plain model inside `DistributedDataParallel`: a call of it does not reduce the gradients"
         return model.module if isinstance(model, DistributedDataParallel) else model
 
+    def grad_sync_switch(self, model):
+        "DDP's switch (what `no_sync` turns): whether the next backwards reduce the gradients over the ranks"
+        if not isinstance(model, DistributedDataParallel): return None
+        return lambda on: setattr(model, 'require_backward_grad_sync', on)
+
     def unwrap(self, learn):
         "Put the plain model back in `learn.model`, trained"
         if isinstance(learn.model, DistributedDataParallel): learn.model = learn.model.module

@@ -88,7 +88,7 @@ class FSDP(Strategy):
     sharded = True
     def __init__(self, shard=None):
         super().__init__()
-        self.shard = shard
+        self.shard,self._plain,self._mp = shard,None,None
         if shard is not None: _shard_rule(shard)              # a bad `shard` fails now, not in the fit
 
     def cannot_microbatch(self):
@@ -141,7 +141,12 @@ class FSDP(Strategy):
 
     def casts_model(self, dtype):
         "Whether the sharded model casts itself for `MixedPrecision`: yes, by the policy `wrap` made (bf16)"
-        return getattr(self, '_mp', None) is not None
+        return self._mp is not None
+
+    def grad_sync_switch(self, model):
+        "FSDP's `set_requires_gradient_sync`: whether the next backwards reduce-scatter the gradients over the ranks"
+        from torch.distributed.fsdp import FSDPModule
+        return model.set_requires_gradient_sync if isinstance(model, FSDPModule) else None
 
     def _policy(self):
         "FSDP's `MixedPrecisionPolicy` for a `MixedPrecision` callback: weights in bf16, gradients reduced and outputs in fp32"
@@ -152,7 +157,7 @@ class FSDP(Strategy):
     def unwrap(self, learn):
         "Gather the trained weights and optimizer state back into the plain model and its optimizer (not after an error)"
         sharded,opt = learn.model,learn.opt
-        if not hasattr(self, '_plain'): return      # `wrap` did not get to shard it
+        if self._plain is None: return              # `wrap` did not get to shard it
         self._plain.to(learn.device)
         if learn.exception is None:                 # gathering is a collective: only when every rank came here
             _rank0_buffers(sharded)
@@ -163,7 +168,7 @@ class FSDP(Strategy):
             add_note(learn.exception, "learncb: the FSDP fit ended with an error, so its weights were not gathered: "
                      "learn.model has the weights it had before the fit; the run's progress is in its last checkpoint")
         learn.model,learn.opt = self._plain,self._plain_opt     # `create_opt` made it: `learn.owns_opt` again
-        del self._plain
+        self._plain = None
 
     def __repr__(self): return f'FSDP(shard={self.shard!r})'
 

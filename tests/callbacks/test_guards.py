@@ -101,6 +101,19 @@ def test_the_snapshot_reuses_its_buffers():
     assert weights_equal(snap.state['model'], learn.model.state_dict())
     assert not weights_equal(snap.state['model'], before)
 
+def test_a_fit_with_the_guard_rebuilds_no_dispatch_table(monkeypatch):
+    "A learner that keeps SpikeGuard fits again without rebuilding its dispatch tables (a skip_on_device guard too)"
+    from learncb.dispatch import CallbackHost
+    rebuilt = []
+    for guard in (SpikeGuard(), SpikeGuard(skip_on_device=True)):
+        learn = regression_learner(regression(drop=True))
+        learn.add_cb(guard)
+        learn.fit(1)
+        monkeypatch.setattr(CallbackHost, 'cbs_changed', lambda self: rebuilt.append(self))
+        learn.fit(1)
+        monkeypatch.undo()
+    assert rebuilt == []
+
 def test_no_step_is_taken_on_a_non_finite_loss_with_a_fused_optimizer():
     "The fused kernel skips the step on the device: the weights and the step count stay; no check until the epoch's end"
     seen = {}

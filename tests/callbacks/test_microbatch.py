@@ -22,22 +22,24 @@ def max_diff(a, b): return max((a[k] - b[k]).abs().max().item() for k in a)
 def test_a_capped_address_space_fails_without_it_and_trains_to_the_same_weights_with_it(tmp_path):
     rc, err = run(tmp_path/'ref')
     assert rc == 0, err[-3000:]
-    rc, _ = run(tmp_path/'plain', '--cap-mb', '20')
+    rc, _ = run(tmp_path/'plain', '--cap')
     assert rc == 3 and "can't allocate memory" in (tmp_path/'plain'/'error0.txt').read_text()   # the allocator failed
-    rc, err = run(tmp_path/'auto', '--cap-mb', '20', '--auto')
+    rc, err = run(tmp_path/'auto', '--cap', '--auto')
     assert rc == 0, err[-3000:]
     ref, auto = result(tmp_path/'ref'), result(tmp_path/'auto')
     assert max_diff(ref['model'], auto['model']) < 1e-5 and auto['train_iter'] == ref['train_iter']
     assert auto['history'] and auto['history'][0][2] < 512 and auto['valid_halvings']   # it split, validation too
+    one, whole, cap = auto['rooms']                     # MiB, measured: the cap lets a quarter of a batch through
+    assert one < cap < whole
     flat = lambda rows: [v for row in rows for v in row]
     assert flat(auto['values']) == pytest.approx(flat(ref['values']), rel=1e-5)   # the whole batches' losses
 
-@pytest.mark.parametrize('out_of_memory', [('--inject', '100'), ('--cap-mb', '10')], ids=['injected', 'capped'])
+@pytest.mark.parametrize('out_of_memory', [('--inject', '100'), ('--cap',)], ids=['injected', 'capped'])
 def test_two_processes_agree_on_the_split_when_one_rank_runs_out(tmp_path, out_of_memory):
     "Rank 1 alone runs out (an injected error, or its address space capped); rank 0 has the memory"
     rc, err = run(tmp_path/'ref', nproc=2)
     assert rc == 0, err[-3000:]
-    if out_of_memory[0] == '--cap-mb':                  # without AutoMicrobatch the capped rank's allocator fails
+    if out_of_memory[0] == '--cap':                  # without AutoMicrobatch the capped rank's allocator fails
         rc, _ = run(tmp_path/'plain', *out_of_memory, '--cap-rank', '1', nproc=2)
         assert rc != 0 and "can't allocate memory" in (tmp_path/'plain'/'error1.txt').read_text()
     rc, err = run(tmp_path/'auto', '--auto', *out_of_memory, '--inject-rank', '1', '--cap-rank', '1', nproc=2)

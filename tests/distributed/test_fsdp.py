@@ -49,6 +49,8 @@ def test_fsdp_trains_like_one_process(runs):
     for a, b in zip(one['values'], two['values']): assert all(abs(x - y) < 1e-5 for x, y in zip(a, b)), (a, b)
     assert torch.equal(two['preds'], two['alone'])                   # get_preds under FSDP: gathered in dataset order
     assert ranks_said(res) == {0: (2, 3, 0), 1: (2, 3, 0)}
+    assert res.stdout.count('GLOO THREADS LEFT 0') == 2, res.stdout[-2000:]   # the group ended with distrib_ctx, its
+    # threads too (DTensor's caches kept FSDP2's device mesh, and with it the group, until the interpreter's teardown)
 
 @shared_runs
 def test_fsdp_shards_parameters_and_optimizer_state(runs):
