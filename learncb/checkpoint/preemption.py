@@ -100,6 +100,7 @@ class SignalExchange:
         self._take()
 
 _control = {}
+on_group_end(_control.clear)       # the groups made here end with the run's group
 
 def checkpoint_group():
     "A gloo group of its own for checkpoints written in the background (DCP's async save): apart from training's"

@@ -100,6 +100,7 @@ def _end_group():
     """End the process group now, with its threads: what still refers to it (DDP's reducer, in reference cycles;
     FSDP2's device mesh, in DTensor's caches) is freed"""
     dist.destroy_process_group()
+    group_ended()
     free_dtensor_caches()
     gc.collect()        # else gloo's threads may outlive the interpreter's teardown and abort the process at exit
 
