@@ -33,6 +33,7 @@ def hf_learner(path='.', **kw):
     learn.logger = noop
     return learn
 
+@pytest.mark.slow
 def test_the_model_loss_trains_and_metrics_and_get_preds_work():
     learn = hf_learner()
     seen = []
@@ -66,6 +67,7 @@ def test_names_are_configurable():
     assert isinstance(seen[0], tuple) and len(seen[0]) == 3               # embeddings + 2 layers
     assert learn.recorder.values[0][0] > 0                                # the loss is still the model's
 
+@pytest.mark.slow
 def test_checkpoints_resume_exactly(tmp_path):
     def run(path, cbs=(), resume=None):
         learn = hf_learner(path)

@@ -17,12 +17,14 @@ def test_the_counter_sees_syncs():
         t.sum().item(); float(t[0]); bool(t[1]); t.tolist(); t.cpu()
     assert c.counts == Counter({n: 1 for n in SYNCS})
 
+@pytest.mark.slow
 @pytest.mark.parametrize('metrics', [None, [accuracy, error_rate]])
 def test_syncs_do_not_grow_with_batches(metrics):
     few, many = syncs_for_one_epoch(100, metrics), syncs_for_one_epoch(300, metrics)
     assert few == many, f'100 batches: {dict(few)}, 300 batches: {dict(many)}'
     assert sum(many.values()) <= 4, dict(many)      # a handful per epoch: training losses, validation means
 
+@pytest.mark.slow
 def test_adam_syncs_are_torchs_own():
     "The default Adam (fused) syncs no more than SGD; `torch.optim.Adam` as it comes adds what a bare `opt.step()` does"
     m = torch.nn.Linear(2, 2); opt = torch.optim.Adam(m.parameters())
@@ -44,6 +46,7 @@ def test_reading_the_history_syncs_once():
         learn.recorder.losses; learn.recorder.smooth_loss; learn.recorder.values
     assert sum(c.counts.values()) == 0                  # already floats after the epoch
 
+@pytest.mark.slow
 @pytest.mark.parametrize('make,did_its_work', [(ThroughputCallback, lambda cb, n: len(cb.history) == 1),
                                                (lambda: EMACallback(0.9), lambda cb, n: cb.n_averaged == n),
                                                (AutoMicrobatch, lambda cb, n: cb.since_change == n and not cb.history)],
@@ -58,6 +61,7 @@ def test_callbacks_that_do_not_sync_per_batch(make, did_its_work):
     few, many = syncs(100), syncs(300)
     assert few == many, f'100 batches: {dict(few)}, 300 batches: {dict(many)}'
 
+@pytest.mark.slow
 def test_activation_stats_keep_their_values_on_the_device():
     def syncs(n_batches):
         learn = synth_learner(dls=synth_dls(n_train=16 * n_batches, n_valid=16 * 4), opt_func=torch.optim.SGD,
@@ -69,6 +73,7 @@ def test_activation_stats_keep_their_values_on_the_device():
     few, many = syncs(100), syncs(300)
     assert few == many, f'100 batches: {dict(few)}, 300 batches: {dict(many)}'
 
+@pytest.mark.slow
 @pytest.mark.parametrize('snapshot_every, extra', [(1000, 2), (100, 4)])
 def test_spike_guard_syncs_once_per_check_not_per_batch(snapshot_every, extra):
     "One `tolist` per check (every 100 batches), and one per snapshot (the Recorder's state reads its losses)"
@@ -80,6 +85,7 @@ def test_spike_guard_syncs_once_per_check_not_per_batch(snapshot_every, extra):
     few, many = syncs(100), syncs(300)                 # 200 more batches: 2 more checks (and 2 more snapshots)
     assert many - few == Counter(tolist=extra), f'100 batches: {dict(few)}, 300 batches: {dict(many)}'
 
+@pytest.mark.slow
 def test_a_compiled_step_does_not_sync_per_batch():
     "learn.compile(step=True), with GradientClip traced into the step and the Recorder after it"
     def syncs(n_batches):

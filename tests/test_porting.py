@@ -25,6 +25,7 @@ def page(tmp_path, monkeypatch):
 
 def equal_weights(a, b): return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
+@pytest.mark.slow
 def test_the_three_ports_end_with_the_hand_written_loops_weights(page):
     ref, estimates = page.nanogpt_by_hand()
     learn = page.nanogpt_learner()
@@ -64,6 +65,7 @@ torch.save({'model': learn.model.state_dict(), 'estimates': learn.estimate_loss.
            out/'final.pt')
 '''
 
+@pytest.mark.slow
 def test_the_nanogpt_port_killed_mid_accumulation_resumes_to_the_same_weights(tmp_path):
     page_module(tmp_path)
     (tmp_path/'kill.py').write_text(SCRIPT)

@@ -96,6 +96,7 @@ def test_loading_a_malicious_file_refuses_and_runs_nothing(tmp_path, monkeypatch
     with pytest.raises(ValueError, match='refused to load .*evil.pth: it contains objects that would run code'): learn.load('evil')
     assert not flag.exists()
 
+@pytest.mark.slow
 def test_demo_runs_and_reaches_target(tmp_path):
     res = subprocess.run([sys.executable, '-m', 'learncb.demo', '--plot', str(tmp_path/'loss.png')], capture_output=True,
                          text=True, cwd=tmp_path, timeout=300)

@@ -36,6 +36,7 @@ def test_without_tty_only_the_table_is_printed():
     assert lines[0].split() == ['epoch', 'train_loss', 'valid_loss', 'accuracy', 'time']
     assert [l.split()[0] for l in lines[1:]] == ['0', '1'] and '[' not in res.stdout
 
+@pytest.mark.slow
 def test_jupyter_kernel_shows_html_bars_and_table():
     "A real kernel: every display message is collected, since the bars are updated in place and removed at the end"
     manager = pytest.importorskip('jupyter_client.manager')

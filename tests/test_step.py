@@ -52,6 +52,7 @@ def test_nothing_callable_is_set_on_the_learner_or_the_model(name, tmp_path):
     assert learner_fns == [] and model_fns == [], (name, learner_fns, model_fns)
     assert stepper == ('CompiledStep' if name == 'compile(step=True)' else 'Step')
 
+@pytest.mark.slow
 @pytest.mark.parametrize('strategy,micro', [('ddp', False), ('ddp', True), ('fsdp', False)],
                          ids=['DDP', 'DDP+AutoMicrobatch', 'FSDP'])
 def test_nothing_callable_is_set_under_ddp_and_fsdp(strategy, micro, tmp_path):

@@ -2,7 +2,7 @@
 `@patch` onto a class of the same module, no reading of frame locals), no module over 700 lines, and a learner that
 needs no other import than its own module."""
 import ast, re, subprocess, sys, textwrap
-import torch
+import pytest, torch
 from pathlib import Path
 import learncb
 
@@ -183,6 +183,7 @@ def _run(folder, imports='', fit='learn.fit(3, resume="auto")'):
     code = learner_alone.format(imports=imports, fit=fit)
     return subprocess.run([sys.executable, '-c', code, str(folder)], capture_output=True, text=True, timeout=120)
 
+@pytest.mark.slow
 def test_learner_module_alone_gives_the_whole_learner(tmp_path):
     "`from learncb.learner import Learner` in a fresh process: the default callbacks, and `resume='auto'` resumes"
     crash = ('from learncb.all import CheckpointCallback, Callback\n'

@@ -11,6 +11,7 @@ def learner(path='.', compiled=False, **kw):
     if compiled: learn.compile()
     return learn
 
+@pytest.mark.slow
 def test_compiled_fit_equals_eager_and_files_have_plain_keys(tmp_path):
     eager, compiled = learner(), learner(tmp_path, compiled=True)
     eager.fit(2)
@@ -66,6 +67,7 @@ def test_a_compiled_step_keeps_an_ema_of_the_weights():
     for a, b in zip(eager.model.parameters(), compiled.model.parameters()):     # the averages (replace_at_end)
         assert (a - b).abs().max() <= 1e-5 * a.abs().max()
 
+@pytest.mark.slow
 @pytest.mark.parametrize('opt_func', [torch.optim.Adam, fast_adam], ids=['Adam', 'default'])
 def test_twelve_compiled_learners_in_one_process_each_compile_their_whole_step(opt_func, caplog):
     "A notebook re-running a cell: torch's recompile limit (8 entries per code object) is never reached, nothing runs eagerly"

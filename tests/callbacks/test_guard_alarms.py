@@ -14,6 +14,7 @@ class TenTimes(Callback):
             self.learn.loss_grad = self.loss_grad * 10
             self.learn.loss = self.learn.loss_grad.detach()
 
+@pytest.mark.slow
 @pytest.mark.parametrize('case', clean_fit_cases, ids=['-'.join(map(str, c)) for c in clean_fit_cases])
 def test_clean_fits_skip_no_batch(case):
     guard = SpikeGuard()
@@ -35,6 +36,7 @@ def run_fresh(code, timeout=300):
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout, res.stderr
 
+@pytest.mark.slow
 def test_every_rollback_is_told_in_a_fresh_process_printed_or_warned():
     out, err = run_fresh('''
         from learncb.all import *
@@ -50,6 +52,7 @@ def test_every_rollback_is_told_in_a_fresh_process_printed_or_warned():
     assert err.count('RuntimeWarning: SpikeGuard: rolled back over epoch 0 batch 5') == 2, err
     assert 'learncb' not in err.replace('learn.', ''), err          # the line shown is the user's, not learncb's
 
+@pytest.mark.slow
 def test_a_compiled_learner_that_runs_eagerly_says_so_at_each_fit():
     out, err = run_fresh('''
         from learncb.all import *
@@ -101,6 +104,7 @@ def test_an_out_of_memory_error_without_automicrobatch_gets_a_note_naming_it():
     with pytest.raises(RuntimeError) as e: synth_learner(model=OutOfMemory(2, 2)).fit(1, cbs=AutoMicrobatch())
     assert not any('cbs=AutoMicrobatch()' in n for n in getattr(e.value, '__notes__', []))
 
+@pytest.mark.slow
 def test_the_compiled_step_prints_nothing_the_user_did_not_cause():
     "A torch scheduler wraps `opt.step` on the instance: torch's wrapper (its profiler annotation) runs outside the graph"
     out, err = run_fresh('''

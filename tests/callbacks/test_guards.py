@@ -176,6 +176,7 @@ def run(out, *args, nproc=1, timeout=300, check=True):
 
 def result(out): return torch.load(Path(out)/'result.pt', weights_only=False)
 
+@pytest.mark.slow
 @pytest.mark.parametrize('strategy', ['ddp', 'fsdp'])
 def test_two_processes_agree_on_the_rollback_when_one_rank_sees_the_spike(tmp_path, strategy):
     run(tmp_path/'guarded', '--guard', '--poison-rank', '0', '--strategy', strategy, nproc=2)

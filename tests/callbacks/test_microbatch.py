@@ -19,6 +19,7 @@ def result(out, rank=0): return torch.load(Path(out)/f'rank{rank}.pt', weights_o
 
 def max_diff(a, b): return max((a[k] - b[k]).abs().max().item() for k in a)
 
+@pytest.mark.slow
 def test_a_capped_address_space_fails_without_it_and_trains_to_the_same_weights_with_it(tmp_path):
     rc, err = run(tmp_path/'ref')
     assert rc == 0, err[-3000:]
@@ -34,6 +35,7 @@ def test_a_capped_address_space_fails_without_it_and_trains_to_the_same_weights_
     flat = lambda rows: [v for row in rows for v in row]
     assert flat(auto['values']) == pytest.approx(flat(ref['values']), rel=1e-5)   # the whole batches' losses
 
+@pytest.mark.slow
 @pytest.mark.parametrize('out_of_memory', [('--inject', '100'), ('--cap',)], ids=['injected', 'capped'])
 def test_two_processes_agree_on_the_split_when_one_rank_runs_out(tmp_path, out_of_memory):
     "Rank 1 alone runs out (an injected error, or its address space capped); rank 0 has the memory"

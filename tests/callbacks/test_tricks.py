@@ -50,6 +50,7 @@ def test_the_ema_is_in_the_checkpoint(tmp_path):
     assert int(saved['n_averaged']) == ema.n_averaged == 6
     for k, v in ema.average.state_dict().items(): assert torch.equal(saved[k], v), k
 
+@pytest.mark.slow
 def test_ema_under_ddp_equals_one_process(tmp_path):
     from test_distributed import run, result
     run(tmp_path/'one', '--bs', '16', '--ema', nproc=1)
@@ -61,6 +62,7 @@ def test_ema_under_ddp_equals_one_process(tmp_path):
     plain = result(tmp_path/'plain')
     assert any(not torch.allclose(plain['model'][k], one['model'][k]) for k in one['model'])
 
+@pytest.mark.slow
 def test_optuna_pruning_stops_every_rank_at_the_same_epoch(tmp_path):
     pytest.importorskip('optuna')
     from test_distributed import run

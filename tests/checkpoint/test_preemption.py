@@ -52,6 +52,7 @@ def stops(res):
     "{rank: the training batch it stopped at} from what the ranks printed"
     return {int(r): int(i) for r, i in re.findall(r'STOPPED RANK (\d) AT (\d+)', res.stdout)}
 
+@pytest.mark.slow
 def test_sigterm_to_one_rank_stops_both_at_the_same_batch(tmp_path):
     common = ('--bs', '8', '--ckpt', '--shuffle', '--dropout', '0.2')
     run(tmp_path/'ref', *common)
@@ -66,6 +67,7 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_batch(tmp_path):
     for k in ref['model']: assert torch.equal(got['model'][k], ref['model'][k]), k
     assert got['losses'] == ref['losses'] and got['values'] == ref['values']
 
+@pytest.mark.slow
 def test_torchrun_restarts_a_killed_worker_and_the_run_resumes_by_itself(tmp_path):
     common = ('--bs', '8', '--ckpt', '--shuffle', '--dropout', '0.2', '--auto')
     run(tmp_path/'ref', *common)

@@ -53,6 +53,7 @@ def kill_and_resume(point, path):
     run_resume(path, '--resume', '--out', str(path/'final.pt'))
     return load_torch_file(path/'final.pt')
 
+@pytest.mark.slow
 def test_resume_after_sigkill_at_20_points(reference, tmp_path):
     points = kill_points()
     assert len(set(points)) == 20
@@ -244,6 +245,7 @@ class HoldForCtrlC(Callback):
         while signal.getsignal(signal.SIGINT) is held and time.monotonic() < deadline: time.sleep(0.01)
 '''
 
+@pytest.mark.slow
 def test_ctrl_c_in_a_jupyter_kernel(tmp_path):
     "Interrupt a fit in a real kernel: it survives, a checkpoint exists, and resume=True finishes the run exactly"
     manager = pytest.importorskip('jupyter_client.manager')
@@ -304,6 +306,7 @@ def assert_close_run(a, b, rtol=1e-6):
     for x, y in [(a['losses'], b['losses']), (a['values'], b['values']), (a['lrs'], b['lrs'])]:
         assert torch.allclose(torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64), rtol=rtol, atol=0)
 
+@pytest.mark.slow
 def test_a_compiled_fit_killed_and_resumed_equals_the_uninterrupted_one(tmp_path):
     """learn.compile(step=True), dropout, one-cycle and GradientAccumulation: SIGKILL, then resume='auto', compiled again.
     Within 1e-6, not bitwise: the resumed process compiles its graphs in another order, which may round differently"""

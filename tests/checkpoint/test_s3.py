@@ -44,6 +44,7 @@ def s3_files(url):
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     return sorted(Path(p).name for p in fs.ls(url, detail=False, refresh=True))
 
+@pytest.mark.slow
 @pytest.mark.parametrize('nproc,strategy', [(1, 'ddp'), (2, 'fsdp')])
 def test_killed_and_resumed_from_s3_equals_the_run_that_never_checkpointed(s3, tmp_path, nproc, strategy):
     url = f'{s3}/{strategy}{nproc}'

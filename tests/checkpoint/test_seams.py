@@ -72,6 +72,7 @@ def test_the_store_of_the_docs_resumes_a_killed_run_exactly(tmp_path):
     killed_then_resumed_equals_whole(tmp_path, docs, 'store', nproc=1)
     assert not list((tmp_path/'broken').glob('checkpoints/*')), 'the checkpoints went to the store, not to files'
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason='torch.distributed is not available')
 def test_the_strategy_of_the_docs_resumes_a_killed_two_process_run_exactly(tmp_path):
     docs = 'import torch.distributed as dist\n' + docs_cell('23c_distributed.ipynb', 'class AveragedGrads(Strategy)')

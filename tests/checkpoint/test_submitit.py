@@ -31,6 +31,7 @@ def run_job(folder, out, timeout_min, n_held=0, tasks=1):
     job.results()                                   # one per task
     return (out/'starts.txt').read_text().count('start'), torch.load(out/'final.pt', weights_only=False)
 
+@pytest.mark.slow
 @pytest.mark.parametrize('tasks', [1, 2])
 def test_submitit_requeues_at_the_time_limit_and_the_job_resumes_exactly(tmp_path, monkeypatch, tasks):
     recipe_module(tmp_path)

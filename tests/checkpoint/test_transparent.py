@@ -104,17 +104,20 @@ def ddp(tmp_path_factory):
     run(out/'plain2', '--bs', '4', '--fits', '2', nproc=2)
     return out
 
+@pytest.mark.slow
 @shares_ddp
 def test_ddp_with_and_without_checkpoints(ddp, tmp_path):
     run(tmp_path/'saved', '--bs', '4', '--ckpt', nproc=2)
     assert_same_run(result(tmp_path/'saved'), result(ddp/'plain'))
     assert result(ddp/'plain')['world'] == 2
 
+@pytest.mark.slow
 @shares_ddp
 def test_ddp_two_fits_in_a_row(ddp, tmp_path):
     run(tmp_path/'saved', '--bs', '4', '--fits', '2', '--ckpt', nproc=2)
     assert_same_run(result(tmp_path/'saved'), result(ddp/'plain2'))
 
+@pytest.mark.slow
 @shares_ddp
 def test_ddp_sigkill_then_resume(ddp, tmp_path):
     assert run(tmp_path/'k', '--bs', '4', '--ckpt', '--kill-at', '17', nproc=2, check=False).returncode != 0
@@ -150,6 +153,7 @@ def killed_on_two(request, tmp_path_factory):
     assert run(out/'killed', *common, '--ckpt', '--kill-at', '13', nproc=2, check=False).returncode != 0
     return out, request.param
 
+@pytest.mark.slow
 @shares_killed_on_two
 @pytest.mark.parametrize('nproc, bs', [(1, '12'), (3, '4')])
 def test_resume_on_another_number_of_processes_keeps_the_table(killed_on_two, tmp_path, nproc, bs):
@@ -161,6 +165,7 @@ def test_resume_on_another_number_of_processes_keeps_the_table(killed_on_two, tm
 
 # The global batch said once (distrib_ctx(global_batch=12)): the same command on any number of processes
 
+@pytest.mark.slow
 def test_global_batch_sets_the_batch_of_each_process_and_a_resume_needs_no_change(tmp_path):
     common = ('--dropout', '0', '--global-batch', '12', '--bs', '5')          # the dataloader's own 5 is replaced
     run(tmp_path/'two', *common, nproc=2)

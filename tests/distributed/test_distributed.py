@@ -31,6 +31,7 @@ def one_and_two(tmp_path_factory):
     res = run(two, '--bs', '8')
     return result(one), result(two), res
 
+@pytest.mark.slow
 @shared_runs
 def test_two_processes_train_like_one(one_and_two):
     one, two, res = one_and_two
@@ -49,6 +50,7 @@ def test_get_preds_gathers_in_order_without_duplicates(one_and_two):
     assert torch.equal(two['targs'], one['targs'])                           # in dataset order
     assert torch.equal(two['preds'], two['alone'])                           # what one process gets with those weights (every item in a batch of the same size in both: 4, or 1 for item 32)
 
+@pytest.mark.slow
 def test_only_rank0_writes_and_the_table_prints_once(tmp_path):
     res = run(tmp_path, '--bs', '8', '--ckpt', '--count-writes')
     said = ranks_said(res)
@@ -56,11 +58,13 @@ def test_only_rank0_writes_and_the_table_prints_once(tmp_path):
     assert res.stdout.count('train_loss') == 1                               # the header, from rank 0 alone
     assert (tmp_path/'models'/'best.pth').exists() and (tmp_path/'history.csv').exists()
 
+@pytest.mark.slow
 def test_early_stopping_stops_both_ranks_at_the_same_epoch(tmp_path):
     res = run(tmp_path, '--bs', '8', '--early', '--epochs', '6')
     said = ranks_said(res)
     assert said[0][1] == said[1][1] < 6, said
 
+@pytest.mark.slow
 def test_an_error_on_rank_1_ends_both_processes(tmp_path):
     "Rank 1 fails; rank 0 does not wait for it forever: both end (run's timeout fails the test if they hang)"
     res = run(tmp_path, '--bs', '8', '--fail-rank', '1', '--timeout', '20', check=False, timeout=300)
@@ -68,6 +72,7 @@ def test_an_error_on_rank_1_ends_both_processes(tmp_path):
     assert 'boom on rank 1' in res.stdout + res.stderr
     assert not (tmp_path/'result.pt').exists()
 
+@pytest.mark.slow
 def test_sigkill_at_5_batches_then_resume_is_exact(tmp_path):
     common = ('--bs', '8', '--ckpt', '--shuffle', '--dropout', '0.2')
     run(tmp_path/'ref', *common)
@@ -93,6 +98,7 @@ def _train_in_each_process(out):
         learn.fit(2)
         if rank_distrib() == 0: torch.save({'world': num_distrib(), 'values': learn.recorder.values}, Path(out)/'r.pt')
 
+@pytest.mark.slow
 def test_launch_from_a_notebook_forks_a_run(tmp_path):
     from learncb.distributed.context import launch
     import multiprocessing as mp
@@ -103,6 +109,7 @@ def test_launch_from_a_notebook_forks_a_run(tmp_path):
     r = torch.load(tmp_path/'r.pt', weights_only=False)
     assert r['world'] == 2 and len(r['values']) == 2
 
+@pytest.mark.slow
 def test_gradient_accumulation_skips_the_averaging_of_batches_that_do_not_step(tmp_path):
     run(tmp_path/'one', '--bs', '8', '--acc', '16', nproc=1)
     run(tmp_path/'two', '--bs', '4', '--acc', '16')    # 4 items a batch per rank, 8 in all: the run's n_acc, as in one
@@ -116,14 +123,17 @@ def test_gradient_clip_and_bf16_under_ddp(tmp_path):
     assert len(vals) == 3 and all(v == v for row in vals for v in row)                # finite: no NaN
     assert ranks_said(res)[1][1] == 3
 
+@pytest.mark.slow
 def test_stop_fit_on_one_rank_stops_every_rank(tmp_path):
     said = ranks_said(run(tmp_path, '--bs', '8', '--stop-rank', '1'))
     assert said[0][1] == said[1][1] == 1, said
 
+@pytest.mark.slow
 def test_a_nan_on_one_rank_stops_every_rank(tmp_path):
     said = ranks_said(run(tmp_path, '--bs', '8', '--nan-rank', '1'))
     assert said[0][1] == said[1][1] == 2, said                         # found at batch 6 of 12: in epoch 1
 
+@pytest.mark.slow
 def test_torchmetrics_sync_themselves(tmp_path):
     pytest.importorskip('torchmetrics')
     run(tmp_path/'one', '--bs', '16', '--torchmetrics', nproc=1)
@@ -131,6 +141,7 @@ def test_torchmetrics_sync_themselves(tmp_path):
     one, two = result(tmp_path/'one'), result(tmp_path/'two')
     assert abs(one['values'][-1][3] - two['values'][-1][3]) < 1e-6 and one['values'][-1][3] > 0
 
+@pytest.mark.slow
 def test_a_compiled_step_under_ddp_trains_like_the_eager_one(tmp_path):
     "learn.compile(step=True) under DDP (2 processes): within 1e-5 of the eager DDP fit, GradientClip in the compiled step"
     common = ('--bs', '8', '--adam', '--clip', '--epochs', '2', '--n-valid', '30')

@@ -6,7 +6,7 @@ step in the new world) is printed. Bounded by timeouts."""
 import os, signal, subprocess, sys, time
 from pathlib import Path
 from conftest import child_pythonpath
-import torch
+import pytest, torch
 from test_preemption import free_port
 
 HERE = Path(__file__).parent
@@ -65,6 +65,7 @@ def test_the_page_command_is_elastic():
     assert env_vars == {'TORCH_DISABLE_SHARE_RDZV_TCP_STORE': '1'}
     assert {'--nnodes=1:2', '--rdzv-backend=c10d', '--rdzv-conf=last_call_timeout=1'} <= set(opts), opts
 
+@pytest.mark.slow
 def test_elastic_world_shrinks_and_grows_and_the_run_ends_as_the_uninterrupted_one(tmp_path):
     ref = subprocess.run([sys.executable, str(HERE/'elastic_script.py'), str(tmp_path/'ref')], capture_output=True,
                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=child_pythonpath()))

@@ -41,6 +41,7 @@ def copy_of(folder, tmp_path, name):
     shutil.copytree(folder, tmp_path/name)
     return tmp_path/name
 
+@pytest.mark.slow
 @shared_runs
 def test_fsdp_trains_like_one_process(runs):
     one, two, res, _ = runs
@@ -61,6 +62,7 @@ def test_fsdp_shards_parameters_and_optimizer_state(runs):
     block = max(alone['units'])
     for r in ranks: assert r['params'] <= alone['params'] / 2 + block and r['opt'] <= alone['opt'] / 2 + 2 * block
 
+@pytest.mark.slow
 @shared_runs
 def test_export_after_fsdp_loads_in_a_fresh_process(runs, tmp_path):
     _, two, _, folder = runs
@@ -71,6 +73,7 @@ def test_export_after_fsdp_loads_in_a_fresh_process(runs, tmp_path):
                    check=True, timeout=120)
     torch.testing.assert_close(torch.load(tmp_path/'p.pt'), two['alone'], atol=1e-6, rtol=1e-6)
 
+@pytest.mark.slow
 def test_gradient_accumulation_skips_the_reduce_scatter(tmp_path):
     run(tmp_path/'one', '--blocks', '--bs', '8', '--acc', '16', nproc=1)
     run(tmp_path/'two', '--blocks', *FSDP, '--bs', '4', '--acc', '16')   # 8 items a batch in all: the run's n_acc
@@ -83,6 +86,7 @@ def test_gradient_clip_and_bf16_under_fsdp(tmp_path):
     vals = result(tmp_path)['values']
     assert len(vals) == 3 and all(v == v for row in vals for v in row) and ranks_said(res)[1][1] == 3
 
+@pytest.mark.slow
 @shared_runs
 def test_sigkill_then_resume_on_two_processes_is_exact(runs, killed, tmp_path):
     _, ref, _, _ = runs
@@ -95,6 +99,7 @@ def test_sigkill_then_resume_on_two_processes_is_exact(runs, killed, tmp_path):
     assert_weights_equal(got, ref)
     assert got['losses'] == ref['losses'] and got['values'] == ref['values']
 
+@pytest.mark.slow
 @shared_runs
 @pytest.mark.parametrize('strategy', ['fsdp', 'ddp'])
 def test_resume_on_another_number_of_processes(runs, killed, tmp_path, strategy):
@@ -108,6 +113,7 @@ def test_resume_on_another_number_of_processes(runs, killed, tmp_path, strategy)
         assert_weights_close(got, one)
         assert len(got['values']) == 3
 
+@pytest.mark.slow
 @shared_runs
 def test_another_global_batch_is_refused(killed, tmp_path):
     out = copy_of(killed['fsdp'], tmp_path, 'other_batch')
@@ -116,6 +122,7 @@ def test_another_global_batch_is_refused(killed, tmp_path):
     assert 'global batch of 16 (8 per process x 2 processes), but this run\'s is 8 (8 x 1 process)' in res.stderr
     assert 'Resume with a batch size of 16 per process' in res.stderr
 
+@pytest.mark.slow
 @shared_runs
 @pytest.mark.parametrize('remove', ['__1_0.distcp', 'complete.pt'])
 def test_an_incomplete_checkpoint_folder_is_skipped(runs, killed, tmp_path, remove):
@@ -129,6 +136,7 @@ def test_an_incomplete_checkpoint_folder_is_skipped(runs, killed, tmp_path, remo
     assert 'resuming from checkpoint_00000004_batch' in res.stderr
     assert_weights_equal(result(out), ref)              # from the one before: still the uninterrupted run's weights
 
+@pytest.mark.slow
 def test_lr_find_fine_tune_and_batchnorm_agree_on_every_rank(tmp_path):
     script = Path(__file__).parent/'fsdp_extras_script.py'
     res = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', f'--master-port={free_port()}',
@@ -139,11 +147,13 @@ def test_lr_find_fine_tune_and_batchnorm_agree_on_every_rank(tmp_path):
     assert r0['values'] == r1['values'] and len(r0['values']) == 1 and r0['plain'] and r0['frozen_idx'] == 0
     for k, v in r0['model'].items(): assert torch.equal(v, r1['model'][k]), k     # BatchNorm statistics: rank 0's
 
+@pytest.mark.slow
 def test_gradient_clip_clips_the_global_norm(tmp_path):
     run(tmp_path/'one', '--blocks', '--bs', '16', '--clip', nproc=1)
     run(tmp_path/'two', '--blocks', *FSDP, '--bs', '8', '--clip')
     assert_weights_close(result(tmp_path/'two'), result(tmp_path/'one'), atol=1e-6)
 
+@pytest.mark.slow
 @shared_runs
 def test_save_in_an_fsdp_fit_writes_a_whole_file(runs, tmp_path):
     "SaveModelCallback saves each epoch, while the model is sharded: a file of whole tensors, for one process"

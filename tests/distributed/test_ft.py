@@ -98,6 +98,7 @@ def test_killed_replica_heals_and_both_end_as_one_process(tmp_path, lighthouse, 
     assert_same(a, b)
     assert_close_to(a, plain)
 
+@pytest.mark.slow
 @pytest.mark.parametrize('stage', ['backward', 'allreduce', 'step'])
 def test_a_kill_in_any_stage_neither_repeats_nor_loses_a_step(tmp_path, lighthouse, plain, stage):
     "Killed during its backward, during the gradients' all-reduce, or during the optimizer step: no step twice, none lost"
@@ -111,6 +112,7 @@ def test_a_kill_in_any_stage_neither_repeats_nor_loses_a_step(tmp_path, lighthou
     assert a['counters'][2] == plain['counters'][2]         # as many committed steps as the plain fit's batches
     assert_close_to(a, plain)
 
+@pytest.mark.slow
 def test_a_spike_rolls_back_every_replica_one_that_healed_after_the_snapshot_too(tmp_path, lighthouse):
     """SpikeGuard under torchft: replica 1, killed early in epoch 1 and started again, heals after the guard's snapshot
     (the epoch's start) and before the scripted spike (its last batch); both roll back to that snapshot together,
@@ -128,6 +130,7 @@ def test_a_spike_rolls_back_every_replica_one_that_healed_after_the_snapshot_too
     assert_same(a, b)
     assert_close_to(a, plain)
 
+@pytest.mark.slow
 def test_three_replicas_two_killed_one_restarted(tmp_path, lighthouse, plain):
     "Three replicas, two killed at different steps, one of them started again: the two that finish, the same"
     kill_and_restart(tmp_path, lighthouse, 3, {1: (10, 'forward'), 2: (20, 'backward')}, restart={2})
@@ -146,6 +149,7 @@ def running_past(out, lighthouse, step):
         time.sleep(0.1)
     return first
 
+@pytest.mark.slow
 def test_a_new_replica_joins_a_running_one(tmp_path, lighthouse, plain):
     "Scale up: a replica started for the first time while another trains heals from it and takes its share"
     first = running_past(tmp_path, lighthouse, 8)
@@ -156,6 +160,7 @@ def test_a_new_replica_joins_a_running_one(tmp_path, lighthouse, plain):
     assert_close_to(a, plain)
     assert b['healed_at'] >= 8          # it joined a run that was under way, and healed from it
 
+@pytest.mark.slow
 def test_every_replica_restarted_resumes_from_its_checkpoint(tmp_path, lighthouse, plain):
     "CheckpointCallback still works: both replicas killed, both started again, each resumes from its own checkpoint"
     first = start(tmp_path, lighthouse, 0, 2, '--ckpt', '--kill-at', '18', '--wait-for', '2')
@@ -168,6 +173,7 @@ def test_every_replica_restarted_resumes_from_its_checkpoint(tmp_path, lighthous
     assert_same(a, b)
     assert_close_to(a, plain)
 
+@pytest.mark.slow
 def test_a_replica_of_other_data_is_refused_and_the_run_goes_on(tmp_path, lighthouse, plain):
     "A replica whose training data differs from the run's stops before its first batch; the run goes on, exact"
     first = running_past(tmp_path, lighthouse, 5)
@@ -227,6 +233,7 @@ def test_an_untested_or_missing_torchft_is_named(monkeypatch):
     with pytest.raises(ImportError, match=r"pip install 'learncb\[ft\]'"):
         fit_torchft(monkeypatch, replica_env('http://127.0.0.1:1', 0, 1))
 
+@pytest.mark.slow
 def test_a_quorum_that_does_not_form_says_which_timeout_expired(monkeypatch):
     with Lighthouse(min_replicas=2) as lh, pytest.raises(TimeoutError, match=r'quorum_timeout=2 s.*--min_replicas'):
         fit_torchft(monkeypatch, replica_env(lh, 0, 2), TorchFT(quorum_timeout=2))

@@ -28,6 +28,7 @@ def one(tmp_path_factory):
     "The fits in one process, in the order `distrib_ctx(global_batch=64)` gives"
     return matrix(tmp_path_factory.mktemp('one'), 'one')
 
+@pytest.mark.slow
 def test_in_one_process_every_capability_runs_and_accumulation_steps_every_128_items(one):
     assert all(r['refused'] is None and r['train_iter'] == 16 for c,r in one.items() if c != 'spike_guard')
     guarded = one['spike_guard']             # both scripted spikes rolled back, and their batches skipped
@@ -37,6 +38,7 @@ def test_in_one_process_every_capability_runs_and_accumulation_steps_every_128_i
 def max_rel(a, b):
     return max(((a[k] - w).abs().max() / w.abs().max()).item() for k,w in b.items())
 
+@pytest.mark.slow
 @pytest.mark.parametrize('strategy', ['ddp', 'fsdp', 'torchft'])
 def test_every_capability_means_the_same_under_every_strategy(strategy, one, tmp_path):
     "Each cell: the one-process fit's optimizer steps and weights, or a refusal before the first batch naming who and why"

@@ -105,6 +105,7 @@ torch.save({'preds': preds, 'dec': dec, 'probs': probs, 'vocab': learn.vocab, 'm
            sys.argv[3])
 '''
 
+@pytest.mark.slow
 def test_export_then_load_where_the_model_class_cannot_be_imported(tmp_path, monkeypatch):
     (tmp_path/'mymodels.py').write_text(MODELS)
     monkeypatch.syspath_prepend(str(tmp_path))

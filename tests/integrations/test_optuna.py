@@ -15,6 +15,7 @@ def finish(procs, timeout=180):
         for p in procs: p.kill()
     for p, (out, err) in zip(procs, outs): assert p.returncode == 0, err[-3000:]
 
+@pytest.mark.slow
 def test_two_processes_share_a_sqlite_study(tmp_path):
     db = tmp_path/'search.db'
     optuna.create_study(study_name='search', storage=f'sqlite:///{db}')   # each worker brings its pruner

@@ -52,6 +52,7 @@ def run(out, storage, fail_at=None, checkpoint=None, fsdp=False, workers=2):
 
 def restored_copies(): return sorted(Path(tempfile.gettempdir()).glob('learncb-ray-*'))
 
+@pytest.mark.slow
 def test_ray_train_restarts_a_failed_worker_and_the_run_ends_exactly(local_ray):
     tmp = local_ray
     before = restored_copies()
@@ -64,6 +65,7 @@ def test_ray_train_restarts_a_failed_worker_and_the_run_ends_exactly(local_ray):
     assert result.metrics['valid_loss'] == ref['values'][-1][1]
     assert restored_copies() == before                    # the restarted workers' copies of the checkpoint are gone
 
+@pytest.mark.slow
 def test_an_fsdp_run_restarts_a_failed_worker_and_ends_exactly_also_on_one_worker(local_ray):
     """Under FSDP the sharded checkpoint is read in `before_train`: the copy Ray restored must still be there. The run
     restarts on its two workers and ends as the unfailed run; its checkpoint of the middle of an epoch continues on one"""
@@ -83,6 +85,7 @@ def test_an_fsdp_run_restarts_a_failed_worker_and_ends_exactly_also_on_one_worke
     for k in one['model']: assert torch.equal(one_failed['model'][k], one['model'][k]), k
     assert one_failed['values'] == one['values'] and len(one['values']) == 3 and restored_copies() == before
 
+@pytest.mark.slow
 def test_a_run_starts_from_another_runs_checkpoint_and_leaves_no_copy(local_ray):
     "`ray_checkpoint(result.checkpoint)`: a new run goes on from another run's last checkpoint (here its end)"
     tmp = local_ray
@@ -112,6 +115,7 @@ result = trainer.fit()
 print('REPORTED', result.metrics['train_iter'], result.checkpoint is not None)
 """
 
+@pytest.mark.slow
 def test_the_older_ray_train_api_reports_the_checkpoints_without_a_preemption_notice(tmp_path, monkeypatch):
     "`RAY_TRAIN_V2_ENABLED=0`: no `get_preemption_info`; the callback says so before the first batch, and reports"
     import subprocess, sys

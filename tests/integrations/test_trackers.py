@@ -109,6 +109,7 @@ def test_tensorboard_each_fit_is_a_run_of_its_own(tmp_path):
     assert [tb.run_dir.name for tb in tbs] == ['exp', 'exp-2']
     assert [tb_history(tb.run_dir)[0]['batch/loss'][-1][0] for tb in tbs] == [4, 4]
 
+@pytest.mark.slow
 @pytest.mark.parametrize('how', RESUMES)
 def test_tensorboard_resumed_run_equals_an_uninterrupted_one(tmp_path, how):
     ref_tb = TensorBoardCallback(log_every=2)
@@ -186,6 +187,7 @@ def test_mlflow_resumed_fit_writes_into_the_same_run(tmp_path, mlflow_uri, how):
         assert len(points) == len({s for s, _ in points}), f'{name}: a step written twice'
     same_history(history, ml_history(client, ref.run_id))
 
+@pytest.mark.slow
 def test_mlflow_failed_fit_and_second_fit(tmp_path, mlflow_uri):
     from mlflow import MlflowClient
     client, learn = MlflowClient(mlflow_uri), synth_learner(path=tmp_path)
@@ -283,6 +285,7 @@ def test_a_package_that_fails_to_import_says_why():
     with pytest.raises(ImportError, match=r'importing it failed.*pip install "learncb\[x\]"'):
         import_optional('json.no_such_module', 'json', 'x', 'Me')
 
+@pytest.mark.slow
 def test_learncb_all_imports_no_tracker_package():
     code = ("import sys, learncb.all; "
             "print([m for m in ('tensorboard', 'torch.utils.tensorboard', 'mlflow', 'wandb') if m in sys.modules])")
