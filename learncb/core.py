@@ -385,9 +385,9 @@ class Callback:
         return states[rank] if rank < len(states) else states[0]
 
     def live_state(self):
-        """What a peer that joins the run in the middle of an epoch needs besides `state_dict` (empty by default): a
-        checkpoint is written after `before_checkpoint` settled what was pending, a live state is taken during any
-        batch, as the run stood before it"""
+        """What a peer that joins the run in the middle of an epoch needs besides `state_dict` (empty by
+        default): a checkpoint is written after `before_checkpoint` settled what was pending, a live state is
+        taken during any batch, as the run stood before it"""
         return {}
 
     def load_live_state(self, state):

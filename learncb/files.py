@@ -279,7 +279,8 @@ def _swap_prefix(state, theirs, ours):
     meta = state_metadata(state)
     if meta is not None:
         dotted = {(k + '.' if k else ''): v for k,v in meta.items()}
-        set_state_metadata(out, {(ours + k[len(theirs):]).rstrip('.'): v for k,v in dotted.items() if k.startswith(theirs)})
+        moved = {(ours + k[len(theirs):]).rstrip('.'): v for k,v in dotted.items() if k.startswith(theirs)}
+        set_state_metadata(out, moved)
     return out
 
 def match_prefix(state, saved_keys, model_keys):

@@ -111,7 +111,7 @@ def fused_devices():
     return found() if _use(found is not None) else ['cuda']
 
 def autocast_enabled(ctx):
-    "Whether `torch.autocast` context `ctx` is on (torch turns one off, with a warning, for a dtype the device lacks)"
+    "Whether `torch.autocast` context `ctx` is on (torch turns one off, warning, for a dtype a device lacks)"
     return bool(getattr(ctx, '_enabled', True)) if _use(True) else True
 
 def state_metadata(state):
@@ -123,9 +123,10 @@ def set_state_metadata(state, meta):
     state._metadata = meta
 
 def free_dtensor_caches():
-    """Empty DTensor's caches (sharding plans, redistribution plans, mesh topologies): they keep FSDP2's device mesh,
-    so its process group and gloo's threads outlive the group's end (`destroy_process_group`) until the interpreter's
-    teardown. Every function cache of DTensor's modules is emptied, and its two caches that are not functions'"""
+    """Empty DTensor's caches (sharding plans, redistribution plans, mesh topologies): they keep FSDP2's
+    device mesh, so its process group and gloo's threads outlive the group's end (`destroy_process_group`)
+    until the interpreter's teardown. Every function cache of DTensor's modules is emptied, and its two
+    other caches"""
     import sys
     if not _use('torch.distributed.tensor' in sys.modules): return
     from torch.distributed.tensor import debug, _redistribute
@@ -140,8 +141,8 @@ def _clear_function_caches(module):
     for v in list(vars(module).values()):
         owners = [v, *(getattr(v, k, None) for k in list(vars(v)))] if isinstance(v, type) else [v]
         for f in owners:
-            if not isinstance(f, type) and callable(getattr(f, 'cache_clear', None)) and hasattr(f, 'cache_info'):
-                f.cache_clear()
+            is_cache = callable(getattr(f, 'cache_clear', None)) and hasattr(f, 'cache_info')
+            if is_cache and not isinstance(f, type): f.cache_clear()
 
 # %% ../nbs/01d_internals.ipynb #e0a66a91
 def compiled_wrapped(model):

@@ -38,14 +38,15 @@ def is_rank0():
 
 def refuse(who, why):
     """Stop a fit before its first batch when `why`, the strategy's answer to what `who` needs (one of its
-    `cannot_*` methods), is a reason: `ValueError('<who>: <why>')`, `who` a callback (its class named) or a name"""
+    `cannot_*` methods), is a reason: `ValueError('<who>: <why>')`, `who` a callback (its class named) or a
+    name"""
     if why is not None: raise ValueError(f"{who if isinstance(who, str) else type(who).__name__}: {why}")
 
 _group_end_hooks = []
 
 def on_group_end(fn):
-    """Call `fn()` when `distrib_ctx` ends the process group it started: a module that keeps groups of its own, or
-    objects that refer to the group, forgets them then, so that the group and its threads end with it"""
+    """Call `fn()` when `distrib_ctx` ends the process group it started: a module that keeps groups of its
+    own, or objects that refer to the group, forgets them then, so that the group and its threads end too"""
     _group_end_hooks.append(fn)
     return fn
 

@@ -363,8 +363,8 @@ class Recorder(Callback):
 
 # %% ../nbs/04_recorder.ipynb #bc55d3be
 def tell(learn, line, warn=True):
-    """Say `line` through the learner's output, on the process that speaks for the run (rank 0; under torchft the
-    first replica of the quorum): under the bars when they are drawn, else on stdout; when logging is off
+    """Say `line` through the learner's output, on the process that speaks for the run (rank 0; under torchft
+    the first replica of the quorum): under the bars when they are drawn, else on stdout; when logging is off
     (`learn.no_logging()`), as a warning (`warn`) or not at all"""
     if not learn.strategy.speaks(): return
     bar = _bar(learn)

@@ -100,7 +100,9 @@ def cannot_resume_reason(dl):
     if isinstance(dl.dataset, IterableDataset): return "its dataset is an IterableDataset"
     if type(dl.batch_sampler) is not BatchSampler: return "it has a custom batch_sampler (or batch_size=None)"
     if sampler_of(dl) is not None: return None
-    if isinstance(dl.sampler, RandomSampler) and (dl.sampler.replacement or dl.sampler.num_samples != len(dl.sampler.data_source)):
+    sampler = dl.sampler
+    if isinstance(sampler, RandomSampler) and (sampler.replacement
+                                               or sampler.num_samples != len(sampler.data_source)):
         return "its RandomSampler draws with replacement or a num_samples"
     if isinstance(dl.sampler, DistributedSampler) and dl.sampler.drop_last:
         return "its DistributedSampler has drop_last=True"

@@ -82,8 +82,8 @@ def read_checkpoint(store, ref):
 class StateHost:
     "The run's state as one dict, `state_dict` and `load_state_dict`, and checkpoints by hand: the part of `Learner` that saves and resumes"
     def state_dict(self, live=False):
-        """Everything a run depends on: model, optimizer, gradients, loop position, random generators, data order,
-        callbacks; `live`: with what a peer joining during a batch needs besides (the callbacks' `live_state`)"""
+        """Everything a run depends on: model, optimizer, gradients, loop position, random generators, data
+        order, callbacks; `live`: with what a peer that joins during a batch needs too (`live_state`)"""
         dl = self.dls.train
         sampler = sampler_of(dl)
         state = {'format': 'learncb-checkpoint', 'version': 2,
@@ -101,7 +101,7 @@ class StateHost:
                 'state': dict(self.state),
                 'frozen': {'idx': self.frozen_idx, 'train_bn': self.train_bn,
                            'params': [n for n,p in plain_model(self.model).named_parameters() if not p.requires_grad]}}
-        if live: state['live'] = {k: s for k,cb in zip(_cb_keys(self.cbs), self.cbs) if (s := cb.live_state())}
+        if live: state['live'] = {k: s for k,cb in zip(_cb_keys(self.cbs), self.cbs) if (s:=cb.live_state())}
         return state
 
     def load_state_dict(self, state, strict=True, where='the checkpoint'):
@@ -173,7 +173,7 @@ class StateHost:
         return undo
 
     def _load_live_states(self, states):
-        "What live peers' callbacks gave besides their checkpoint state (`state_dict(live=True)`), to the same callbacks"
+        "What a live peer's callbacks gave besides their checkpoint state (`state_dict(live=True)`), to ours"
         for k,cb in zip(_cb_keys(self.cbs), self.cbs):
             if k in states: cb.load_live_state(states[k])
 
@@ -255,15 +255,15 @@ class LearnerSnapshot:
         self.phase = {k: getattr(learn, k) for k in phase_attrs}
 
     def state_dict(self):
-        "The copy, for a peer that joins the run: the learner's state and the random states of its training dataloader"
+        "The copy, for a peer that joins the run: the learner's state, the random states of its training data"
         return {'state': self.state, 'dl_rng': [s for _,s in self.dl_rng]}
 
     def load_state_dict(self, state):
-        "Make a peer's copy (its `state_dict`) this learner's; its optimizer object, modes and phase are as they are now"
+        "Make a peer's copy (its `state_dict`) this learner's; its optimizer object, modes and phase as now"
         gens = dl_generators(self.learn.dls.train)
         if len(gens) != len(state['dl_rng']): raise ValueError(
-            f"a peer's snapshot has the random states of {len(state['dl_rng'])} generators of its training dataloader, "
-            f"this learner's has {len(gens)}: give every replica the same dataloader")
+            f"a peer's snapshot has the random states of {len(state['dl_rng'])} generators of its training "
+            f"dataloader, this learner's has {len(gens)}: give every replica the same dataloader")
         self.state,self.dl_rng = state['state'],list(zip(gens, state['dl_rng']))
         self._note_modes()
 

@@ -109,8 +109,8 @@ class Strategy:
         return model
 
     def grad_sync_switch(self, model):
-        """A function that turns the reduction of `model`'s gradients over the ranks on or off for the next backwards
-        (`GradientAccumulation` reduces only before a step), or `None`: nothing to turn (one process, here)"""
+        """A function that turns the reduction of `model`'s gradients over the ranks on or off for the next
+        backwards (`GradientAccumulation` reduces only before a step), or `None`: nothing to turn"""
         return None
 
     def cannot_microbatch(self):

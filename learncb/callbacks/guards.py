@@ -91,7 +91,7 @@ class SpikeGuard(Callback):
         self.grad_norm,self.history,self.rollbacks,self.replayable = bool(grad_norm),{'loss': [], 'grad_norm': []},0,True
         self.skip_on_device = bool(skip_on_device)     # a fused optimizer's flag: no step on a non-finite loss, at a cost
         self._snap,self._start,self._snap_at,self._taken,self._found_inf,self._last = None,0,0,None,None,-1
-        self._joined = None           # a live peer's snapshot and unchecked losses, for a replica that joins the run
+        self._joined = None       # a live peer's snapshot and unchecked losses, for a replica that joins
         self._clear()
 
     def _clear(self): self._losses,self._iters,self._norms,self._norm_iters = [],[],[],[]
@@ -135,17 +135,18 @@ class SpikeGuard(Callback):
         else: self._snapshot(self.learn.start_iter)
 
     def live_state(self):
-        """For a replica that joins the run during batch `learn.iter`: the snapshot, and the losses (gradient norms)
-        of the batches before it not checked yet; so it checks and rolls back with this one"""
-        done = lambda iters, values: [(i, v.detach().clone()) for i,v in zip(iters, values) if i < self.learn.iter]
+        """For a replica that joins the run during batch `learn.iter`: the snapshot, and the losses (gradient
+        norms) of the batches before it not checked yet; so it checks and rolls back with this one"""
+        now = self.learn.iter
+        before = lambda iters, values: [(i, v.detach().clone()) for i,v in zip(iters, values) if i < now]
         return {'snapshot': None if self._snap is None else self._snap.state_dict(), 'start': self._start,
                 'snap_at': self._snap_at, 'rollbacks': self.rollbacks,
-                'losses': done(self._iters, self._losses), 'norms': done(self._norm_iters, self._norms)}
+                'losses': before(self._iters, self._losses), 'norms': before(self._norm_iters, self._norms)}
 
     def load_live_state(self, state): self._joined = state
 
     def _join(self):
-        "The snapshot and the unchecked losses of the live peer this replica joined the run from, as this one's"
+        "The snapshot and the unchecked losses of the live peer this replica joined the run from, as its own"
         learn,state,self._joined = self.learn,self._joined,None
         device = model_device(learn.model, learn.device)
         if state['snapshot'] is not None and self.replayable:

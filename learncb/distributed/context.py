@@ -97,8 +97,8 @@ def _global_batch(self:Learner, n, world, seed):
         if self.dls.train is made: self.dls.train = dl
 
 def _end_group():
-    """End the process group now, with its threads: what still refers to it (DDP's reducer, in reference cycles;
-    FSDP2's device mesh, in DTensor's caches) is freed"""
+    """End the process group now, with its threads: what still refers to it (DDP's reducer, in reference
+    cycles; FSDP2's device mesh, in DTensor's caches) is freed"""
     dist.destroy_process_group()
     group_ended()
     free_dtensor_caches()

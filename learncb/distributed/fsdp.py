@@ -93,18 +93,20 @@ class FSDP(Strategy):
 
     def cannot_microbatch(self):
         "The ranks gather each shard in the forward: they would have to split alike before it"
-        return ("strategy='fsdp' does not split a batch into micro-batches yet (the ranks gather each shard in the "
-                "forward, so they would have to split alike before it): fit with DDP, or with a smaller batch")
+        return ("strategy='fsdp' does not split a batch into micro-batches yet (the ranks gather each "
+                "shard in the forward, so they would have to split alike before it): fit with DDP, or with a "
+                "smaller batch")
 
     def cannot_compile_step(self):
-        "FSDP's hooks gather and free the shards around each layer, which the compiled step would have to trace"
-        return ("strategy='fsdp' does not run a compiled step: FSDP gathers and frees the shards around each layer "
-                "in hooks the compiled step would have to trace; use learn.compile() (the model compiled) with FSDP")
+        "FSDP's hooks gather and free the shards around each layer: a compiled step would have to trace them"
+        return ("strategy='fsdp' does not run a compiled step: FSDP gathers and frees the shards around "
+                "each layer in hooks the compiled step would have to trace; use learn.compile() (the model "
+                "compiled) with FSDP")
 
     def cannot_average_weights(self):
         "Each rank holds shards of the weights, and the average is of whole weights"
-        return ("strategy='fsdp' does not average weights yet (each rank holds shards of the weights, and the "
-                "average is of whole weights): use it with DDP or one process")
+        return ("strategy='fsdp' does not average weights yet (each rank holds shards of the weights, and "
+                "the average is of whole weights): use it with DDP or one process")
 
     def wrap(self, learn):
         "Shard a copy of the model over the ranks and make its optimizer, carrying over the state the optimizer had"
@@ -144,7 +146,7 @@ class FSDP(Strategy):
         return self._mp is not None
 
     def grad_sync_switch(self, model):
-        "FSDP's `set_requires_gradient_sync`: whether the next backwards reduce-scatter the gradients over the ranks"
+        "FSDP's `set_requires_gradient_sync`: whether the next backwards reduce-scatter the gradients"
         from torch.distributed.fsdp import FSDPModule
         return model.set_requires_gradient_sync if isinstance(model, FSDPModule) else None
 

@@ -75,8 +75,10 @@ def _sliced(b, lo, hi):
     return map_tensors(lambda t: t[lo:hi], b)
 
 # %% ../../nbs/23e_ft.ipynb #a1f0e003
-def _not_yet(what): return (f"strategy='torchft' does not run {what} yet (its step shares each batch among the "
-                             f"replicas of each quorum): fit without it, or with strategy='ddp'")
+def _not_yet(what):
+    "Why torchft does not run `what` yet"
+    return (f"strategy='torchft' does not run {what} yet (its step shares each batch among the replicas "
+            f"of each quorum): fit without it, or with strategy='ddp'")
 
 class TorchFT(Strategy):
     "Fault tolerance per step on torchft: one process per replica group, a quorum each step, the global batch shared among the replicas present"
