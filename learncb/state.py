@@ -118,11 +118,11 @@ class StateHost:
             if state['opt'] is not None: undos.append(self._load_opt_state(state['opt'], where))
             undos.append(self._load_sampler_state(state['data']))
             undos.append(self._load_cb_states(_rank_cb_states(state, self.cbs), where))
-            self._load_live_states(state.get('live') or {})
             plain_model(self.model).load_state_dict(weights, strict=strict)
         except BaseException:
             for undo in reversed(undos): undo()
             raise
+        self._load_live_states(state.get('live') or {})          # once nothing can fail: it has no undo
         for n,p in plain_model(self.model).named_parameters():
             p.grad = shard_like(grads[n], p).to(p.device) if n in grads else None
         for k,v in state['loop'].items(): setattr(self, k, v)
