@@ -314,11 +314,9 @@ class ShortEpochCallback(Callback):
         if self.short_valid: raise CancelValidException()
 
 # %% ../../nbs/29_tricks.ipynb #52ef2b2d
-_bn_types = batchnorm_types
-
 def frozen_bn_layers(model):
     "The batch-norm layers of `model` whose weights are all frozen (`requires_grad=False`)"
-    return [m for m in model.modules() if isinstance(m, _bn_types) and
+    return [m for m in model.modules() if isinstance(m, batchnorm_types) and
             (ps := list(m.parameters(recurse=False))) and not any(p.requires_grad for p in ps)]
 
 class BnFreeze(Callback):

@@ -242,13 +242,12 @@ def test_what_the_step_does_not_do_yet_is_refused_before_the_first_batch(monkeyp
     "AutoMicrobatch is refused by name; the learner keeps its model and weights"
     from learncb.all import AutoMicrobatch
     with Lighthouse() as lh:
-        for cb,says in ((AutoMicrobatch(), "AutoMicrobatch: strategy='torchft' does not run micro-batches"),):
-            learn = tiny_learner()
-            monkeypatch.setenv('RUST_LOG', 'warn')
-            for k,v in replica_env(lh, 0, 1).items(): monkeypatch.setenv(k, v)
-            with pytest.raises(ValueError, match=says):
-                with learn.distrib_ctx(strategy='torchft'): learn.fit(1, cbs=cb)
-            assert isinstance(learn.model, nn.Linear) and learn.train_iter == 0
+        learn = tiny_learner()
+        monkeypatch.setenv('RUST_LOG', 'warn')
+        for k,v in replica_env(lh, 0, 1).items(): monkeypatch.setenv(k, v)
+        with pytest.raises(ValueError, match="AutoMicrobatch: strategy='torchft' does not run micro-batches"):
+            with learn.distrib_ctx(strategy='torchft'): learn.fit(1, cbs=AutoMicrobatch())
+        assert isinstance(learn.model, nn.Linear) and learn.train_iter == 0
 
 def test_a_replica_alone_trains_and_nothing_callable_is_set_on_the_learner(monkeypatch):
     "One replica under a lighthouse trains at once, through FaultTolerantStep, setting no function on an instance"
