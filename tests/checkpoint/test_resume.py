@@ -239,10 +239,12 @@ def make_learner(path):
     return Learner(dls, model, nn.CrossEntropyLoss(), path=path, device='cpu')
 class HoldForCtrlC(Callback):
     "Holds training batch 10 until Ctrl-C has been caught (at most 300 s): the fit is interrupted mid-run on any machine"
-    def after_batch(self):
+    def before_train(self):         # CheckpointCallback's handler, set in before_fit, holds Ctrl-C until it comes
+        if self.epoch == 0: self.holding = signal.getsignal(signal.SIGINT)
+    def after_batch(self):          # (read here, it would miss a Ctrl-C caught earlier in this batch, and wait 300 s)
         if self.train_iter != 10: return
-        held,deadline = signal.getsignal(signal.SIGINT),time.monotonic() + 300
-        while signal.getsignal(signal.SIGINT) is held and time.monotonic() < deadline: time.sleep(0.01)
+        deadline = time.monotonic() + 300
+        while signal.getsignal(signal.SIGINT) is self.holding and time.monotonic() < deadline: time.sleep(0.01)
 '''
 
 @pytest.mark.slow
@@ -261,8 +263,8 @@ def test_ctrl_c_in_a_jupyter_kernel(tmp_path):
         deadline = time.monotonic() + 300
         while not any(p.name.endswith('_batch.pt') for p in folder.glob('*.pt')) and time.monotonic() < deadline: time.sleep(0.05)
         km.interrupt_kernel()                   # the fit is in its first 10 batches, or held at the 10th until this comes
-        reply = kc.get_shell_msg(timeout=300)
-        while reply['parent_header'].get('msg_id') != msg_id: reply = kc.get_shell_msg(timeout=300)
+        reply = kc.get_shell_msg(timeout=600)
+        while reply['parent_header'].get('msg_id') != msg_id: reply = kc.get_shell_msg(timeout=600)
         assert reply['content']['status'] == 'error' and reply['content']['ename'] == 'KeyboardInterrupt'
         status = run('1 + 1')['status']
         if status == 'aborted': status = run('1 + 1')['status']     # sent while the kernel still flushed its queue
