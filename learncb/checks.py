@@ -46,7 +46,11 @@ def is_optimizer(o):
     return not isinstance(o, type) and hasattr(o, 'param_groups') and callable(getattr(o, 'step', None))
 
 def check_opt_func(opt_func):
-    "`opt_func` if it is a function that makes an optimizer from parameters (`torch.optim.SGD`), not an optimizer"
+    """`opt_func` if it is a function that makes an optimizer from parameters (`torch.optim.SGD`), not an optimizer;
+    or a dict of them by optimizer name (several optimizers: the splitter names their parameters)"""
+    if isinstance(opt_func, dict):
+        for f in opt_func.values(): check_opt_func(f)
+        return opt_func
     if is_optimizer(opt_func):
         name = type(opt_func).__name__
         raise TypeError(f"opt_func must be a function that makes an optimizer from the model's parameters, not the "
@@ -76,7 +80,11 @@ def check_metrics(metrics):
     return metrics
 
 def default_lr(opt_func, lr=None):
-    "The lr a `Learner` uses: the `lr` of `opt_func` if it is a partial that sets one (as in fastai), else `lr`, else 1e-3"
+    """The lr a `Learner` uses: the `lr` of `opt_func` if it is a partial that sets one (as in fastai), else `lr`, else
+    1e-3; for a dict of `opt_func`s by name, a dict of those if any sets one"""
+    if isinstance(opt_func, dict):
+        if not any('lr' in getattr(f, 'keywords', {}) for f in opt_func.values()): return default_lr(None, lr)
+        return {n: default_lr(f, lr[n] if isinstance(lr, dict) and n in lr else lr) for n,f in opt_func.items()}
     given = getattr(opt_func, 'keywords', {}).get('lr')
     if given is None: return 1e-3 if lr is None else lr
     if lr is not None and lr != given:

@@ -136,7 +136,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         self._running,self._opts_made = None,weakref.WeakKeyDictionary()  # who runs a fit now; the optimizers create_opt made
         self._removed_in_fit = []                     # callbacks removed during this fit: `learn` is cleared at its end
         for k,v in {**fit_attrs, **phase_attrs}.items(): setattr(self, k, v)
-        self.training,self.start_epoch,self.start_iter,self._out_loss = False,0,0,None
+        self.training,self.start_epoch,self.start_iter,self._out_loss,self.turn = False,0,0,None,None
         self.stepper = self._resting_step = self.step_class(self, hooks=False)      # the step outside a fit
         self._batch_device = _unprepared                                            # how batches move
         self.cbs_changed()

@@ -198,7 +198,9 @@ class Recorder(Callback):
     def after_loss(self):
         learn = self.learn
         if learn.training:
-            self._pending.append(learn.loss)
+            loss = learn.loss if learn.turn is None else self._turns_loss()
+            if loss is None: return                     # a turn before the last: its loss is added to the batch's
+            self._pending.append(loss)
             self._pending_bs.append(learn.stepper.loss_items or find_bs(learn.yb or learn.xb))   # targets, or a model's inputs
             self.lrs.append(hyper_number(learn.opt.param_groups[0]['lr']))
             if self._metrics_unchecked: self._try_metrics()
@@ -211,6 +213,13 @@ class Recorder(Callback):
             self._valid_bs.append(find_bs(learn.yb or learn.xb))
             self._valid_cols[0].append(learn.loss)
             if self._valid_metrics: self._compute_metrics(self._valid_metrics, self._valid_cols[1:])
+
+    def _turns_loss(self):
+        "With several optimizers in turn (`Step.turns`), the batch's loss is the sum of the turns': `None` until the last"
+        learn,turns = self.learn,self.learn.stepper.turns
+        total = learn.loss if learn.turn == turns[0] else self._turns_sum + learn.loss
+        self._turns_sum = total
+        return total if learn.turn == turns[-1] else None
 
     def _compute_metrics(self, metrics, cols):
         learn = self.learn

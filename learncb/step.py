@@ -11,7 +11,7 @@ __all__ = ['Step']
 from .core import *
 from .utils import *
 from .diagnose import note_failure, note_where, why_no_grad
-from .optim import opt_step, clear_grads
+from .optim import opt_step, clear_grads, needs_closure
 
 # %% ../nbs/02e_step.ipynb #34880ef0
 def _hook(learn, name):
@@ -31,9 +31,13 @@ class Step:
     "How many items `learn.loss` is the mean of when not the batch's (`None`): a fault-tolerant step's global batch"
     stage_now = None
     "The stage under way (`'backward'`, `'step'`), whose cancel ends it; `None` outside them"
+    turns = None
+    """The names of the optimizers (`NamedOptimizers`) that train in turn on each batch, each with a forward, loss,
+    backward and step of its own (a GAN's `('D', 'G')`), `learn.turn` the name; `None`: one turn, `learn.opt`'s"""
     def __init__(self, learn, hooks=True):
         "`hooks=False`: no callback's `step_forward` or `step_backward` (the step of a learner outside a fit)"
         self.learn,self.forward_hook,self.backward_hook = learn,None,None
+        self._opt,self._closure,self._first_call = None,False,False     # the optimizer stepped last; takes a closure
         if hooks: self.find_hooks()
 
     def find_hooks(self):
@@ -41,7 +45,15 @@ class Step:
         self.forward_hook,self.backward_hook = _hook(self.learn, 'step_forward'),_hook(self.learn, 'step_backward')
 
     def run(self):
-        "The current batch's step (`steps`), and the end of a stage that a cancel cut short"
+        "The current batch's step: one turn (`take_turn`), or with `turns` one per optimizer, in turn"
+        if self.turns is None: return self.take_turn()
+        learn = self.learn
+        try:
+            for learn.turn in self.turns: self.take_turn()
+        finally: learn.turn = None
+
+    def take_turn(self):
+        "The steps of a turn (`steps`), and the end of a stage that a cancel cut short"
         self.stage_now = None
         try: self.steps()
         except _cancels as e: self.after_cancel(e, self.stage_now)
@@ -144,8 +156,27 @@ class Step:
                                   f"to undo the try and compute the batch again up to its loss")
 
     def optimizer_step(self):
-        "The optimizer's step (`opt_step`: torch's, without its profiler wrapper when nothing needs it)"
-        opt_step(self.learn.opt)
+        """The optimizer's step (`opt_step`: torch's, without its profiler wrapper when nothing needs it); with `turns`
+        the turn's optimizer's. One whose step takes a closure (LBFGS) is given `recompute`"""
+        learn = self.learn
+        opt = learn.opt if learn.turn is None else learn.opt[learn.turn]
+        if opt is not self._opt: self._opt,self._closure = opt,needs_closure(opt)
+        if not self._closure: return opt_step(opt)
+        self._first_call = True
+        opt.step(self.recompute)
+
+    def recompute(self):
+        """The closure of a closure optimizer's step: the loss of the batch, its gradients computed. The first call
+        returns the step's own (the loss and backward done with their events); each later one computes the forward,
+        the loss and the backward again, without events, as a hand-written closure does"""
+        learn = self.learn
+        if self._first_call: self._first_call = False
+        else:
+            clear_grads(self._opt)
+            self.predict()
+            self.compute_loss()
+            self.backward() if self.backward_hook is None else self.backward_hook.step_backward(self)
+        return learn.loss
 
     def zero_grad(self):
         "Clear the gradients, after a step the optimizer took"

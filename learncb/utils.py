@@ -135,7 +135,9 @@ def check_number(value, name, *, gt=None, ge=None, finite=False, per_group=False
 _lr_hint = 'a learning rate such as 1e-3; learn.lr_find() suggests one'
 
 def check_lr(lr, name='lr', who=None):
-    "`lr` if it is a finite number >= 0 (0: no update), a list of them (one per param group), or a `slice(lo, hi)`"
+    """`lr` if it is a finite number >= 0 (0: no update), a list of them (one per param group), or a `slice(lo, hi)`;
+    or a dict of those by optimizer name"""
+    if isinstance(lr, dict): return {n: check_lr(v, f'{name}[{n!r}]', who) for n,v in lr.items()}
     if isinstance(lr, slice): return _check_lr_slice(lr, name, who)
     return check_number(lr, name, ge=0, finite=True, per_group=True, who=who, hint=_lr_hint)
 
@@ -152,6 +154,7 @@ def _check_lr_slice(lr, name, who):
 def check_wd(wd, name='wd', who=None):
     "`wd` if it is `None` (the optimizer's default), a finite number >= 0, or a list of them, one per parameter group"
     if wd is None: return wd
+    if isinstance(wd, dict): return {n: check_wd(v, f'{name}[{n!r}]', who) for n,v in wd.items()}
     return check_number(wd, name, ge=0, finite=True, per_group=True, who=who, hint='a weight decay such as 0.01')
 
 # %% ../nbs/01_utils.ipynb #d5287530

@@ -17,7 +17,7 @@ from fastcore.basics import patch
 from ..core import *
 from ..utils import *
 from ..learner import *
-from ..optim import spread_lr
+from ..optim import group_values
 from ..checks import check_has_len
 from ..recorder import *
 
@@ -139,13 +139,15 @@ class ParamScheduler(Callback):
         if self.by == 'pct': check_has_len(self.learn.dls.train, 'ParamScheduler')
         opt,self.n_steps = self.learn.opt,0
         self.hps = {name: [] for name in self.scheds}
-        self._plan = [(s, *self._locate(name, opt), self.hps[name]) for name,s in self.scheds.items()]
+        self._plan = [(s, self._locate(name, opt), self.hps[name]) for name,s in self.scheds.items()]
         for name,s in self.scheds.items(): self._check_value(name, s(0.), opt)
 
     def _locate(self, name, opt):
-        "`(key, idx)` of `name` in the param groups of `opt`, the same in all groups, or a ValueError"
-        locs = {hp_location(name, pg) for pg in opt.param_groups}
-        if len(locs) == 1 and None not in locs: return locs.pop()
+        """Where `name` is in the param groups of `opt`: `[(key, idx, None)]` when the same in all groups, else one
+        `(key, idx, group numbers)` per place (several optimizers: Adam's betas[0], SGD's momentum); or a ValueError"""
+        locs = [hp_location(name, pg) for pg in opt.param_groups]
+        if None not in locs and len(set(locs)) == 1: return [(*locs[0], None)]
+        if None not in locs: return [(*loc, [i for i,l in enumerate(locs) if l == loc]) for loc in dict.fromkeys(locs)]
         hint = f" ({_hp_hints[name]})" if name in _hp_hints else ''
         raise ValueError(f"ParamScheduler cannot schedule {name!r}{hint} on {type(opt).__name__}: its param groups "
                          f"have the keys {_opt_keys(opt)}. Schedule one of those, or use an optimizer that has "
@@ -164,9 +166,12 @@ class ParamScheduler(Callback):
     def before_batch(self):
         learn = self.learn
         pos,groups = (learn.pct_train if self.by == 'pct' else self.n_steps),learn.opt.param_groups
-        for sched,key,idx,history in self._plan:
+        for sched,places,history in self._plan:
             value = sched(pos)
-            set_hp(groups, key, idx, value)
+            for key,idx,which in places:
+                if which is None: set_hp(groups, key, idx, value)
+                else: set_hp([groups[i] for i in which], key, idx,
+                             [value[i] for i in which] if isinstance(value, (list, tuple)) else value)
             history.append(value)
 
     def after_step(self):
@@ -209,9 +214,10 @@ def has_momentum(opt):
 
 @patch
 def _spread_for_fit(self:Learner, lr, reset_opt):
-    "`(lr, reset_opt)`: a slice as one lr per param group (the optimizer is made now, to count them), else as it is"
-    if not isinstance(lr, slice): return lr,reset_opt
-    return spread_lr(lr, len(self._opt_for_fit(reset_opt).param_groups)),False
+    """`(lr, reset_opt)`: a slice, or a dict by optimizer name, as one lr per param group (the optimizer is made now,
+    to count them), else as it is"""
+    if not isinstance(lr, (slice, dict)): return lr,reset_opt
+    return group_values(lr, self._opt_for_fit(reset_opt), 'lr'),False
 
 @patch
 def _fit_scheduled(self:Learner, n_epoch, scheds, wd, cbs, reset_opt, resume):

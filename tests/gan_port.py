@@ -1,0 +1,116 @@
+"PyTorch's dcgan example, small (16x16 images), as its hand-written loop and as learncb's port: Adam for D, SGD for G"
+import sys
+from functools import partial
+import torch, torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from learncb.all import *
+
+nz, ngf, ndf, nc = 8, 8, 8, 3
+
+def weights_init(m):
+    "The example's initialisation: conv weights N(0, 0.02), batchnorm weights N(1, 0.02) and biases 0"
+    name = type(m).__name__
+    if 'Conv' in name: nn.init.normal_(m.weight, 0.0, 0.02)
+    elif 'BatchNorm' in name: nn.init.normal_(m.weight, 1.0, 0.02); nn.init.zeros_(m.bias)
+
+class Generator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.main = nn.Sequential(
+            nn.ConvTranspose2d(nz, ngf * 2, 4, 1, 0, bias=False), nn.BatchNorm2d(ngf * 2), nn.ReLU(True),
+            nn.ConvTranspose2d(ngf * 2, ngf, 4, 2, 1, bias=False), nn.BatchNorm2d(ngf), nn.ReLU(True),
+            nn.ConvTranspose2d(ngf, nc, 4, 2, 1, bias=False), nn.Tanh())
+    def forward(self, x): return self.main(x)
+
+class Discriminator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.main = nn.Sequential(
+            nn.Conv2d(nc, ndf, 4, 2, 1, bias=False), nn.LeakyReLU(0.2, inplace=True),
+            nn.Conv2d(ndf, ndf * 2, 4, 2, 1, bias=False), nn.BatchNorm2d(ndf * 2), nn.LeakyReLU(0.2, inplace=True),
+            nn.Conv2d(ndf * 2, 1, 4, 1, 0, bias=False), nn.Sigmoid())
+    def forward(self, x): return self.main(x).view(-1, 1).squeeze(1)
+
+def nets_and_data(n=64, bs=16):
+    "The generator, the discriminator and a shuffled loader of (image, label) pairs, as ImageFolder gives, all seeded"
+    torch.manual_seed(0)
+    netG, netD = Generator(), Discriminator()
+    netG.apply(weights_init); netD.apply(weights_init)
+    images = torch.rand(n, nc, 16, 16) * 2 - 1
+    return netG, netD, DataLoader(TensorDataset(images, torch.zeros(n, dtype=torch.long)), batch_size=bs, shuffle=True)
+
+def hand_written(n_epoch=2, lr_d=2e-4, lr_g=1e-2):
+    "The example's loop, as it is written (its optimizers: Adam for D, SGD with momentum for G here)"
+    netG, netD, dataloader = nets_and_data()
+    criterion = nn.BCELoss()
+    optimizerD = torch.optim.Adam(netD.parameters(), lr=lr_d, betas=(0.5, 0.999))
+    optimizerG = torch.optim.SGD(netG.parameters(), lr=lr_g, momentum=0.9)
+    real_label, fake_label = 1, 0
+    for epoch in range(n_epoch):
+        for i, data in enumerate(dataloader, 0):
+            netD.zero_grad()
+            real_cpu = data[0]
+            batch_size = real_cpu.size(0)
+            label = torch.full((batch_size,), real_label, dtype=real_cpu.dtype)
+            output = netD(real_cpu)
+            errD_real = criterion(output, label)
+            errD_real.backward()
+            noise = torch.randn(batch_size, nz, 1, 1)
+            fake = netG(noise)
+            label.fill_(fake_label)
+            output = netD(fake.detach())
+            errD_fake = criterion(output, label)
+            errD_fake.backward()
+            optimizerD.step()
+            netG.zero_grad()
+            label.fill_(real_label)
+            output = netD(fake)
+            errG = criterion(output, label)
+            errG.backward()
+            optimizerG.step()
+    return {'G': netG.state_dict(), 'D': netD.state_dict(), 'opt': {'D': optimizerD.state_dict(), 'G': optimizerG.state_dict()}}
+
+# learncb's port: the lines below are the whole of it, model and data aside
+class GAN(nn.Module):
+    def __init__(self, G, D): super().__init__(); self.G, self.D = G, D
+
+class DCGANStep(Step):
+    "Each batch, D's turn (real images against fakes), then G's (fakes that D takes for real)"
+    turns = ('D', 'G')
+    def predict(self):
+        learn, gan = self.learn, self.learn.model
+        if learn.turn == 'D':
+            real = gan.D(learn.x)
+            self.fake = gan.G(torch.randn(len(learn.x), nz, 1, 1))
+            learn.pred = real, gan.D(self.fake.detach())
+        else: learn.pred = (gan.D(self.fake),)
+
+def gan_loss(pred, _):
+    "D's turn: its outputs on real images against 1, on fakes against 0; G's turn: D's output on fakes against 1"
+    return sum(F.binary_cross_entropy(p, torch.full_like(p, t)) for p, t in zip(pred, (1., 0.)))
+
+class GANLearner(Learner): step_class = DCGANStep
+
+def port(lr_d=2e-4, lr_g=1e-2, **kwargs):
+    netG, netD, dl = nets_and_data()
+    return GANLearner(DataLoaders(dl), GAN(netG, netD), gan_loss, **{
+        'lr': {'D': lr_d, 'G': lr_g},
+        'opt_func': {'D': partial(torch.optim.Adam, betas=(0.5, 0.999)), 'G': partial(torch.optim.SGD, momentum=0.9)},
+        'splitter': lambda m: {'D': m.D.parameters(), 'G': m.G.parameters()}, **kwargs})
+
+def port_state(learn):
+    gan = learn.model
+    return {'G': gan.G.state_dict(), 'D': gan.D.state_dict(), 'opt': learn.opt.state_dict()}
+
+if __name__ == '__main__':        # python gan_port.py FOLDER [--kill ITER] [--resume]: a checkpointed fit of 2 epochs
+    import os, signal
+    folder, args = sys.argv[1], sys.argv[2:]
+    class KillAt(Callback):
+        order = 99
+        def after_batch(self):
+            if self.train_iter == int(args[args.index('--kill') + 1]): os.kill(os.getpid(), signal.SIGKILL)
+    learn = port(path=folder)
+    cbs = [CheckpointCallback(every_n_steps=1)] + ([KillAt()] if '--kill' in args else [])
+    learn.fit(2, cbs=cbs, resume=True if '--resume' in args else None)
+    torch.save(port_state(learn), os.path.join(folder, 'final.pt'))

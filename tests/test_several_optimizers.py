@@ -1,0 +1,131 @@
+"Several optimizers (a GAN: Adam for D, SGD for G) and closure optimizers (LBFGS) port bit for bit"
+import math, signal
+from functools import partial
+import numpy as np, pytest, torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+from learncb.all import *
+from learncb.test_utils import synth_learner
+from conftest import run_script
+import gan_port
+
+def same(a, b):
+    "Whether two nests of tensors and numbers are equal, bit for bit"
+    la, lb = tree_leaves(a), tree_leaves(b)
+    return len(la) == len(lb) and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb))
+
+def test_the_dcgan_port_with_adam_for_d_and_sgd_for_g_equals_its_hand_written_loop():
+    ref = gan_port.hand_written()
+    learn = gan_port.port()
+    learn.fit(2)
+    assert isinstance(learn.opt['D'], torch.optim.Adam) and isinstance(learn.opt['G'], torch.optim.SGD)
+    assert learn.opt['D'].param_groups[0]['lr'] == 2e-4 and learn.opt['G'].param_groups[0]['lr'] == 1e-2
+    assert same(ref, gan_port.port_state(learn))
+    assert learn.train_iter == 8 and len(learn.recorder.losses) == 8      # one loss a batch: D's and G's summed
+
+def test_the_dcgan_port_killed_mid_epoch_and_resumed_equals_the_hand_written_loop(tmp_path):
+    ref = gan_port.hand_written()
+    killed = run_script(gan_port.__file__, tmp_path, '--kill', '5')      # epoch 1, after its first batch
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = run_script(gan_port.__file__, tmp_path, '--resume')
+    assert resumed.returncode == 0, resumed.stderr
+    assert same(ref, torch.load(tmp_path/'final.pt'))
+
+def test_each_turn_fires_the_step_events_with_its_optimizer_and_the_batch_events_once():
+    learn = gan_port.port()
+    seen = []
+    log = lambda event: (lambda cb: seen.append((event, cb.turn)))
+    events = ('before_batch', 'after_loss', 'before_backward', 'after_backward', 'before_step', 'after_step', 'after_batch')
+    learn.fit(1, cbs=Callback(**{e: log(e) for e in events}))
+    one_batch = [('before_batch', None)] + [(e, t) for t in 'DG' for e in events[1:-1]] + [('after_batch', None)]
+    assert seen == one_batch * 4 and learn.turn is None
+
+def test_several_optimizers_take_an_lr_per_name_and_a_schedule_moves_each():
+    learn = gan_port.port()
+    learn.fit_one_cycle(1, lr_max={'D': 1e-3, 'G': 1e-1})
+    lrs, moms = learn.param_scheduler.hps['lr'], learn.param_scheduler.hps['mom']
+    assert lrs[0] == pytest.approx([1e-3 / 25, 1e-1 / 25]) and len(lrs) == 4
+    assert all(g == pytest.approx(100 * d) for d, g in lrs) and lrs[1][0] > lrs[0][0]
+    d, g = learn.opt['D'].param_groups[0], learn.opt['G'].param_groups[0]     # 'mom': Adam's betas[0], SGD's momentum
+    assert d['lr'] == lrs[-1][0] and g['lr'] == lrs[-1][1] and d['betas'][0] == g['momentum'] == moms[-1] != 0.9
+    learn.fit(1, lr=3e-4)
+    assert [pg['lr'] for pg in learn.opt.param_groups] == [3e-4, 3e-4]
+
+def test_a_checkpoint_of_several_optimizers_loads_only_into_the_same_names(tmp_path):
+    learn = gan_port.port(path=tmp_path)
+    learn.fit(1)
+    learn.save('gan')
+    other = gan_port.port(path=tmp_path)
+    other.load('gan')
+    assert same(learn.opt.state_dict(), other.opt.state_dict())
+    renamed = gan_port.GANLearner(learn.dls, learn.model, gan_port.gan_loss, path=tmp_path,
+                                  splitter=lambda m: {'disc': m.D.parameters(), 'gen': m.G.parameters()})
+    with pytest.raises(ValueError, match=r"optimizers \['D', 'G'\], this learner has \['disc', 'gen'\]"): renamed.load('gan')
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(lr={'D': 1e-3}), r"lr gives the optimizers \['D'\], but the splitter names 'G' too"),
+    (dict(opt_func={'D': torch.optim.Adam}), r"opt_func gives the optimizers \['D'\], but the splitter names 'G' too"),
+    (dict(splitter=lambda m: {'D': m.D.parameters(), 'G': m.D}), r"returned Discriminator for the optimizer 'G'")])
+def test_several_optimizers_misnamed_say_which_name(kwargs, match):
+    learn = gan_port.port(**kwargs)
+    with pytest.raises((ValueError, TypeError), match=match): learn.fit(1)
+
+def test_an_lr_per_name_with_one_optimizer_says_how_to_have_several():
+    learn = synth_learner(lr={'D': 1e-3})
+    with pytest.raises(ValueError, match="one optimizer: pass one lr, or a splitter that returns"): learn.fit(1)
+
+# PyTorch's time_sequence_prediction: LSTM cells in float64, trained by LBFGS on sine waves
+class Sequence(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm1, self.lstm2, self.linear = nn.LSTMCell(1, 51), nn.LSTMCell(51, 51), nn.Linear(51, 1)
+    def forward(self, input, future=0):
+        outputs = []
+        h_t, c_t, h_t2, c_t2 = (torch.zeros(input.size(0), 51, dtype=torch.double) for _ in range(4))
+        for input_t in input.split(1, dim=1):
+            h_t, c_t = self.lstm1(input_t, (h_t, c_t))
+            h_t2, c_t2 = self.lstm2(h_t, (h_t2, c_t2))
+            outputs += [self.linear(h_t2)]
+        for i in range(future):
+            h_t, c_t = self.lstm1(outputs[-1], (h_t, c_t))
+            h_t2, c_t2 = self.lstm2(h_t, (h_t2, c_t2))
+            outputs += [self.linear(h_t2)]
+        return torch.cat(outputs, dim=1)
+
+def sine_waves(T=20, L=60, N=12):
+    "The example's data (generate_sine_wave.py), smaller: N waves of L points, shifted at random"
+    rng = np.random.RandomState(2)
+    x = np.empty((N, L), 'int64')
+    x[:] = np.arange(L) + rng.randint(-4 * T, 4 * T, N).reshape(N, 1)
+    data = torch.from_numpy(np.sin(x / 1.0 / T).astype('float64'))
+    return data[3:, :-1], data[3:, 1:], data[:3, :-1], data[:3, 1:]
+
+def seeded_sequence():
+    torch.manual_seed(0)
+    seq = Sequence().double()
+    calls = []
+    seq.register_forward_hook(lambda *_: calls.append(1))
+    return seq, calls
+
+def test_lbfgs_trains_with_the_default_step_as_time_sequence_prediction_does_by_hand():
+    input, target, test_input, test_target = sine_waves()
+    seq, calls = seeded_sequence()
+    criterion = nn.MSELoss()
+    optimizer = torch.optim.LBFGS(seq.parameters(), lr=0.8, max_iter=5)
+    for i in range(3):
+        def closure():
+            optimizer.zero_grad()
+            loss = criterion(seq(input), target)
+            loss.backward()
+            return loss
+        optimizer.step(closure)
+        with torch.no_grad(): test_loss = criterion(seq(test_input), test_target)
+    ref, ref_calls = seq.state_dict(), len(calls)
+
+    seq, calls = seeded_sequence()
+    learn = Learner(DataLoaders([(input, target)], [(test_input, test_target)]), seq, nn.MSELoss(),
+                    opt_func=partial(torch.optim.LBFGS, lr=0.8, max_iter=5))
+    learn.fit(3)
+    assert type(learn.stepper) is Step and same(ref, seq.state_dict())
+    assert len(calls) == ref_calls                 # the closure computes the batch again as often as by hand, no more
+    assert learn.recorder.values[-1][1] == pytest.approx(test_loss.item(), rel=1e-6)
