@@ -29,6 +29,7 @@ from .preds import *
 from .state import *
 from .resume import resume_cbs, resumed_from
 from .step import *
+from .ranks import refuse
 from .strategy import SingleProcess
 
 # %% ../nbs/02_learner.ipynb #5f8e8608
@@ -352,7 +353,14 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         if len(made) > 1: raise ValueError(
             f"{', '.join(type(cb).__name__ for cb,_ in made)} each make the step of this fit: one callback at most may "
             f"(make_step); fit with one of them")
-        return made[0][1] if made else self.step_class(self)
+        step = made[0][1] if made else self.step_class(self)
+        if made and self.step_class.turns is not None:
+            refuse(self.step_class.__name__, self.strategy.cannot_take_turns())
+            raise ValueError(
+            f"{type(made[0][0]).__name__} makes the step of this fit, so {self.step_class.__name__}'s turns "
+            f"{self.step_class.turns} would not run: several optimizers in turn run in their own step, without it")
+        step.check_fit()
+        return step
 
     def _batches(self, start):
         "The batches of `self.dl`, with `before_fetch`/`after_fetch` around taking each one when a callback handles them"

@@ -119,6 +119,7 @@ def shard_like(t, like):
 
 def opt_state_like(state, opt):
     "Optimizer `state` (from `state_dict`) with its whole per-parameter tensors cut to fit `opt`'s sharded parameters"
+    if named := getattr(opt, 'opts', None): return {n: opt_state_like(state[n], o) for n,o in named.items()}
     params = [p for g in opt.param_groups for p in g['params']]
     if not any(is_sharded(p) for p in params): return state
     per_param = {i: {k: shard_like(v, params[i]) if i < len(params) else v for k,v in s.items()}

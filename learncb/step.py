@@ -12,6 +12,7 @@ from .core import *
 from .utils import *
 from .diagnose import note_failure, note_where, why_no_grad
 from .optim import opt_step, clear_grads, needs_closure
+from .ranks import refuse
 
 # %% ../nbs/02e_step.ipynb #34880ef0
 def _hook(learn, name):
@@ -39,6 +40,23 @@ class Step:
         self.learn,self.forward_hook,self.backward_hook = learn,None,None
         self._opt,self._closure,self._first_call = None,False,False     # the optimizer stepped last; takes a closure
         if hooks: self.find_hooks()
+
+    def check_fit(self):
+        """Refuse, before the first batch, a fit this step cannot run: `turns` of optimizers the learner lacks, or
+        what the strategy or a callback cannot do with turns or with a closure optimizer"""
+        learn = self.learn
+        if needs_closure(learn.opt): refuse(type(learn.opt).__name__, learn.strategy.cannot_step_with_closure())
+        if self.turns is None: return
+        names = list(getattr(learn.opt, 'opts', ()))
+        if missing := [t for t in self.turns if t not in names]: raise ValueError(
+            f"{type(self).__name__} takes turns {self.turns}, but learn.opt has no optimizer {missing} (its optimizers: "
+            f"{names or type(learn.opt).__name__}): give the splitter a dict with those names, "
+            f"splitter=lambda m: {{{', '.join(f'{t!r}: m.{t}.parameters()' for t in self.turns)}}}")
+        refuse(type(self).__name__, learn.strategy.cannot_take_turns())
+        if cbs := [type(cb).__name__ for cb in learn.cbs if not cb.takes_turns]: raise ValueError(
+            f"{', '.join(cbs)}: {'acts' if len(cbs) == 1 else 'act'} on the one optimizer step of a batch, and "
+            f"{type(self).__name__} steps {len(self.turns)} optimizers in turn ({', '.join(self.turns)}), not supported "
+            f"yet: fit without {'it' if len(cbs) == 1 else 'them'}")
 
     def find_hooks(self):
         "Take the step hooks (`step_forward`, `step_backward`) of the learner's callbacks now (a step kept for several fits)"

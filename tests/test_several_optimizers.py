@@ -129,3 +129,23 @@ def test_lbfgs_trains_with_the_default_step_as_time_sequence_prediction_does_by_
     assert type(learn.stepper) is Step and same(ref, seq.state_dict())
     assert len(calls) == ref_calls                 # the closure computes the batch again as often as by hand, no more
     assert learn.recorder.values[-1][1] == pytest.approx(test_loss.item(), rel=1e-6)
+
+@pytest.mark.parametrize('cb', [GradientAccumulation(32), GradientClip(1.), MixedPrecision('bf16'), EMACallback(0.9),
+                                TerminateOnNaNCallback(), AutoMicrobatch()], ids=lambda cb: type(cb).__name__)
+def test_a_callback_of_the_one_step_of_a_batch_is_refused_with_turns_before_the_first_batch(cb):
+    learn = gan_port.port()
+    before = {k: v.clone() for k, v in learn.model.state_dict().items()}
+    with pytest.raises(ValueError, match=f"^{type(cb).__name__}: acts on the one optimizer step of a batch, and "
+                                         f"DCGANStep steps 2 optimizers in turn"): learn.fit(1, cbs=cb)
+    assert learn.train_iter == 0 and all(torch.equal(v, learn.model.state_dict()[k]) for k, v in before.items())
+
+def test_turns_need_optimizers_of_those_names():
+    learn = gan_port.port(splitter=None, opt_func=torch.optim.Adam, lr=1e-3)
+    with pytest.raises(ValueError, match=r"DCGANStep takes turns \('D', 'G'\), but learn.opt has no optimizer "
+                                         r"\['D', 'G'\] \(its optimizers: Adam\): give the splitter a dict"):
+        learn.fit(1)
+
+def test_a_compiled_step_refuses_a_closure_optimizer():
+    learn = synth_learner(opt_func=partial(torch.optim.LBFGS, lr=0.1))
+    learn.compile(step=True)
+    with pytest.raises(ValueError, match="LBFGS's step takes a closure"): learn.fit(1)

@@ -20,7 +20,7 @@ from ..ranks import *
 from ..learner import *
 from ..step import Step
 from ..diagnose import is_oom
-from ..optim import clear_grads, hyper_number, bare_step
+from ..optim import clear_grads, hyper_number, bare_step, needs_closure
 from ..internals import *
 
 # %% ../../nbs/27_compile.ipynb #0dd0ff70
@@ -310,6 +310,9 @@ class CompileCallback(Callback):
     def _prepare_step(self):
         learn = self.learn
         refuse('learn.compile(step=True)', learn.strategy.cannot_compile_step())
+        if needs_closure(learn.opt): raise ValueError(
+            f"learn.compile(step=True): {type(learn.opt).__name__}'s step takes a closure that computes the loss again, "
+            f"which the compiled step cannot trace: use learn.compile() (the model compiled) with it")
         if self.compiled_step is None or self.compiled_step.learn is not learn:     # kept for the next fits: no recompile
             self.compiled_step = CompiledStep(learn, trace_backward=self.trace_backward, fallback=self.fallback,
                                               **self.kwargs)

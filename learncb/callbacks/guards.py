@@ -74,6 +74,7 @@ def _last_batch(learn):
 class SpikeGuard(Callback):
     "Rolls the run back to a snapshot kept in memory when the training loss (or gradient norm) spikes, skips that batch and replays the others"
     order,run_valid,remove_on_lr_find = Order.GUARD,False,True     # lr_find makes the loss diverge on purpose
+    takes_turns = False                  # it checks a batch's one loss and one step
     compiled_events,deferred_events = ('before_step',),('after_loss', 'after_step')   # under learn.compile(step=True)
     _state_attrs = ('history',)
     def __init__(self, factor=5., check_every=25, snapshot_every=100, max_rollbacks=3, grad_norm=False, n_history=50,

@@ -61,6 +61,7 @@ _in_place = object()   # the gradients went into `.grad` as they would have in t
 class AutoMicrobatch(Callback):
     "On an out-of-memory error, split the batch into micro-batches and add up their gradients: the same step, in less memory"
     order = Order.SETUP + 1          # after DDP wraps the model
+    takes_turns = False              # it splits the one forward and backward of a batch
     _state_attrs = ('halvings', 'since_change', 'history')
     def __init__(self, grow_every=100):
         self.grow_every = check_int(grow_every, 'grow_every (a number of steps)', ge=1, who='AutoMicrobatch')

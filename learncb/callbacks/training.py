@@ -34,6 +34,7 @@ class GradientAccumulation(Callback):
     """Step the optimizer once every `n_acc` samples of the run (all ranks'), with the gradient of a batch of
     `n_acc`"""
     order,run_valid,_state_attrs,_sync = Order.ACCUMULATE,False,('count',),None
+    takes_turns = False                  # it counts the items of a batch's one step
     compiled_events = ('before_backward', 'before_step')
     def __init__(self, n_acc=32):
         self.n_acc,self.count = check_int(n_acc, 'n_acc (a number of samples)', ge=1, who='GradientAccumulation'),0
@@ -77,6 +78,7 @@ class GradientAccumulation(Callback):
 class GradientClip(Callback):
     "Clip the total norm of the model's gradients to `max_norm` before each optimizer step"
     order,run_valid,compiled_events = Order.CLIP,False,('before_step',)
+    takes_turns = False                  # the norm of every gradient, not of the turn's optimizer's
     def __init__(self, max_norm=1., norm_type=2.):
         self.max_norm = check_number(max_norm, 'max_norm', gt=0, who='GradientClip')
         if norm_type in ('inf', 'Inf'): norm_type = float('inf')
@@ -141,7 +143,7 @@ def _to_float(o):
 # %% ../../nbs/13_training.ipynb #7f37f7d5
 class MixedPrecision(Callback):
     "Forward pass and loss under `torch.autocast`; with float16, a `GradScaler` skipping steps whose gradients overflow"
-    order = Order.MIXED_PRECISION
+    order,takes_turns = Order.MIXED_PRECISION,False     # one scaler, for one optimizer's steps
     compiled_events = ('before_backward', 'before_step', 'after_step')   # autocast is entered outside the step
     deferred_events = ('after_loss',)      # leaving autocast after the step changes nothing: backward and step do not autocast
     def __init__(self, dtype=None, init_scale=2.**16, growth_interval=2000):

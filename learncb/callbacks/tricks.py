@@ -131,6 +131,7 @@ def _swap_weights(a, b):
 
 class WeightAveraging(Callback):
     "Base of `EMACallback` and `SWACallback`: an `AveragedModel` of the learner's model (`average`), `swap`, `n_averaged`"
+    takes_turns = False                  # it averages after a batch's one step
     def __init__(self): self.average,self._model,self._swapped = None,None,False
 
     def _start(self, **kwargs):

@@ -28,6 +28,9 @@ class DDP(Strategy):
 
     reduces_in_backward = True
 
+    def cannot_take_turns(self): return turns_not_yet('ddp')
+    def cannot_step_with_closure(self): return closure_not_yet('ddp')
+
     def local_model(self, model):
         "The plain model inside `DistributedDataParallel`: a call of it does not reduce the gradients"
         return model.module if isinstance(model, DistributedDataParallel) else model

@@ -103,6 +103,9 @@ class FSDP(Strategy):
                 "each layer in hooks the compiled step would have to trace; use learn.compile() (the model "
                 "compiled) with FSDP")
 
+    def cannot_take_turns(self): return turns_not_yet('fsdp')
+    def cannot_step_with_closure(self): return closure_not_yet('fsdp')
+
     def cannot_average_weights(self):
         "Each rank holds shards of the weights, and the average is of whole weights"
         return ("strategy='fsdp' does not average weights yet (each rank holds shards of the weights, and "
@@ -115,11 +118,11 @@ class FSDP(Strategy):
             "optimizer set by hand (learn.opt = ...) cannot be used: set learn.opt_func (e.g. partial(SGD, "
             "momentum=0.9)) and learn.opt = None")
         self._plain,self._plain_opt,self._mp = learn.model,learn.opt,self._precision(learn)
+        self._plain_opt_state = map_tensors(torch.Tensor.cpu, self._plain_opt.state_dict())    # put back after an error
         learn.model = fsdp_model(self._plain, self.shard, learn.device, self._policy())
         learn.create_opt()        # the same groups (splitter), of the sharded parameters; then the old state and hypers
         learn.opt.load_state_dict(opt_state_like(self._plain_opt.state_dict(), learn.opt))
         self._plain.to('cpu')     # the whole weights and optimizer state wait out the fit in CPU memory
-        self._plain_opt_state = map_tensors(torch.Tensor.cpu, self._plain_opt.state_dict())
         self._plain_opt.state.clear()
         valid = learn.dls.valid
         counts = gather_objects(0 if valid is None else n_batches(valid))

@@ -95,6 +95,9 @@ class TorchFT(Strategy):
         "Not yet: the step shares each batch among the replicas of the quorum"
         return _not_yet('micro-batches (AutoMicrobatch)')
 
+    def cannot_take_turns(self): return turns_not_yet('torchft')
+    def cannot_step_with_closure(self): return closure_not_yet('torchft')
+
     def cannot_compile_step(self):
         "Not yet: the step shares each batch among the replicas of the quorum"
         return _not_yet('a compiled step')

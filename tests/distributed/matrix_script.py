@@ -7,6 +7,7 @@ processes (learncb's `launch`, gloo); 'torchft': two replica groups of one proce
 (`launch_replicas`). Each process saves OUT/<strategy><rank>.pt: `{capability: {'weights', 'steps', 'refused',
 'train_iter', 'skipped', 'losses'}}`, where `refused` is the error of a fit refused before its first batch (else `None`)."""
 import argparse, os
+from functools import partial
 from pathlib import Path
 import torch
 from torch import nn
@@ -48,19 +49,33 @@ capabilities = {       # name: the callbacks of the fit, given its checkpoint fo
     'schedule_by_step': lambda folder: [ParamScheduler({'lr': SchedCos(3e-3, 1e-4)}, by='step')],
     'checkpoint': ckpt,
     'compiled_step': lambda folder: [],
+    'several_optimizers': lambda folder: [],       # Adam for the body, SGD for the head: one step of both a batch
+    'turns': lambda folder: [],                    # the body's optimizer, then the head's, each on a forward of its own
+    'closure': lambda folder: [],                  # LBFGS: the step computes the batch again in a closure
 }
 
-def learner():
+class AlternatingStep(Step):
+    "The body's optimizer, then the head's, each on a forward, loss and backward of its own"
+    turns = ('body', 'head')
+
+class AlternatingLearner(Learner): step_class = AlternatingStep
+
+body_and_head = {'splitter': lambda m: {'body': m[0].parameters(), 'head': m[2].parameters()},
+                 'opt_func': {'body': torch.optim.Adam, 'head': partial(torch.optim.SGD, momentum=0.9)}}
+learner_kwargs = {'several_optimizers': body_and_head, 'turns': {**body_and_head, 'cls': AlternatingLearner},
+                  'closure': {'opt_func': partial(torch.optim.LBFGS, max_iter=4, history_size=4), 'lr': 0.5}}
+
+def learner(cls=Learner, **kwargs):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1), nn.Flatten(0))
     dls = DataLoaders(DataLoader(data(N_ITEMS, 1), batch_size=GLOBAL_BATCH, shuffle=True),
                       DataLoader(data(128, 2), batch_size=64))
-    return Learner(dls, model, loss_func=nn.MSELoss(), opt_func=torch.optim.Adam, lr=3e-3, default_cbs=False,
-                   cbs=[TrainEvalCallback(), Recorder()])
+    return cls(dls, model, loss_func=nn.MSELoss(), default_cbs=False, cbs=[TrainEvalCallback(), Recorder()],
+               **{'opt_func': torch.optim.Adam, 'lr': 3e-3, **kwargs})
 
 def fit(cap, strategy, out, rank):
     "One fit with capability `cap`: what it computed, or why it was refused"
-    learn,steps = learner(),StepCount()
+    learn,steps = learner(**learner_kwargs.get(cap, {})),StepCount()
     if cap == 'compiled_step': learn.compile(step=True, fallback=False)
     folder = out/'ckpt'/strategy/(str(rank) if strategy == 'torchft' else '')/cap
     refused,before = None,{k: v.clone() for k,v in learn.model.state_dict().items()}

@@ -10,11 +10,11 @@ WAIT = 900
 pytestmark = pytest.mark.xdist_group('matrix')       # the one-process fits, made once, are read by every strategy
 
 # The cells a strategy refuses today, and who is named: a cell refused or run that is not in this table fails the test
-refused = {'ddp': {},
+refused = {'ddp': {'turns': 'AlternatingStep', 'closure': 'LBFGS'},
            'fsdp': {'microbatch': 'AutoMicrobatch', 'ema': 'EMACallback', 'swa': 'SWACallback',
-                    'compiled_step': 'learn.compile(step=True)'},
-           'torchft': {'microbatch': 'AutoMicrobatch',
-                       'compiled_step': 'learn.compile(step=True)'}}
+                    'compiled_step': 'learn.compile(step=True)', 'turns': 'AlternatingStep', 'closure': 'LBFGS'},
+           'torchft': {'microbatch': 'AutoMicrobatch', 'compiled_step': 'learn.compile(step=True)',
+                       'turns': 'AlternatingStep', 'closure': 'LBFGS'}}
 tolerance = {'precision': 1e-2}       # bf16: equal to its rounding; every other cell to float32's (1e-5)
 
 def matrix(out, strategy):
@@ -34,6 +34,7 @@ def test_in_one_process_every_capability_runs_and_accumulation_steps_every_128_i
     guarded = one['spike_guard']             # both scripted spikes rolled back, and their batches skipped
     assert guarded['skipped'] == ((0, 3), (1, 2)) and guarded['train_iter'] == 14
     assert one['none']['steps'] == 16 and one['accumulation']['steps'] == 8     # 2 epochs of 512 items, 64 a batch
+    assert one['turns']['steps'] == 32 and one['closure']['steps'] == 16        # turns: 2 steps a batch
 
 def max_rel(a, b):
     return max(((a[k] - w).abs().max() / w.abs().max()).item() for k,w in b.items())
