@@ -149,3 +149,13 @@ def test_a_compiled_step_refuses_a_closure_optimizer():
     learn = synth_learner(opt_func=partial(torch.optim.LBFGS, lr=0.1))
     learn.compile(step=True)
     with pytest.raises(ValueError, match="LBFGS's step takes a closure"): learn.fit(1)
+
+def test_a_torch_scheduler_steps_its_optimizer_once_a_batch_and_a_step_schedule_counts_batches():
+    learn = gan_port.port()
+    sched = LRSchedulerCallback(lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5), opt_name='G')
+    by_step = ParamScheduler({'mom': lambda pos: 0.9 - 0.1 * pos / 8}, by='step')
+    learn.fit(1, cbs=[sched, by_step])
+    assert learn.opt['G'].param_groups[0]['lr'] == 1e-2 * 0.5 ** 4 and learn.opt['D'].param_groups[0]['lr'] == 2e-4
+    assert by_step.n_steps == 4 and by_step.hps['mom'] == pytest.approx([0.9 - 0.1 * i / 8 for i in range(4)])
+    with pytest.raises(ValueError, match=r"several optimizers, \['D', 'G'\]: say which one the scheduler steps"):
+        learn.fit(1, cbs=LRSchedulerCallback(lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1)))

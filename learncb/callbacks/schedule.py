@@ -175,8 +175,10 @@ class ParamScheduler(Callback):
             history.append(value)
 
     def after_step(self):
-        "Count the optimizer steps taken (`by='step'`: the next batches' position), not those a callback cancelled"
-        if self.learn.step_taken: self.n_steps += 1
+        """Count the optimizer steps taken (`by='step'`: the next batches' position), not those a callback cancelled;
+        with several optimizers in turn, the batches whose last turn stepped"""
+        learn = self.learn
+        if learn.step_taken and (learn.turn is None or learn.turn == learn.stepper.turns[-1]): self.n_steps += 1
 
     def after_fit(self):
         rec = getattr(self.learn, 'recorder', None)
@@ -304,7 +306,8 @@ def _is_scheduler(o): return callable(getattr(o, 'step', None)) and hasattr(o, '
 class LRSchedulerCallback(Callback):
     "Steps a `torch.optim.lr_scheduler` after every optimizer step that happened (`step_on='batch'`) or every epoch"
     order,run_valid,deferred_events = Order.DEFAULT,False,('after_step',)
-    def __init__(self, scheduler, step_on='batch', monitor='valid_loss'):
+    def __init__(self, scheduler, step_on='batch', monitor='valid_loss', opt_name=None):
+        "`opt_name`: with several optimizers (`NamedOptimizers`), the name of the one `scheduler` is built on"
         check_choice(step_on, 'step_on', ('batch', 'epoch'), who='LRSchedulerCallback',
                      hint="'batch': after each optimizer step, 'epoch': after each epoch")
         if not _is_scheduler(scheduler) and not callable(scheduler):
@@ -314,6 +317,7 @@ class LRSchedulerCallback(Callback):
         self.make_scheduler = None if _is_scheduler(scheduler) else scheduler
         self.scheduler = scheduler if _is_scheduler(scheduler) else None
         self.step_on,self.monitor,self._cancelled_at,self._monitor_idx = step_on,monitor,-1,None
+        self.opt_name = opt_name
         self._live,self._pending = False,None      # whether this fit's scheduler exists; a state to load into it
         if self.scheduler is not None: self._check_plateau()
 
@@ -325,7 +329,11 @@ class LRSchedulerCallback(Callback):
         return plateau
 
     def before_fit(self):
-        opt = self.learn.opt
+        names = list(getattr(self.learn.opt, 'opts', ()))
+        if names and self.opt_name is None: raise ValueError(
+            f"LRSchedulerCallback: learn.opt holds several optimizers, {names}: say which one the scheduler steps, "
+            f"LRSchedulerCallback(..., opt_name={names[-1]!r})")
+        opt = self.learn.opt if self.opt_name is None else self.learn.opt[self.opt_name]
         if self.make_scheduler is not None:
             for pg in opt.param_groups: pg.pop('initial_lr', None)    # each fit's schedule starts from this fit's lr
             self.scheduler = self.make_scheduler(opt)
@@ -367,10 +375,17 @@ class LRSchedulerCallback(Callback):
             f"values {names}")
         return names.index(self.monitor)
 
-    def after_cancel_step(self): self._cancelled_at = self.learn.train_iter
+    def after_cancel_step(self):
+        if self._its_turn(): self._cancelled_at = self.learn.train_iter
 
     def after_step(self):
-        if self.step_on == 'batch' and self.learn.train_iter != self._cancelled_at: self.scheduler.step()
+        if self.step_on == 'batch' and self.learn.train_iter != self._cancelled_at and self._its_turn():
+            self.scheduler.step()
+
+    def _its_turn(self):
+        "Whether the step under way is of its optimizer: always, but when several optimizers train in turn"
+        turn = self.learn.turn
+        return turn is None or turn == self.opt_name
 
     def after_epoch(self):
         if self.step_on != 'epoch': return
