@@ -159,3 +159,12 @@ def test_a_torch_scheduler_steps_its_optimizer_once_a_batch_and_a_step_schedule_
     assert by_step.n_steps == 4 and by_step.hps['mom'] == pytest.approx([0.9 - 0.1 * i / 8 for i in range(4)])
     with pytest.raises(ValueError, match=r"several optimizers, \['D', 'G'\]: say which one the scheduler steps"):
         learn.fit(1, cbs=LRSchedulerCallback(lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1)))
+
+def test_the_summary_names_each_optimizer_and_a_model_without_forward_lists_its_layers():
+    learn = gan_port.port()
+    text = str(learn.summary())
+    assert "no forward of its own" in text and "G.main.0" in text and "D: partial(Adam" in text
+    learn.create_opt()
+    text = str(learn.summary())
+    assert "Optimizers: 2 (D, G)\n  'D': Adam, 1 param group\n    group 0: lr 0.0002" in text
+    assert "  'G': SGD, 1 param group\n    group 0: lr 0.01, wd 0 (4,528 params)" in text

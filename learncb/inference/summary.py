@@ -128,13 +128,22 @@ def _hyper(name, v):
 def _opt_lines(learn):
     "The optimizer part of the summary: its class and each param group's lr, wd and parameters"
     if learn.opt is None:
-        return [f"Optimizer: none yet: made at the first fit by {name_of(learn.opt_func, detail=True)} "
-                f"({_hyper('lr', learn.lr)}, {_hyper('wd', learn.wd)})"]
-    groups = learn.opt.param_groups
-    lines = [f"Optimizer: {type(learn.opt).__name__}, {len(groups)} param group{'s' if len(groups) > 1 else ''}"]
+        funcs = learn.opt_func.items() if isinstance(learn.opt_func, dict) else [(None, learn.opt_func)]
+        made = ', '.join(f"{'' if n is None else f'{n}: '}{name_of(f, detail=True)}" for n,f in funcs)
+        return [f"Optimizer: none yet: made at the first fit by {made} ({_hyper('lr', learn.lr)}, "
+                f"{_hyper('wd', learn.wd)})"]
+    named = getattr(learn.opt, 'opts', None)
+    if named is None: return _one_opt_lines('Optimizer', learn.opt, '  ')
+    return [f"Optimizers: {len(named)} ({', '.join(named)})"] + [
+        line for n,o in named.items() for line in _one_opt_lines(f'  {n!r}', o, '    ')]
+
+def _one_opt_lines(title, opt, indent):
+    "The lines of one optimizer: its class, and each param group's lr, wd and parameters"
+    groups = opt.param_groups
+    lines = [f"{title}: {type(opt).__name__}, {len(groups)} param group{'s' if len(groups) > 1 else ''}"]
     for i,pg in enumerate(groups):
         hypers = [_hyper(name, pg[k]) for name,k in (('lr', 'lr'), ('wd', 'weight_decay')) if k in pg]
-        lines.append(f"  group {i}: {', '.join(hypers)} ({_num(sum(p.numel() for p in pg['params']))} params)")
+        lines.append(f"{indent}group {i}: {', '.join(hypers)} ({_num(sum(p.numel() for p in pg['params']))} params)")
     return lines
 
 def _loss_line(learn):
@@ -185,7 +194,9 @@ _forward_note = ("learncb: learn.summary() ran the model once, in eval mode, on 
 def _summary_text(learn, xb, rows, total, trainable):
     "The text of `learn.summary()`"
     inp = shape_str(xb[0]) if len(xb) == 1 else shape_str(xb)
-    lines = [f'{type(learn.model).__name__} (input shape: {inp})'] + layer_table(rows)
+    called = type(learn.model).forward is not nn.Module.forward      # a GAN's: the step calls its parts
+    lines = [f"{type(learn.model).__name__} (input shape: {inp}{'' if called else '; no forward of its own, so no output shapes'})"]
+    lines += layer_table(rows)
     if any(r.shared for r in rows): lines.append('* holds parameters of an earlier layer (tied): counted once below')
     lines += [f'Total params: {_num(total)}', f'Trainable params: {_num(trainable)}',
               f'Non-trainable params: {_num(total - trainable)}', '']
@@ -198,7 +209,9 @@ def summary(self:Learner):
         xb = _xb_of(_first_batch(to_dls(self.dls).train), self.n_inp, self.label_key)
         with rng_kept():
             xb = to_device(xb, model_device(self.model, self.device))
-            try: rows = layer_info(self.model, **xb[0]) if isinstance(xb[0], Mapping) else layer_info(self.model, *xb)
+            try:
+                if type(self.model).forward is nn.Module.forward: rows = _rows(summary_modules(self.model), {})
+                else: rows = layer_info(self.model, **xb[0]) if isinstance(xb[0], Mapping) else layer_info(self.model, *xb)
             except Exception as e:
                 add_note(e, _forward_note)
                 raise
