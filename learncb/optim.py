@@ -6,10 +6,12 @@ Docs: https://learncb.github.io/learncb/optim.html.md"""
 
 # %% auto #0
 __all__ = ['group_values', 'spread_lr', 'fusable', 'fast_adam', 'hyper_number', 'clear_grads', 'opt_step', 'needs_closure',
-           'bare_step', 'keep_implementation', 'NamedOptimizers', 'norm_params', 'OptimizerHost']
+           'bare_step', 'keep_implementation', 'NamedOptimizers', 'hp_location', 'set_hp', 'norm_params',
+           'OptimizerHost']
 
 # %% ../nbs/02b_optim.ipynb #9aee8829
 import functools, inspect, warnings, weakref
+from itertools import repeat
 from collections import ChainMap, defaultdict
 from types import MethodType
 import torch
@@ -187,6 +189,31 @@ class NamedOptimizers:
     def zero_grad(self, set_to_none=True):
         "Clear the gradients of every optimizer's parameters"
         for o in self.opts.values(): clear_grads(o) if set_to_none else o.zero_grad(set_to_none=False)
+
+# %% ../nbs/02b_optim.ipynb #74a8329f
+_hp_keys = {'lr': 'lr', 'wd': 'weight_decay', 'eps': 'eps'}
+
+def hp_location(name, group):
+    "Where hyper-parameter `name` lives in param group `group`: `(key, None)`, `('betas', index)`, or `None`"
+    if name == 'mom':
+        if 'momentum' in group: return 'momentum',None
+        return ('betas',0) if 'betas' in group else None
+    if name == 'sqr_mom': return ('betas',1) if 'betas' in group else None
+    key = _hp_keys.get(name, name)
+    return (key,None) if key in group else None
+
+def set_hp(groups, key, idx, value):
+    "Set `value` (one for all groups, or a list with one per group) at `key` (or `key[idx]`, for betas) in `groups`"
+    values = value if isinstance(value, (list, tuple)) else repeat(value)
+    if idx is None:
+        for pg,v in zip(groups, values):
+            if isinstance(pg[key], torch.Tensor): pg[key].fill_(v)      # a compiled step reads it: in place
+            else: pg[key] = v
+    else:
+        for pg,v in zip(groups, values):
+            old = pg[key]
+            if isinstance(old[idx], torch.Tensor): old[idx].fill_(v)
+            else: pg[key] = (v, old[1]) if idx == 0 else (old[0], v)
 
 # %% ../nbs/02b_optim.ipynb #9c531332
 def _param_group(g, splitter):

@@ -413,7 +413,8 @@ def batch_losses(pending):
     "The training losses waiting on the device, as floats, in one host sync: each must hold a single value"
     try:
         stacked = torch.stack(pending)
-        if stacked[0].numel() == 1: return stacked.float().reshape(-1).tolist()
+        if stacked[0].numel() == 1:      # a float64 model's losses stay float64, a half's become float32
+            return stacked.to(torch.promote_types(stacked.dtype, torch.float32)).reshape(-1).tolist()
     except RuntimeError:
         if all(l.numel() == 1 for l in pending): raise
     bad = next(l for l in pending if l.numel() != 1)

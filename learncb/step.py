@@ -10,7 +10,7 @@ __all__ = ['Step']
 # %% ../nbs/02e_step.ipynb #292ef426
 from .core import *
 from .utils import *
-from .diagnose import note_failure, note_where, why_no_grad
+from .diagnose import note_failure, note_where, why_no_grad, check_target_shape
 from .optim import opt_step, clear_grads, needs_closure
 from .ranks import refuse
 
@@ -39,6 +39,7 @@ class Step:
         "`hooks=False`: no callback's `step_forward` or `step_backward` (the step of a learner outside a fit)"
         self.learn,self.forward_hook,self.backward_hook = learn,None,None
         self._opt,self._closure,self._first_call = None,False,False     # the optimizer stepped last; takes a closure
+        self._targets_checked = False                                   # the first batch's shapes, once a fit
         if hooks: self.find_hooks()
 
     def check_fit(self):
@@ -143,6 +144,9 @@ class Step:
         lf = learn._batch_loss_func()
         if lf is None: learn.loss = learn.loss_grad = None      # predictions only: no targets, no loss of the model's
         else:
+            if not self._targets_checked:             # once a fit: no cost per batch
+                check_target_shape(learn.pred, learn.yb)
+                self._targets_checked = True
             try: learn.loss_grad = lf(learn.pred, *learn.yb)
             except Exception as e: note_failure(learn, e, 'loss'); raise
             try: learn.loss = learn.loss_grad.detach()

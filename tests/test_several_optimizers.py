@@ -3,6 +3,7 @@ import math, signal
 from functools import partial
 import numpy as np, pytest, torch
 from torch import nn
+import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 from learncb.all import *
 from learncb.test_utils import synth_learner
@@ -168,3 +169,38 @@ def test_the_summary_names_each_optimizer_and_a_model_without_forward_lists_its_
     text = str(learn.summary())
     assert "Optimizers: 2 (D, G)\n  'D': Adam, 1 param group\n    group 0: lr 0.0002" in text
     assert "  'G': SGD, 1 param group\n    group 0: lr 0.01, wd 0 (4,528 params)" in text
+
+# The notes a port met
+def test_a_column_output_against_flat_targets_is_told_once_a_fit():
+    x = torch.randn(64, 3); y = (x.sum(1) > 0).float()
+    dls = DataLoaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16))
+    learn = Learner(dls, nn.Sequential(nn.Linear(3, 1), nn.Sigmoid()), nn.MSELoss())
+    with pytest.warns(UserWarning, match=r"output has shape \(16, 1\) and the targets \(16,\).*nn.Flatten\(0\)") as w:
+        learn.fit(1)
+    assert sum('output has shape' in str(m.message) for m in w) == 1
+
+def test_a_loss_that_fails_on_the_wrong_target_is_told_what_pred_and_targets_were():
+    "PyTorch's vae: the loader yields (image, label), the loss needs the image, and the model returns 3 tensors"
+    x = torch.rand(32, 12)
+    dls = DataLoaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.zeros(32, dtype=torch.long)), batch_size=8))
+    class VAE(nn.Module):
+        def __init__(self): super().__init__(); self.enc, self.dec = nn.Linear(12, 4), nn.Linear(2, 12)
+        def forward(self, x):
+            mu, logvar = self.enc(x).chunk(2, dim=1)
+            return torch.sigmoid(self.dec(mu)), mu, logvar
+    def vae_loss(out, y):
+        recon, mu, logvar = out
+        return F.binary_cross_entropy(recon, y, reduction='sum') - 0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
+    learn = Learner(dls, VAE(), vae_loss)
+    with pytest.raises(Exception) as e: learn.fit(1)
+    notes = '\n'.join(getattr(e.value, '__notes__', []))
+    assert "got pred = a tuple of 3 tensors" in notes and "targets = a tuple of 1 tensor" in notes, notes
+    assert "n_inp=1" in notes and "learn.xb" in notes and "(x, x)" in notes
+
+def test_a_float64_models_losses_stay_float64():
+    x = torch.randn(64, 3, dtype=torch.float64); y = x.sum(1, keepdim=True) + 1e-9
+    dls = DataLoaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16), [(x, y)])
+    learn = Learner(dls, nn.Linear(3, 1).double(), nn.MSELoss(), opt_func=torch.optim.SGD, lr=0.)
+    learn.fit(1)
+    with torch.no_grad(): exact = F.mse_loss(learn.model(x), y).item()
+    assert learn.recorder.values[-1][1] == exact            # float32 would round it
