@@ -46,8 +46,9 @@ def is_optimizer(o):
     return not isinstance(o, type) and hasattr(o, 'param_groups') and callable(getattr(o, 'step', None))
 
 def check_opt_func(opt_func):
-    """`opt_func` if it is a function that makes an optimizer from parameters (`torch.optim.SGD`), not an optimizer;
-    or a dict of them by optimizer name (several optimizers: the splitter names their parameters)"""
+    """`opt_func` if it is a function that makes an optimizer from parameters (`torch.optim.SGD`), not an
+    optimizer; or a dict of them by optimizer name (several optimizers: the splitter names their
+    parameters)"""
     if isinstance(opt_func, dict):
         for f in opt_func.values(): check_opt_func(f)
         return opt_func
@@ -80,11 +81,12 @@ def check_metrics(metrics):
     return metrics
 
 def default_lr(opt_func, lr=None):
-    """The lr a `Learner` uses: the `lr` of `opt_func` if it is a partial that sets one (as in fastai), else `lr`, else
-    1e-3; for a dict of `opt_func`s by name, a dict of those if any sets one"""
+    """The lr a `Learner` uses: the `lr` of `opt_func` if it is a partial that sets one (as in fastai), else
+    `lr`, else 1e-3; for a dict of `opt_func`s by name, a dict of those if any sets one"""
     if isinstance(opt_func, dict):
         if not any('lr' in getattr(f, 'keywords', {}) for f in opt_func.values()): return default_lr(None, lr)
-        return {n: default_lr(f, lr[n] if isinstance(lr, dict) and n in lr else lr) for n,f in opt_func.items()}
+        named = lambda n: lr[n] if isinstance(lr, dict) and n in lr else lr
+        return {n: default_lr(f, named(n)) for n,f in opt_func.items()}
     given = getattr(opt_func, 'keywords', {}).get('lr')
     if given is None: return 1e-3 if lr is None else lr
     if lr is not None and lr != given:

@@ -306,8 +306,8 @@ class Callback:
     deferred_events = ()
     "Events (`after_pred`, `after_loss`, `after_step`) whose handlers may run eagerly right after a compiled step"
     takes_turns = True
-    """Whether its handlers mean the same when several optimizers train in turn on each batch (`Step.turns`: the
-    step's events fire once per turn); `False` refuses such a fit before its first batch"""
+    """Whether its handlers mean the same when several optimizers train in turn on each batch (`Step.turns`:
+    the step's events fire once per turn); `False` refuses such a fit before its first batch"""
     learn,_name = None,None
     _state_attrs = ()   # attributes saved in checkpoints by the default `state_dict`
 

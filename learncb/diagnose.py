@@ -101,29 +101,31 @@ def _state_note(missing):
             f"and count it in n_inp")
 
 def check_target_shape(pred, yb):
-    "Warn when the model's output is a column, `(N, 1)`, and its one target flat, `(N,)`: a loss item by item broadcasts"
+    "Warn when the model's output is a column, `(N, 1)`, and its one target flat, `(N,)`: a loss item by "
+    "item broadcasts"
     y = yb[0] if len(yb) == 1 else None
     if not (isinstance(pred, torch.Tensor) and isinstance(y, torch.Tensor) and y.is_floating_point()): return
     if not (pred.ndim == 2 and pred.shape[1] == 1 and y.ndim == 1 and len(y) == len(pred) > 1): return
     n = len(y)
-    warn_user(f"the model's output has shape ({n}, 1) and the targets ({n},): a loss that compares them item by item "
-              f"(nn.BCELoss, nn.MSELoss, nn.L1Loss) broadcasts them to ({n}, {n}), or refuses them. Make the output "
-              f"flat (nn.Flatten(0) as the model's last layer, or loss_func=lambda out, y: f(out.squeeze(1), y)), or "
-              f"give the targets the shape ({n}, 1)")
+    warn_user(f"the model's output has shape ({n}, 1) and the targets ({n},): a loss that compares them "
+              f"item by item (nn.BCELoss, nn.MSELoss, nn.L1Loss) broadcasts them to ({n}, {n}), or refuses "
+              f"them. Make the output flat (nn.Flatten(0) as the model's last layer, or loss_func=lambda "
+              f"out, y: f(out.squeeze(1), y)), or give the targets the shape ({n}, 1)")
 
 def _loss_inputs_note(learn, b):
     "What loss_func got (pred, the targets, where each came from), and the ways to give it what it needs"
     n,k,pred = len(b),learn.n_inp,learn.pred
     whole = isinstance(pred, (tuple, list))
-    parts = (" If it needs a part of the output, index it (loss_func=lambda out, y: f(out[0], y)); a model returning "
-             "(output, state) runs with HiddenStateCallback, one returning (output, loss) without loss_func." if whole
-             else '')
+    parts = (" If it needs a part of the output, index it (loss_func=lambda out, y: f(out[0], y)); a model "
+             "returning (output, state) runs with HiddenStateCallback, one returning (output, loss) without "
+             "loss_func." if whole else '')
     return (f"learncb: loss_func(pred, *targets) got pred = {describe_value(pred)} (the model's "
             f"{'whole output' if whole else 'output'}) and targets = {describe_value(tuple(learn.yb))} "
-            f"(batch[{k}:] of a batch of {n} elements, n_inp={k}).{parts} If it needs another target (an autoencoder "
-            f"compares its output with its input), make the batch hold it, (x, x) from the dataset or a collate_fn, "
-            f"or read the inputs the model got, learn.xb (loss_func=lambda out, y: f(out, learn.xb[0])); if the model "
-            f"takes more of the batch as inputs, pass Learner(..., n_inp=k)")
+            f"(batch[{k}:] of a batch of {n} elements, n_inp={k}).{parts} If it needs another target (an "
+            f"autoencoder compares its output with its input), make the batch hold it, (x, x) from the "
+            f"dataset or a collate_fn, or read the inputs the model got, learn.xb (loss_func=lambda out, y: "
+            f"f(out, learn.xb[0])); if the model takes more of the batch as inputs, pass Learner(..., "
+            f"n_inp=k)")
 
 def _loss_value_note(value):
     alone = ' alone' if isinstance(value, (tuple, list, dict)) else ''

@@ -358,7 +358,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             refuse(self.step_class.__name__, self.strategy.cannot_take_turns())
             raise ValueError(
             f"{type(made[0][0]).__name__} makes the step of this fit, so {self.step_class.__name__}'s turns "
-            f"{self.step_class.turns} would not run: several optimizers in turn run in their own step, without it")
+            f"{self.step_class.turns} would not run: several optimizers in turn run in their own step, "
+            f"without it")
         step.check_fit()
         return step
 

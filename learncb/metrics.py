@@ -49,7 +49,7 @@ def weighted_means(cols, bss, names=None):
     device = next((v.device for c in cols for v in c if isinstance(v, torch.Tensor)), None)
     names = names or ['the loss', *(f'metric #{i}' for i in range(1, len(cols)))]
     stacked = torch.stack([_stack_scalars(c, n, device) for c,n in zip(cols, names)])
-    stacked = stacked.to(torch.promote_types(stacked.dtype, torch.float32))    # a float64 model's values stay float64
+    stacked = stacked.to(torch.promote_types(stacked.dtype, torch.float32))    # float64 values stay float64
     w = torch.tensor(bss, dtype=stacked.dtype, device=stacked.device)
     totals = sum_across_ranks(torch.cat([(stacked * w).sum(1), w.sum().reshape(1)]))   # over all ranks of a run
     return (totals[:-1] / totals[-1]).tolist()

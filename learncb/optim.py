@@ -26,8 +26,8 @@ def _first(v):
     return v[0] if isinstance(v, (list, tuple)) else v
 
 def group_values(value, opt, name='lr'):
-    """`value` for each param group of `opt`: the same for all, spread by a slice, a list with one per group, or for
-    several optimizers a dict with one of those per optimizer name"""
+    """`value` for each param group of `opt`: the same for all, spread by a slice, a list with one per group,
+    or for several optimizers a dict with one of those per optimizer name"""
     if isinstance(value, dict): return _named_values(value, opt, name)
     n = len(opt.param_groups)
     if isinstance(value, slice): return spread_lr(value, n)
@@ -42,13 +42,14 @@ def _named_values(value, opt, name):
     names = list(getattr(opt, 'opts', ()))
     if not names: raise _one_optimizer(value, name)
     if missing := [n for n in names if n not in value]: raise ValueError(
-        f"{name}={value!r} has no value for the optimizer{'s' if len(missing) > 1 else ''} {missing}: give one per "
-        f"optimizer, {names}")
+        f"{name}={value!r} has no value for the optimizer{'s' if len(missing) > 1 else ''} {missing}: give "
+        f"one per optimizer, {names}")
     return [v for n in names for v in group_values(value[n], opt[n], f'{name}[{n!r}]')]
 
 def _one_optimizer(value, name):
-    return ValueError(f"{name}={value!r} gives a value per optimizer name, but the learner has one optimizer: pass one "
-                      f"{name}, or a splitter that returns {{name: parameters}} to train with several optimizers")
+    return ValueError(f"{name}={value!r} gives a value per optimizer name, but the learner has one "
+                      f"optimizer: pass one {name}, or a splitter that returns {{name: parameters}} to train "
+                      f"with several optimizers")
 
 def spread_lr(lr, n_groups):
     "The lrs of `n_groups` param groups for `lr`: `slice(lo, hi)` geometric from lo to hi, `slice(hi)` hi/10 then hi"
@@ -128,11 +129,13 @@ def _typed_like(group, own):
 
 # %% ../nbs/02b_optim.ipynb #8646a622
 class NamedOptimizers:
-    """Several optimizers under names (`learn.opt['D']`), each of its own class and hyper-parameters; where the loop
-    needs one optimizer they act as one: `param_groups` (theirs in turn), `state_dict`, `step`, `zero_grad`"""
+    """Several optimizers under names (`learn.opt['D']`), each of its own class and hyper-parameters; where
+    the loop needs one optimizer they act as one: `param_groups` (theirs in turn), `state_dict`, `step`,
+    `zero_grad`"""
     def __init__(self, opts):
         self.opts = dict(opts)
-        if not self.opts: raise ValueError("NamedOptimizers needs at least one optimizer, e.g. {'D': opt_d, 'G': opt_g}")
+        if not self.opts: raise ValueError(
+            "NamedOptimizers needs at least one optimizer, e.g. {'D': opt_d, 'G': opt_g}")
 
     def __getitem__(self, name):
         if name in self.opts: return self.opts[name]
@@ -141,17 +144,20 @@ class NamedOptimizers:
     def __len__(self): return len(self.opts)
     def items(self): return self.opts.items()
     def values(self): return self.opts.values()
-    def __repr__(self): return f"NamedOptimizers({', '.join(f'{n}={type(o).__name__}' for n,o in self.opts.items())})"
+    def __repr__(self):
+        return f"NamedOptimizers({', '.join(f'{n}={type(o).__name__}' for n,o in self.opts.items())})"
 
     @property
     def param_groups(self):
-        "The param groups of every optimizer, in the order of the names (an lr list gives one value per group)"
+        "The param groups of every optimizer, in the order of the names (an lr list: one value per group)"
         return [pg for o in self.opts.values() for pg in o.param_groups]
 
     @param_groups.setter
     def param_groups(self, groups):
         groups,start = list(groups),0
-        for o in self.opts.values(): o.param_groups,start = groups[start:start + len(o.param_groups)],start + len(o.param_groups)
+        for o in self.opts.values():
+            n = len(o.param_groups)
+            o.param_groups,start = groups[start:start + n],start + n
 
     @property
     def state(self):
@@ -203,7 +209,7 @@ def hp_location(name, group):
     return (key,None) if key in group else None
 
 def set_hp(groups, key, idx, value):
-    "Set `value` (one for all groups, or a list with one per group) at `key` (or `key[idx]`, for betas) in `groups`"
+    "Set `value` (one for all groups, or a list of one per group) at `key` (`key[idx]`: betas) in `groups`"
     values = value if isinstance(value, (list, tuple)) else repeat(value)
     if idx is None:
         for pg,v in zip(groups, values):
@@ -227,26 +233,28 @@ def _param_group(g, splitter):
     return items
 
 def _groups_of(value, splitter, name):
-    "The param groups of optimizer `name` in a splitter's dict: its parameters (one group), or a list of groups"
-    items = list(value) if not isinstance(value, (nn.Module, torch.Tensor)) and hasattr(value, '__iter__') else None
+    "The param groups of optimizer `name` in a splitter's dict: its parameters (one group), or a list of them"
+    iterable = not isinstance(value, (nn.Module, torch.Tensor)) and hasattr(value, '__iter__')
+    items = list(value) if iterable else None
     if items is not None and all(isinstance(p, torch.Tensor) for p in items): return [items] if items else []
     if items is None: raise TypeError(
-        f"splitter {splitter!r} returned {type(value).__name__} for the optimizer {name!r}: give each name its "
-        f"parameters, e.g. {{{name!r}: model.{name}.parameters()}}, or a list of parameter lists")
+        f"splitter {splitter!r} returned {type(value).__name__} for the optimizer {name!r}: give each name "
+        f"its parameters, e.g. {{{name!r}: model.{name}.parameters()}}, or a list of parameter lists")
     return [_param_group(g, splitter) for g in items]
 
 def _by_name(value, name, what):
     "The value of optimizer `name` in `value`: a dict by name (every name in it), or one value for all"
     if not isinstance(value, dict): return value
     if name in value: return value[name]
-    raise ValueError(f"{what} gives the optimizers {list(value)}, but the splitter names {name!r} too: give the same "
-                     f"names in both, or one {what} for all")
+    raise ValueError(f"{what} gives the optimizers {list(value)}, but the splitter names {name!r} too: give "
+                     f"the same names in both, or one {what} for all")
 
 def _make_opt(opt_func, groups, lr, wd):
     "`opt_func` on `groups` (lists of parameters), with `lr` (and `weight_decay=wd` if set)"
     if isinstance(opt_func, dict): raise ValueError(
-        f"opt_func gives the optimizers {list(opt_func)} by name, but the splitter returns one list of param groups: "
-        f"make it return {{name: parameters}} with the same names, e.g. lambda m: {{'D': m.D.parameters(), ...}}")
+        f"opt_func gives the optimizers {list(opt_func)} by name, but the splitter returns one list of param "
+        f"groups: make it return {{name: parameters}} with the same names, e.g. "
+        f"lambda m: {{'D': m.D.parameters(), ...}}")
     kw = {} if wd is None else {'weight_decay': wd}
     opt = opt_func(groups[0] if len(groups) == 1 else [{'params': g} for g in groups], lr=lr, **kw)
     if not is_optimizer(opt): raise TypeError(
@@ -264,20 +272,21 @@ def norm_params(model):
 class OptimizerHost:
     "The optimizer of a learner: its parameter groups, their lr and wd, freezing, and whether it still fits the model"
     def param_groups(self):
-        """The model's parameters split by `splitter` into lists, one per param group (one group without a splitter);
-        with several optimizers, the groups of each in turn"""
+        """The model's parameters split by `splitter` into lists, one per param group (one group without a
+        splitter); with several optimizers, the groups of each in turn"""
         split = self.named_param_groups()
         return [g for gs in split.values() for g in gs]
 
     def named_param_groups(self):
-        """`{name: param groups}`: a splitter that returns a dict gives each optimizer its parameters (one group, or a
-        list of groups); else one optimizer, named `None`"""
+        """`{name: param groups}`: a splitter that returns a dict gives each optimizer its parameters (one
+        group, or a list of groups); else one optimizer, named `None`"""
         split = self.splitter(self.model) if self.splitter is not None else [list(self.model.parameters())]
         named = ({n: _groups_of(v, self.splitter, n) for n,v in split.items()} if isinstance(split, dict)
                  else {None: [_param_group(g, self.splitter) for g in split]})
         if not all(named.values()): raise ValueError(
-            f"splitter {self.splitter!r} returned no parameter group{'' if None in named else ' for an optimizer'}: "
-            f"return a list with one list of parameters per group, e.g. [list(model.parameters())]")
+            f"splitter {self.splitter!r} returned no parameter group"
+            f"{'' if None in named else ' for an optimizer'}: return a list with one list of parameters per "
+            f"group, e.g. [list(model.parameters())]")
         flat = [p for gs in named.values() for g in gs for p in g]
         if len({id(p) for p in flat}) < len(flat):
             raise ValueError(f"splitter {self.splitter!r} puts a parameter in more than one group: each parameter "
@@ -290,21 +299,25 @@ class OptimizerHost:
         return spread_lr(lr, len(self.opt.param_groups) if self.opt is not None else len(self.param_groups()))
 
     def create_opt(self):
-        """Create the optimizer: `opt_func` on the `param_groups`, with `lr=self.lr` (and `weight_decay=self.wd` if set);
-        `NamedOptimizers` when the splitter names several, each made by its `opt_func` (a dict by name, or one for all)"""
+        """Create the optimizer: `opt_func` on the `param_groups`, with `lr=self.lr` (and
+        `weight_decay=self.wd` if set); `NamedOptimizers` when the splitter names several, each made by its
+        `opt_func` (a dict by name, or one for all)"""
         lr,wd,split = self.lr,self.wd,self.named_param_groups()
         if None in split:
             if named := next(((v, n) for v,n in ((lr, 'lr'), (wd, 'wd')) if isinstance(v, dict)), None):
                 raise _one_optimizer(*named)
             opt = _make_opt(self.opt_func, split[None], _first(lr), _first(wd))
-        else: opt = NamedOptimizers({n: _make_opt(_by_name(self.opt_func, n, 'opt_func'), gs,
-                                                  _first(_by_name(lr, n, 'lr')), _first(_by_name(wd, n, 'wd')))
-                                     for n,gs in split.items()})
+        else: opt = NamedOptimizers({n: self._named_opt(n, gs) for n,gs in split.items()})
         if any(isinstance(v, (list, tuple, slice, dict)) for v in (lr, wd)): self._set_hypers(lr, wd, opt)
         groups = [g for gs in split.values() for g in gs]
         self.opt = opt
         try: self._opts_made[opt] = [weakref.ref(p) for g in groups for p in g]     # the parameters it was made for
         except TypeError: pass                                                     # an optimizer no weakref can point to
+
+    def _named_opt(self, name, groups):
+        "The optimizer `name` of several, made by its `opt_func` with its `lr` and `wd`"
+        lr,wd = _by_name(self.lr, name, 'lr'),_by_name(self.wd, name, 'wd')
+        return _make_opt(_by_name(self.opt_func, name, 'opt_func'), groups, _first(lr), _first(wd))
 
     def _set_hypers(self, lr=None, wd=None, opt=None):
         opt = self.opt if opt is None else opt

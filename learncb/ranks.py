@@ -119,7 +119,7 @@ def shard_like(t, like):
 
 def opt_state_like(state, opt):
     "Optimizer `state` (from `state_dict`) with its whole per-parameter tensors cut to fit `opt`'s sharded parameters"
-    if named := getattr(opt, 'opts', None):         # several optimizers: each by its name (others are refused on load)
+    if named := getattr(opt, 'opts', None):         # several optimizers: each by name (load refuses others)
         return {n: opt_state_like(s, named[n]) if n in named else s for n,s in state.items()}
     params = [p for g in opt.param_groups for p in g['params']]
     if not any(is_sharded(p) for p in params): return state

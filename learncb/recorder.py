@@ -199,7 +199,7 @@ class Recorder(Callback):
         learn = self.learn
         if learn.training:
             loss = learn.loss if learn.turn is None else self._turns_loss()
-            if loss is None: return                     # a turn before the last: its loss is added to the batch's
+            if loss is None: return                     # a turn before the last: its loss goes to the batch's
             self._pending.append(loss)
             self._pending_bs.append(learn.stepper.loss_items or find_bs(learn.yb or learn.xb))   # targets, or a model's inputs
             self.lrs.append(hyper_number(learn.opt.param_groups[0]['lr']))
@@ -215,7 +215,8 @@ class Recorder(Callback):
             if self._valid_metrics: self._compute_metrics(self._valid_metrics, self._valid_cols[1:])
 
     def _turns_loss(self):
-        "With several optimizers in turn (`Step.turns`), the batch's loss is the sum of the turns': `None` until the last"
+        "With several optimizers in turn (`Step.turns`), the batch's loss is the sum of the turns': `None` "
+        "until the last"
         learn,turns = self.learn,self.learn.stepper.turns
         total = learn.loss if learn.turn == turns[0] else self._turns_sum + learn.loss
         self._turns_sum = total

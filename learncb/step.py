@@ -33,31 +33,33 @@ class Step:
     stage_now = None
     "The stage under way (`'backward'`, `'step'`), whose cancel ends it; `None` outside them"
     turns = None
-    """The names of the optimizers (`NamedOptimizers`) that train in turn on each batch, each with a forward, loss,
-    backward and step of its own (a GAN's `('D', 'G')`), `learn.turn` the name; `None`: one turn, `learn.opt`'s"""
+    """The names of the optimizers (`NamedOptimizers`) that train in turn on each batch, each with a forward,
+    loss, backward and step of its own (a GAN's `('D', 'G')`), `learn.turn` the name; `None`: one turn,
+    `learn.opt`'s"""
     def __init__(self, learn, hooks=True):
         "`hooks=False`: no callback's `step_forward` or `step_backward` (the step of a learner outside a fit)"
         self.learn,self.forward_hook,self.backward_hook = learn,None,None
-        self._opt,self._closure,self._first_call = None,False,False     # the optimizer stepped last; takes a closure
+        self._opt,self._closure,self._first_call = None,False,False     # the last one stepped; a closure?
         self._targets_checked = False                                   # the first batch's shapes, once a fit
         if hooks: self.find_hooks()
 
     def check_fit(self):
-        """Refuse, before the first batch, a fit this step cannot run: `turns` of optimizers the learner lacks, or
-        what the strategy or a callback cannot do with turns or with a closure optimizer"""
+        """Refuse, before the first batch, a fit this step cannot run: `turns` of optimizers the learner
+        lacks, or what the strategy or a callback cannot do with turns or with a closure optimizer"""
         learn = self.learn
-        if needs_closure(learn.opt): refuse(type(learn.opt).__name__, learn.strategy.cannot_step_with_closure())
+        if needs_closure(learn.opt):
+            refuse(type(learn.opt).__name__, learn.strategy.cannot_step_with_closure())
         if self.turns is None: return
         names = list(getattr(learn.opt, 'opts', ()))
         if missing := [t for t in self.turns if t not in names]: raise ValueError(
-            f"{type(self).__name__} takes turns {self.turns}, but learn.opt has no optimizer {missing} (its optimizers: "
-            f"{names or type(learn.opt).__name__}): give the splitter a dict with those names, "
+            f"{type(self).__name__} takes turns {self.turns}, but learn.opt has no optimizer {missing} (its "
+            f"optimizers: {names or type(learn.opt).__name__}): give the splitter a dict with those names, "
             f"splitter=lambda m: {{{', '.join(f'{t!r}: m.{t}.parameters()' for t in self.turns)}}}")
         refuse(type(self).__name__, learn.strategy.cannot_take_turns())
         if cbs := [type(cb).__name__ for cb in learn.cbs if not cb.takes_turns]: raise ValueError(
-            f"{', '.join(cbs)}: {'acts' if len(cbs) == 1 else 'act'} on the one optimizer step of a batch, and "
-            f"{type(self).__name__} steps {len(self.turns)} optimizers in turn ({', '.join(self.turns)}), not supported "
-            f"yet: fit without {'it' if len(cbs) == 1 else 'them'}")
+            f"{', '.join(cbs)}: {'acts' if len(cbs) == 1 else 'act'} on the one optimizer step of a batch, "
+            f"and {type(self).__name__} steps {len(self.turns)} optimizers in turn "
+            f"({', '.join(self.turns)}), not supported yet: fit without {'it' if len(cbs) == 1 else 'them'}")
 
     def find_hooks(self):
         "Take the step hooks (`step_forward`, `step_backward`) of the learner's callbacks now (a step kept for several fits)"
@@ -178,8 +180,8 @@ class Step:
                                   f"to undo the try and compute the batch again up to its loss")
 
     def optimizer_step(self):
-        """The optimizer's step (`opt_step`: torch's, without its profiler wrapper when nothing needs it); with `turns`
-        the turn's optimizer's. One whose step takes a closure (LBFGS) is given `recompute`"""
+        """The optimizer's step (`opt_step`: torch's, without its profiler wrapper when nothing needs it);
+        with `turns` the turn's optimizer's. One whose step takes a closure (LBFGS) is given `recompute`"""
         learn = self.learn
         opt = learn.opt if learn.turn is None else learn.opt[learn.turn]
         if opt is not self._opt: self._opt,self._closure = opt,needs_closure(opt)
@@ -188,9 +190,9 @@ class Step:
         opt.step(self.recompute)
 
     def recompute(self):
-        """The closure of a closure optimizer's step: the loss of the batch, its gradients computed. The first call
-        returns the step's own (the loss and backward done with their events); each later one computes the forward,
-        the loss and the backward again, without events, as a hand-written closure does"""
+        """The closure of a closure optimizer's step: the loss of the batch, its gradients computed. The first
+        call returns the step's own (the loss and backward done with their events); each later one computes
+        the forward, the loss and the backward again, without events, as a hand-written closure does"""
         learn = self.learn
         if self._first_call: self._first_call = False
         else:

@@ -177,10 +177,12 @@ class SingleProcess(Strategy):
 # %% ../nbs/02f_strategy.ipynb #bf171b56
 def turns_not_yet(name):
     "Why strategy `name` does not train several optimizers in turn yet (its `cannot_take_turns`)"
-    return (f"strategy={name!r} does not train several optimizers in turn yet (a turn may call parts of the model "
-            f"around the strategy's wrapper, whose gradients would then not be reduced): fit in one process")
+    return (f"strategy={name!r} does not train several optimizers in turn yet (a turn may call parts of the "
+            f"model around the strategy's wrapper, whose gradients would then not be reduced): fit in one "
+            f"process")
 
 def closure_not_yet(name):
     "Why strategy `name` does not step a closure optimizer yet (its `cannot_step_with_closure`)"
-    return (f"strategy={name!r} does not step a closure optimizer yet (the optimizer calls the closure until the "
-            f"loss stops changing, and each rank sees a loss of its own, so the ranks would part): fit in one process")
+    return (f"strategy={name!r} does not step a closure optimizer yet (the optimizer calls the closure "
+            f"until the loss stops changing, and each rank sees a loss of its own, so the ranks would "
+            f"part): fit in one process")

@@ -135,8 +135,8 @@ def check_number(value, name, *, gt=None, ge=None, finite=False, per_group=False
 _lr_hint = 'a learning rate such as 1e-3; learn.lr_find() suggests one'
 
 def check_lr(lr, name='lr', who=None):
-    """`lr` if it is a finite number >= 0 (0: no update), a list of them (one per param group), or a `slice(lo, hi)`;
-    or a dict of those by optimizer name"""
+    """`lr` if it is a finite number >= 0 (0: no update), a list of them (one per param group), or a
+    `slice(lo, hi)`; or a dict of those by optimizer name"""
     if isinstance(lr, dict): return {n: check_lr(v, f'{name}[{n!r}]', who) for n,v in lr.items()}
     if isinstance(lr, slice): return _check_lr_slice(lr, name, who)
     return check_number(lr, name, ge=0, finite=True, per_group=True, who=who, hint=_lr_hint)

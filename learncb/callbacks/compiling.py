@@ -311,8 +311,9 @@ class CompileCallback(Callback):
         learn = self.learn
         refuse('learn.compile(step=True)', learn.strategy.cannot_compile_step())
         if needs_closure(learn.opt): raise ValueError(
-            f"learn.compile(step=True): {type(learn.opt).__name__}'s step takes a closure that computes the loss again, "
-            f"which the compiled step cannot trace: use learn.compile() (the model compiled) with it")
+            f"learn.compile(step=True): {type(learn.opt).__name__}'s step takes a closure that computes the "
+            f"loss again, which the compiled step cannot trace: use learn.compile() (the model compiled) "
+            f"with it")
         if self.compiled_step is None or self.compiled_step.learn is not learn:     # kept for the next fits: no recompile
             self.compiled_step = CompiledStep(learn, trace_backward=self.trace_backward, fallback=self.fallback,
                                               **self.kwargs)

@@ -118,11 +118,13 @@ class ParamScheduler(Callback):
         for name,s in self.scheds.items(): self._check_value(name, s(0.), opt)
 
     def _locate(self, name, opt):
-        """Where `name` is in the param groups of `opt`: `[(key, idx, None)]` when the same in all groups, else one
-        `(key, idx, group numbers)` per place (several optimizers: Adam's betas[0], SGD's momentum); or a ValueError"""
+        """Where `name` is in the param groups of `opt`: `[(key, idx, None)]` when the same in all groups,
+        else one `(key, idx, group numbers)` per place (several optimizers: Adam's betas[0], SGD's momentum);
+        or a ValueError"""
         locs = [hp_location(name, pg) for pg in opt.param_groups]
         if None not in locs and len(set(locs)) == 1: return [(*locs[0], None)]
-        if None not in locs: return [(*loc, [i for i,l in enumerate(locs) if l == loc]) for loc in dict.fromkeys(locs)]
+        if None not in locs:
+            return [(*loc, [i for i,l in enumerate(locs) if l == loc]) for loc in dict.fromkeys(locs)]
         hint = f" ({_hp_hints[name]})" if name in _hp_hints else ''
         raise ValueError(f"ParamScheduler cannot schedule {name!r}{hint} on {type(opt).__name__}: its param groups "
                          f"have the keys {_opt_keys(opt)}. Schedule one of those, or use an optimizer that has "
@@ -150,10 +152,11 @@ class ParamScheduler(Callback):
             history.append(value)
 
     def after_step(self):
-        """Count the optimizer steps taken (`by='step'`: the next batches' position), not those a callback cancelled;
-        with several optimizers in turn, the batches whose last turn stepped"""
+        """Count the optimizer steps taken (`by='step'`: the next batches' position), not those a callback
+        cancelled; with several optimizers in turn, the batches whose last turn stepped"""
         learn = self.learn
-        if learn.step_taken and (learn.turn is None or learn.turn == learn.stepper.turns[-1]): self.n_steps += 1
+        last_turn = learn.turn is None or learn.turn == learn.stepper.turns[-1]
+        if learn.step_taken and last_turn: self.n_steps += 1
 
     def after_fit(self):
         rec = getattr(self.learn, 'recorder', None)
@@ -191,8 +194,8 @@ def has_momentum(opt):
 
 @patch
 def _spread_for_fit(self:Learner, lr, reset_opt):
-    """`(lr, reset_opt)`: a slice, or a dict by optimizer name, as one lr per param group (the optimizer is made now,
-    to count them), else as it is"""
+    """`(lr, reset_opt)`: a slice, or a dict by optimizer name, as one lr per param group (the optimizer is
+    made now, to count them), else as it is"""
     if not isinstance(lr, (slice, dict)): return lr,reset_opt
     return group_values(lr, self._opt_for_fit(reset_opt), 'lr'),False
 
@@ -306,8 +309,8 @@ class LRSchedulerCallback(Callback):
     def before_fit(self):
         names = list(getattr(self.learn.opt, 'opts', ()))
         if names and self.opt_name is None: raise ValueError(
-            f"LRSchedulerCallback: learn.opt holds several optimizers, {names}: say which one the scheduler steps, "
-            f"LRSchedulerCallback(..., opt_name={names[-1]!r})")
+            f"LRSchedulerCallback: learn.opt holds several optimizers, {names}: say which one the scheduler "
+            f"steps, LRSchedulerCallback(..., opt_name={names[-1]!r})")
         opt = self.learn.opt if self.opt_name is None else self.learn.opt[self.opt_name]
         if self.make_scheduler is not None:
             for pg in opt.param_groups: pg.pop('initial_lr', None)    # each fit's schedule starts from this fit's lr

@@ -118,7 +118,7 @@ class FSDP(Strategy):
             "optimizer set by hand (learn.opt = ...) cannot be used: set learn.opt_func (e.g. partial(SGD, "
             "momentum=0.9)) and learn.opt = None")
         self._plain,self._plain_opt,self._mp = learn.model,learn.opt,self._precision(learn)
-        self._plain_opt_state = map_tensors(torch.Tensor.cpu, self._plain_opt.state_dict())    # put back after an error
+        self._plain_opt_state = map_tensors(torch.Tensor.cpu, self._plain_opt.state_dict())    # on an error
         learn.model = fsdp_model(self._plain, self.shard, learn.device, self._policy())
         learn.create_opt()        # the same groups (splitter), of the sharded parameters; then the old state and hypers
         learn.opt.load_state_dict(opt_state_like(self._plain_opt.state_dict(), learn.opt))

@@ -143,7 +143,8 @@ def _one_opt_lines(title, opt, indent):
     lines = [f"{title}: {type(opt).__name__}, {len(groups)} param group{'s' if len(groups) > 1 else ''}"]
     for i,pg in enumerate(groups):
         hypers = [_hyper(name, pg[k]) for name,k in (('lr', 'lr'), ('wd', 'weight_decay')) if k in pg]
-        lines.append(f"{indent}group {i}: {', '.join(hypers)} ({_num(sum(p.numel() for p in pg['params']))} params)")
+        lines.append(f"{indent}group {i}: {', '.join(hypers)} ({_num(sum(p.numel() for p in pg['params']))} "
+                     f"params)")
     return lines
 
 def _loss_line(learn):
@@ -195,7 +196,8 @@ def _summary_text(learn, xb, rows, total, trainable):
     "The text of `learn.summary()`"
     inp = shape_str(xb[0]) if len(xb) == 1 else shape_str(xb)
     called = type(learn.model).forward is not nn.Module.forward      # a GAN's: the step calls its parts
-    lines = [f"{type(learn.model).__name__} (input shape: {inp}{'' if called else '; no forward of its own, so no output shapes'})"]
+    shapes = '' if called else '; no forward of its own, so no output shapes'
+    lines = [f"{type(learn.model).__name__} (input shape: {inp}{shapes})"]
     lines += layer_table(rows)
     if any(r.shared for r in rows): lines.append('* holds parameters of an earlier layer (tied): counted once below')
     lines += [f'Total params: {_num(total)}', f'Trainable params: {_num(trainable)}',
@@ -210,8 +212,10 @@ def summary(self:Learner):
         with rng_kept():
             xb = to_device(xb, model_device(self.model, self.device))
             try:
-                if type(self.model).forward is nn.Module.forward: rows = _rows(summary_modules(self.model), {})
-                else: rows = layer_info(self.model, **xb[0]) if isinstance(xb[0], Mapping) else layer_info(self.model, *xb)
+                no_forward = type(self.model).forward is nn.Module.forward     # a GAN's
+                if no_forward: rows = _rows(summary_modules(self.model), {})
+                elif isinstance(xb[0], Mapping): rows = layer_info(self.model, **xb[0])
+                else: rows = layer_info(self.model, *xb)
             except Exception as e:
                 add_note(e, _forward_note)
                 raise
