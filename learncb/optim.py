@@ -223,14 +223,13 @@ def set_hp(groups, key, idx, value):
 
 # %% ../nbs/02b_optim.ipynb #9c531332
 def _param_group(g, splitter):
-    "Group `g` returned by `splitter` as a list of parameters, or a `TypeError` saying what a splitter returns"
+    "Group `g` of a splitter's list as a list of parameters, or a `TypeError` saying what a splitter returns"
+    items = list(g) if not isinstance(g, (nn.Module, torch.Tensor)) and hasattr(g, '__iter__') else None
+    if items is not None and all(isinstance(p, torch.Tensor) for p in items): return items
     what = (f"the module {type(g).__name__}, not its parameters" if isinstance(g, nn.Module) else
             f"a group that is not a list of parameters ({g!r:.80})")
-    items = list(g) if not isinstance(g, (nn.Module, torch.Tensor)) and hasattr(g, '__iter__') else None
-    if items is None or not all(isinstance(p, torch.Tensor) for p in items): raise TypeError(
-        f"splitter {splitter!r} returned {what}: it must return a list of parameter lists, one per group, e.g. "
-        f"[list(model.body.parameters()), list(model.head.parameters())]")
-    return items
+    raise TypeError(f"splitter {splitter!r} returned {what}: it must return a list of parameter lists, one "
+                    f"per group, e.g. [list(model.body.parameters()), list(model.head.parameters())]")
 
 def _groups_of(value, splitter, name):
     "The param groups of optimizer `name` in a splitter's dict: its parameters (one group), or a list of them"
@@ -280,7 +279,8 @@ class OptimizerHost:
     def named_param_groups(self):
         """`{name: param groups}`: a splitter that returns a dict gives each optimizer its parameters (one
         group, or a list of groups); else one optimizer, named `None`"""
-        split = self.splitter(self.model) if self.splitter is not None else [list(self.model.parameters())]
+        if self.splitter is None: return {None: [list(self.model.parameters())]}
+        split = self.splitter(self.model)
         named = ({n: _groups_of(v, self.splitter, n) for n,v in split.items()} if isinstance(split, dict)
                  else {None: [_param_group(g, self.splitter) for g in split]})
         if not all(named.values()): raise ValueError(
