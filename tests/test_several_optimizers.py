@@ -204,3 +204,13 @@ def test_a_float64_models_losses_stay_float64():
     learn.fit(1)
     with torch.no_grad(): exact = F.mse_loss(learn.model(x), y).item()
     assert learn.recorder.values[-1][1] == exact            # float32 would round it
+
+def test_lr_find_and_freeze_act_on_every_optimizer():
+    learn = synth_learner(splitter=lambda m: {'w': [m.weight], 'b': [m.bias]},
+                          opt_func={'w': torch.optim.Adam, 'b': torch.optim.SGD})
+    lrs = learn.lr_find(num_it=10, show_plot=False)
+    assert len(learn.lr_finder.lrs) >= 2 and lrs.valley > 0
+    learn.freeze()
+    assert not learn.model.weight.requires_grad and learn.model.bias.requires_grad   # the first one's group frozen
+    gan = gan_port.port()
+    with pytest.raises(ValueError, match="^LRFinder: acts on the one optimizer step of a batch"): gan.lr_find(num_it=5)

@@ -36,6 +36,7 @@ def _check_lr_find_args(start_lr, end_lr, num_it):
 class LRFinder(Callback):
     "Raises the lr exponentially from `start_lr` to `end_lr` over `num_it` batches, recording the smoothed loss"
     order,run_valid = Order.DEFAULT,False
+    takes_turns = False                 # one loss a batch for its curve, and one lr for every optimizer
     def __init__(self, start_lr=1e-7, end_lr=10, num_it=100, stop_div=True, beta=0.98):
         _check_lr_find_args(start_lr, end_lr, num_it)
         self.sched,self.num_it,self.stop_div,self.beta = SchedExp(start_lr, end_lr),num_it,stop_div,beta
