@@ -1,5 +1,5 @@
 "Several optimizers (a GAN: Adam for D, SGD for G) and closure optimizers (LBFGS) port bit for bit"
-import math, signal
+import copy, math, signal
 from functools import partial
 import numpy as np, pytest, torch
 from torch import nn
@@ -214,3 +214,25 @@ def test_lr_find_and_freeze_act_on_every_optimizer():
     assert not learn.model.weight.requires_grad and learn.model.bias.requires_grad   # the first one's group frozen
     gan = gan_port.port()
     with pytest.raises(ValueError, match="^LRFinder: acts on the one optimizer step of a batch"): gan.lr_find(num_it=5)
+
+def body_and_head(**kwargs):
+    torch.manual_seed(0)
+    return synth_learner(model=nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 2)), **kwargs)
+
+@pytest.mark.parametrize('cbs', [[], [GradientClip(0.1)], [GradientAccumulation(32)], [MixedPrecision('bf16')],
+                                 [TerminateOnNaNCallback()], [SpikeGuard()], [EMACallback(0.9)], [AutoMicrobatch()]],
+                         ids=['none', 'clip', 'accumulation', 'bf16', 'terminate_on_nan', 'spike_guard', 'ema', 'microbatch'])
+@pytest.mark.parametrize('opt_func', [partial(torch.optim.SGD, momentum=0.9), torch.optim.Adam], ids=['sgd', 'adam'])
+def test_two_optimizers_of_one_class_train_as_the_one_optimizer_of_all_parameters(cbs, opt_func):
+    "A capability means the same with several optimizers (one step a batch): the fit equals the one-optimizer fit"
+    one = body_and_head(opt_func=opt_func)
+    one.fit_one_cycle(2, cbs=[copy.deepcopy(cb) for cb in cbs])
+    two = body_and_head(opt_func=opt_func, splitter=lambda m: {'body': m[0].parameters(), 'head': m[2].parameters()})
+    two.fit_one_cycle(2, cbs=cbs)
+    assert isinstance(two.opt, NamedOptimizers) and same(one.model.state_dict(), two.model.state_dict())
+    assert one.recorder.losses == two.recorder.losses
+
+def test_swa_with_several_optimizers_is_refused_by_name():
+    learn = body_and_head(splitter=lambda m: {'body': m[0].parameters(), 'head': m[2].parameters()})
+    with pytest.raises(ValueError, match=r"^SWACallback: learn.opt holds several optimizers, \['body', 'head'\]"):
+        learn.fit(2, cbs=SWACallback(start_epoch=1, swa_lr=1e-3))

@@ -235,6 +235,9 @@ class SWACallback(WeightAveraging):
 
     def before_fit(self):
         learn,start = self.learn,self.start_epoch
+        if names := list(getattr(learn.opt, 'opts', ())): raise ValueError(
+            f"SWACallback: learn.opt holds several optimizers, {names}, and torch's SWALR anneals the lr of "
+            f"one: not supported yet; fit with one optimizer, or average with EMACallback")
         self._first = int(start * learn.n_epoch) if isinstance(start, float) else start     # the first epoch averaged
         if self._first >= learn.n_epoch:
             raise ValueError(f"SWACallback(start_epoch={start}) starts averaging at epoch {self._first}, after the "
