@@ -101,8 +101,8 @@ def _state_note(missing):
             f"and count it in n_inp")
 
 def check_target_shape(pred, yb):
-    "Warn when the model's output is a column, `(N, 1)`, and its one target flat, `(N,)`: a loss item by "
-    "item broadcasts"
+    """Warn when the model's output is a column, `(N, 1)`, and its one target flat, `(N,)`: a loss that
+    compares them item by item broadcasts them"""
     y = yb[0] if len(yb) == 1 else None
     if not (isinstance(pred, torch.Tensor) and isinstance(y, torch.Tensor) and y.is_floating_point()): return
     if not (pred.ndim == 2 and pred.shape[1] == 1 and y.ndim == 1 and len(y) == len(pred) > 1): return

@@ -356,10 +356,9 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         step = made[0][1] if made else self.step_class(self)
         if made and self.step_class.turns is not None:
             refuse(self.step_class.__name__, self.strategy.cannot_take_turns())
-            raise ValueError(
-            f"{type(made[0][0]).__name__} makes the step of this fit, so {self.step_class.__name__}'s turns "
-            f"{self.step_class.turns} would not run: several optimizers in turn run in their own step, "
-            f"without it")
+            raise ValueError(f"{type(made[0][0]).__name__} makes the step of this fit, so "
+                             f"{self.step_class.__name__}'s turns {self.step_class.turns} would not run: "
+                             f"several optimizers in turn run in their own step, without it")
         step.check_fit()
         return step
 

@@ -215,8 +215,8 @@ class Recorder(Callback):
             if self._valid_metrics: self._compute_metrics(self._valid_metrics, self._valid_cols[1:])
 
     def _turns_loss(self):
-        "With several optimizers in turn (`Step.turns`), the batch's loss is the sum of the turns': `None` "
-        "until the last"
+        """With several optimizers in turn (`Step.turns`), the batch's loss is the sum of the turns': `None`
+        until the last"""
         learn,turns = self.learn,self.learn.stepper.turns
         total = learn.loss if learn.turn == turns[0] else self._turns_sum + learn.loss
         self._turns_sum = total
