@@ -114,18 +114,19 @@ def check_target_shape(pred, yb):
 
 def _loss_inputs_note(learn, b):
     "What loss_func got (pred, the targets, where each came from), and the ways to give it what it needs"
-    n,k,pred = len(b),learn.n_inp,learn.pred
-    whole = isinstance(pred, (tuple, list))
-    parts = (" If it needs a part of the output, index it (loss_func=lambda out, y: f(out[0], y)); a model "
-             "returning (output, state) runs with HiddenStateCallback, one returning (output, loss) without "
-             "loss_func." if whole else '')
-    return (f"learncb: loss_func(pred, *targets) got pred = {describe_value(pred)} (the model's "
-            f"{'whole output' if whole else 'output'}) and targets = {describe_value(tuple(learn.yb))} "
-            f"(batch[{k}:] of a batch of {n} elements, n_inp={k}).{parts} If it needs another target (an "
-            f"autoencoder compares its output with its input), make the batch hold it, (x, x) from the "
-            f"dataset or a collate_fn, or read the inputs the model got, learn.xb (loss_func=lambda out, y: "
-            f"f(out, learn.xb[0])); if the model takes more of the batch as inputs, pass Learner(..., "
-            f"n_inp=k)")
+    k,pred = learn.n_inp,learn.pred
+    whole = isinstance(pred, (tuple, list))        # several outputs: a part or a state, not more inputs
+    got = (f"learncb: loss_func(pred, *targets) got pred = {describe_value(pred)} (the model's "
+           f"{'whole output' if whole else 'output'}) and targets = {describe_value(tuple(learn.yb))} "
+           f"(batch[{k}:]).")
+    ways = (" If it needs a part of the output, index it (loss_func=lambda out, y: f(out[0], y)); a model "
+            "returning (output, state) runs with HiddenStateCallback, one returning (output, loss) without "
+            "loss_func." if whole else
+            f" The batch has {len(b)} elements and n_inp={k}: if the model takes more of them as inputs, "
+            f"pass Learner(..., n_inp=k).")
+    return (got + ways + " If it needs another target (an autoencoder compares its output with its input), "
+            "make the batch hold it, (x, x) from the dataset or a collate_fn, or read the inputs the model "
+            "got, learn.xb (loss_func=lambda out, y: f(out, learn.xb[0]))")
 
 def _loss_value_note(value):
     alone = ' alone' if isinstance(value, (tuple, list, dict)) else ''

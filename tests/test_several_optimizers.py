@@ -195,7 +195,7 @@ def test_a_loss_that_fails_on_the_wrong_target_is_told_what_pred_and_targets_wer
     with pytest.raises(Exception) as e: learn.fit(1)
     notes = '\n'.join(getattr(e.value, '__notes__', []))
     assert "got pred = a tuple of 3 tensors" in notes and "targets = a tuple of 1 tensor" in notes, notes
-    assert "n_inp=1" in notes and "learn.xb" in notes and "(x, x)" in notes
+    assert "(batch[1:])" in notes and "learn.xb" in notes and "(x, x)" in notes and "HiddenStateCallback" in notes
 
 def test_a_float64_models_losses_stay_float64():
     x = torch.randn(64, 3, dtype=torch.float64); y = x.sum(1, keepdim=True) + 1e-9
