@@ -11,7 +11,7 @@ __all__ = ['Step']
 from .core import *
 from .utils import *
 from .diagnose import note_failure, note_where, why_no_grad, check_target_shape
-from .optim import opt_step, clear_grads, needs_closure
+from .optim import opt_step, clear_grads, needs_closure, opt_names
 from .ranks import refuse
 
 # %% ../nbs/02e_step.ipynb #34880ef0
@@ -50,7 +50,7 @@ class Step:
         if needs_closure(learn.opt):
             refuse(type(learn.opt).__name__, learn.strategy.cannot_step_with_closure())
         if self.turns is None: return
-        names = list(getattr(learn.opt, 'opts', ()))
+        names = opt_names(learn.opt)
         if missing := [t for t in self.turns if t not in names]: raise ValueError(
             f"{type(self).__name__} takes turns {self.turns}, but learn.opt has no optimizer {missing} (its "
             f"optimizers: {names or type(learn.opt).__name__}): give the splitter a dict with those names, "

@@ -17,7 +17,7 @@ from fastcore.basics import patch
 from ..core import *
 from ..utils import *
 from ..learner import *
-from ..optim import group_values, hp_location, set_hp
+from ..optim import group_values, hp_location, set_hp, opt_names
 from ..checks import check_has_len
 from ..recorder import *
 
@@ -307,7 +307,7 @@ class LRSchedulerCallback(Callback):
         return plateau
 
     def before_fit(self):
-        names = list(getattr(self.learn.opt, 'opts', ()))
+        names = opt_names(self.learn.opt)
         if names and self.opt_name is None: raise ValueError(
             f"LRSchedulerCallback: learn.opt holds several optimizers, {names}: say which one the scheduler "
             f"steps, LRSchedulerCallback(..., opt_name={names[-1]!r})")

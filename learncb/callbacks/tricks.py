@@ -20,6 +20,7 @@ from ..ranks import *
 from ..learner import *
 from ..diagnose import describe_value
 from ..internals import batchnorm_types
+from ..optim import opt_names
 from ..preds import *
 
 # %% ../../nbs/29_tricks.ipynb #934551d5
@@ -235,7 +236,7 @@ class SWACallback(WeightAveraging):
 
     def before_fit(self):
         learn,start = self.learn,self.start_epoch
-        if names := list(getattr(learn.opt, 'opts', ())): raise ValueError(
+        if names := opt_names(learn.opt): raise ValueError(
             f"SWACallback: learn.opt holds several optimizers, {names}, and torch's SWALR anneals the lr of "
             f"one: not supported yet; fit with one optimizer, or average with EMACallback")
         self._first = int(start * learn.n_epoch) if isinstance(start, float) else start     # the first epoch averaged

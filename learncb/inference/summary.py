@@ -20,6 +20,7 @@ from fastcore.basics import patch
 from ..core import *
 from ..utils import *
 from ..learner import *
+from ..optim import opt_names
 
 # %% ../../nbs/21_summary.ipynb #de12a6e8
 def shape_str(o):
@@ -132,10 +133,10 @@ def _opt_lines(learn):
         made = ', '.join(f"{'' if n is None else f'{n}: '}{name_of(f, detail=True)}" for n,f in funcs)
         return [f"Optimizer: none yet: made at the first fit by {made} ({_hyper('lr', learn.lr)}, "
                 f"{_hyper('wd', learn.wd)})"]
-    named = getattr(learn.opt, 'opts', None)
-    if named is None: return _one_opt_lines('Optimizer', learn.opt, '  ')
-    return [f"Optimizers: {len(named)} ({', '.join(named)})"] + [
-        line for n,o in named.items() for line in _one_opt_lines(f'  {n!r}', o, '    ')]
+    names = opt_names(learn.opt)
+    if not names: return _one_opt_lines('Optimizer', learn.opt, '  ')
+    return [f"Optimizers: {len(names)} ({', '.join(names)})"] + [
+        line for n in names for line in _one_opt_lines(f'  {n!r}', learn.opt[n], '    ')]
 
 def _one_opt_lines(title, opt, indent):
     "The lines of one optimizer: its class, and each param group's lr, wd and parameters"
@@ -192,11 +193,14 @@ def _xb_of(b, n_inp, label_key='labels'):
 _forward_note = ("learncb: learn.summary() ran the model once, in eval mode, on the first batch of the training "
                  "dataloader (its first n_inp items, moved to the model's device), without callbacks")
 
+def _has_forward(model):
+    "Whether `model` has a forward of its own (a GAN's module holding two nets may not: its step calls them)"
+    return type(model).forward is not nn.Module.forward
+
 def _summary_text(learn, xb, rows, total, trainable):
     "The text of `learn.summary()`"
     inp = shape_str(xb[0]) if len(xb) == 1 else shape_str(xb)
-    called = type(learn.model).forward is not nn.Module.forward      # a GAN's: the step calls its parts
-    shapes = '' if called else '; no forward of its own, so no output shapes'
+    shapes = '' if _has_forward(learn.model) else '; no forward of its own, so no output shapes'
     lines = [f"{type(learn.model).__name__} (input shape: {inp}{shapes})"]
     lines += layer_table(rows)
     if any(r.shared for r in rows): lines.append('* holds parameters of an earlier layer (tied): counted once below')
@@ -212,8 +216,7 @@ def summary(self:Learner):
         with rng_kept():
             xb = to_device(xb, model_device(self.model, self.device))
             try:
-                no_forward = type(self.model).forward is nn.Module.forward     # a GAN's
-                if no_forward: rows = _rows(summary_modules(self.model), {})
+                if not _has_forward(self.model): rows = _rows(summary_modules(self.model), {})
                 elif isinstance(xb[0], Mapping): rows = layer_info(self.model, **xb[0])
                 else: rows = layer_info(self.model, *xb)
             except Exception as e:
