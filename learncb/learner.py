@@ -28,6 +28,7 @@ from .progress import *
 from .preds import *
 from .state import *
 from .resume import resume_cbs, resumed_from
+from .sampler import rows_left, take_order, give_order_back
 from .step import *
 from .ranks import refuse
 from .strategy import SingleProcess
@@ -135,7 +136,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         self.fitting,self.validating_aside,self.stop_reason,self.resume_from = False,0,None,None
         self.strategy = SingleProcess()               # how fits run: `distrib_ctx` sets another
         self._running,self._opts_made = None,weakref.WeakKeyDictionary()  # who runs a fit now; the optimizers create_opt made
-        self._removed_in_fit = []                     # callbacks removed during this fit: `learn` is cleared at its end
+        self._removed_in_fit,self._rows_of,self._taken = [],None,None      # see _fit_session and _end_fit
         for k,v in {**fit_attrs, **phase_attrs}.items(): setattr(self, k, v)
         self.training,self.start_epoch,self.start_iter,self._out_loss,self.turn = False,0,0,None,None
         self.stepper = self._resting_step = self.step_class(self, hooks=False)      # the step outside a fit
@@ -179,25 +180,34 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             except RollbackException as e: start = e.start
 
     def _run_batches(self, start):
-        "Run `one_batch` on each batch of `self.dl` numbered from `start`, but those `skipped_batches` names"
-        skip = {i for e,i in self.skipped_batches if e == self.epoch} if self.training and self.skipped_batches else ()
+        "`one_batch` on the batches of `self.dl` from `start` but `skipped_batches`, without `skipped_items`"
+        training = self.training
+        skip = {i for e,i in self.skipped_batches if e == self.epoch} if training else ()
         i = start - 1
         for i,b in enumerate(self._batches(start), start):
-            if i not in skip: self.one_batch(i, b)
+            if i in skip: continue
+            if training and self.skipped_items: b = rows_left(self.dls.train, i, b, self.skipped_items)
+            if b is None: self.skipped_batches = (*self.skipped_batches, (self.epoch, i))    # no row left
+            else: self.one_batch(i, b)
         if i < 0: raise ValueError(f"the dataloader {self.dl!r} yielded no batches: check its dataset and sampler")
 
     def one_batch(self, i, b):
         "Move batch `b` to the model's device, split it into `xb`/`yb` and run it with its events"
         self.iter,self.step_taken = i,None          # `None` until this batch's step stage is over
         try:
-            dev = self._batch_device                   # `None`: batches are where the model is
-            if dev is not None: b = to_device(b, dev) if isinstance(dev, torch.device) else self._first_move(b)
-            self.batch = b
-            if isinstance(b, (tuple, list)): self.xb,self.yb,self._kw = tuple(b[:self.n_inp]),tuple(b[self.n_inp:]),False
-            elif isinstance(b, Mapping): self.xb,self.yb,self._kw = (b,),self._labels(b),True    # model(**b), as in HF
-            else: self.xb,self.yb,self._kw = (b,),(),False
+            self.take_batch(b)
             self._with_events(self.stepper.run, 'batch', CancelBatchException)
         except Exception as e: note_batch(e, b, i, 'train' if self.training else 'validate', self.dl); raise
+
+    def take_batch(self, b):
+        "Make `b` the current batch: `batch` on the model's device, split into `xb` and `yb`"
+        dev = self._batch_device                   # `None`: batches are where the model is
+        if dev is not None: b = to_device(b, dev) if isinstance(dev, torch.device) else self._first_move(b)
+        self.batch = b
+        n = self.n_inp
+        if isinstance(b, (tuple, list)): self.xb,self.yb,self._kw = tuple(b[:n]),tuple(b[n:]),False
+        elif isinstance(b, Mapping): self.xb,self.yb,self._kw = (b,),self._labels(b),True
+        else: self.xb,self.yb,self._kw = (b,),(),False
 
     def _with_events(self, body, stage, cancel_exc):
         "Fire `before_<stage>`, run `body`, fire `after_<stage>`; `cancel_exc` ends the stage (then `False`)"
@@ -222,7 +232,10 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
                 self._opt_for_fit(reset_opt)
                 self._set_hypers(lr=self.lr if lr is None else lr, wd=self.wd if wd is None else wd)
                 self.n_epoch,self.exception,self.stop_reason,self._raised_in = n_epoch,None,None,None
-                self.start_epoch,self.start_iter,self.skipped_batches,self.skipped_items = 0,0,(),[]
+                self.start_epoch,self.start_iter,self.skipped_batches = 0,0,()
+                data = getattr(self.dls.train, 'dataset', None)      # the rows found bad in it stay out
+                if data is not self._rows_of: self.skipped_items,self._rows_of = [],data
+                self._taken = take_order(self) if self.skipped_items else None     # an order that places them
                 with self.added_cbs(resuming := resume_cbs(self, resume)):
                     try:
                         self.fitting,self.resume_from = True,resumed_from(resuming)
@@ -247,6 +260,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
     def _end_fit(self):
         "Put the learner back in its resting state: not fitting, not resuming, every callback running, not training"
         self.fitting,self.resume_from,self.stepper = False,None,self._resting_step
+        give_order_back(self, self._taken)
         for cb in self._removed_in_fit:
             if cb not in self.cbs: cb.learn = None
         self._removed_in_fit = []
@@ -376,8 +390,9 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             except StopIteration:
                 self.iter = i - 1           # the last batch's, as when no callback handles the fetch events
                 return
+            self.batch = b           # `after_fetch` sees the batch fetched: may replace it (`None`: skip it)
             self._fire('after_fetch')
-            yield b
+            yield self.batch
 
     @property
     def x(self):

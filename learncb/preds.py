@@ -262,6 +262,28 @@ class PredsHost:
             try: yield self
             finally: self.loss_func = lf
 
+    def row_losses(self, b):
+        """`(losses, why)`: the loss of each row of batch `b`, a list, without gradients, the model drawing
+        what its step would draw (its dropout: the random state is put back after) but its normalization
+        layers reading their running statistics (so that no row changes another's loss, and no statistic
+        changes); `(None, why)` if `loss_func` gives no loss per row"""
+        if self.loss_func is None: return None,"the model computes its own loss, one for the batch"
+        self.take_batch(b)
+        n = len(self.yb[0]) if self.yb else 0
+        norms = [m for m in self.model.modules() if m.training and getattr(m, 'track_running_stats', False)]
+        try:
+            with torch.no_grad(), rng_kept():
+                for m in norms: m.eval()
+                pred = self.forward_batch()
+                try:
+                    with self.loss_not_reduced(): losses = self.loss_func(pred, *self.yb)
+                except TypeError as e: return None,f"loss_func takes no reduction argument ({e})"
+        finally:
+            for m in norms: m.train()
+        if not isinstance(losses, torch.Tensor) or losses.ndim == 0 or len(losses) != n:
+            return None,f"loss_func gave {describe_value(losses)} for {n} rows with reduction='none'"
+        return losses.detach().double().reshape(n, -1).mean(1).tolist(),None
+
 # %% ../nbs/05_preds.ipynb #10969ed5
 @contextmanager
 def _recorders_off(learn):

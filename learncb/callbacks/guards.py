@@ -8,8 +8,7 @@ Docs: https://learncb.github.io/learncb/guards.html.md"""
 __all__ = ['SpikeGuard', 'TerminateOnNaNCallback']
 
 # %% ../../nbs/34_guards.ipynb #735fcf62
-import bisect, math
-from collections import deque
+import math
 import torch
 from ..core import *
 from ..utils import *
@@ -17,6 +16,7 @@ from ..ranks import *
 from ..sampler import *
 from ..state import *
 from ..resume import replay_pass
+from .spikes import *
 from ..recorder import tell, has_output
 from ..internals import foreach_norm, flag_non_finite, skips_on_device, set_found_inf, take_found_inf
 
@@ -31,45 +31,19 @@ def _values(losses):
     if all(l.ndim == 0 for l in losses): return torch.stack(losses).float().tolist()
     return torch.stack([l.float().mean() for l in losses]).tolist()
 
-def _quantile(xs, q):
-    "The `q` quantile of `xs`, a sorted list"
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-def _judged(values, history, factor, n_history):
-    """`(spiked, medians)`: whether each of `values` spikes, and the median it was judged against (`None`: not judged).
-    A value spikes when it is not finite, or more than `factor` times the median of the (up to `n_history`) finite values
-    before it (those of `history` first) and more than `factor / 2` times their 90th percentile: losses that vary much
-    from batch to batch (a small-batch regression near its noise floor) raise no alarm. A first value is not judged"""
-    if _all_low(values, history, factor, n_history): return [False] * len(values),[None] * len(values)
-    recent = deque(v for v in history[-n_history:] if math.isfinite(v))
-    known,spiked,levels = sorted(recent),[],[]
-    for v in values:
-        level = _quantile(known, 0.5) if known else None
-        high = level is not None and v > factor * level and v > factor / 2 * _quantile(known, 0.9)
-        spiked.append(not math.isfinite(v) or high); levels.append(level)
-        if not math.isfinite(v): continue
-        bisect.insort(known, v); recent.append(v)
-        if len(recent) > n_history: del known[bisect.bisect_left(known, recent.popleft())]
-    return spiked,levels
-
-def _all_low(values, history, factor, n_history):
-    """Whether none of `values` can spike, found at the cost of one sort: each is finite and at most `factor / 2` times a
-    lower bound of the 90th percentile of its predecessors (the `k`-th largest of the `history` every one of them has)"""
-    k,m = n_history - int(0.9 * n_history),n_history - len(values)
-    common = history[-m:] if m > 0 else []
-    return (len(common) >= k and all(map(math.isfinite, values))
-            and max(values) <= factor / 2 * sorted(common)[-k])
-
 def _order_repeats(dl):
     "Whether each epoch of `dl` gives the same batches: a `ResumableSampler` that does not shuffle orders it"
     sampler = sampler_of(dl)
     return sampler is not None and not sampler.shuffle
 
 def _last_batch(learn):
-    "The number of the last batch of this epoch that is not skipped (`None` for a dataloader without a length)"
+    "The last batch of this pass that runs, not skipped or emptied (`None`: a dataloader without a length)"
     if learn.n_iter is None: return None
-    skipped = {i for e,i in learn.skipped_batches if e == learn.epoch}
+    emptied = rows_out(learn.dls.train, learn.skipped_items)[1]
+    skipped = {i for e,i in learn.skipped_batches if e == learn.epoch} | emptied
     return next((i for i in range(learn.n_iter - 1, -1, -1) if i not in skipped), -1)
+
+_unknown = 'unknown'     # the last batch of a pass, until its order is drawn
 
 class SpikeGuard(Callback):
     "Rolls the run back to a snapshot kept in memory when the training loss (or gradient norm) spikes, skips that batch and replays the others"
@@ -93,19 +67,23 @@ class SpikeGuard(Callback):
         self.skip_on_device = bool(skip_on_device)     # a fused optimizer's flag: no step on a non-finite loss, at a cost
         self._snap,self._start,self._snap_at,self._taken,self._found_inf,self._last = None,0,0,None,None,-1
         self._joined = None       # a live peer's snapshot and unchecked losses, for a replica that joins
+        self._pending = {}        # `{batch: (bound, why, first)}`: spiked, looked at when fetched again
         self._clear()
 
     def _clear(self): self._losses,self._iters,self._norms,self._norm_iters = [],[],[],[]
 
     def takes_part(self, event_name, training):
-        "`after_step` only to note gradient norms, `before_step` only to flag them on the device"
+        """`after_step` only to note gradient norms, `before_step` only to flag them on the device,
+        `after_fetch` only to find rows"""
         if event_name == 'after_step' and not self.grad_norm: return False
+        if event_name == 'after_fetch' and not self._pending: return False
         if event_name == 'before_step' and not (self.grad_norm and self.skip_on_device): return False
         return super().takes_part(event_name, training)
 
     def before_fit(self):
         learn = self.learn
-        self.rollbacks,self._snap = 0,None        # `history` starts empty (a resumed fit has it back from its checkpoint)
+        self.rollbacks,self._snap,self._first = 0,None,True   # `history` starts empty (or is a resumed fit's)
+        self._end_pending()
         self._take_order()
         self._params = [p for g in learn.opt.param_groups for p in g['params']]
         device = model_device(learn.model, learn.device)
@@ -128,10 +106,12 @@ class SpikeGuard(Callback):
                          f"map-style dataset")
 
     def before_train(self):
-        "A snapshot where the epoch starts (or where a resumed fit goes on); the batches skipped before, again if the order repeats"
+        """A snapshot where the epoch starts (or where a resumed fit goes on); the batches skipped before,
+        again if the order repeats"""
         self._clear()
+        self._end_pending()
         self._skip_again()
-        self._last = _last_batch(self.learn)
+        self._last = _unknown
         if self._joined is not None: self._join()
         else: self._snapshot(self.learn.start_iter)
 
@@ -161,7 +141,8 @@ class SpikeGuard(Callback):
             for v in self._losses: self._flag(v)
 
     def _skip_again(self):
-        "When each epoch gives the same batches, skip those skipped in earlier epochs at the same place, with no rollback"
+        """When each epoch gives the same batches, skip those skipped in earlier epochs at the same place,
+        with no rollback"""
         learn = self.learn
         if not learn.skipped_batches or not _order_repeats(learn.dls.train): return
         skipped = set(learn.skipped_batches)
@@ -197,6 +178,8 @@ class SpikeGuard(Callback):
 
     def after_batch(self):
         learn = self.learn
+        if self._first: self._judge_first()
+        if self._last is _unknown: self._last = _last_batch(learn)     # the pass's order is drawn now
         n = len(self._losses)
         last = self._last is not None and learn.iter >= self._last
         if last or (n >= self.check_every and n + len(self.history['loss']) >= self.warmup):
@@ -216,61 +199,138 @@ class SpikeGuard(Callback):
         if not self._losses: return
         if self._found_inf is not None: self._found_inf.zero_()     # a step skipped since had a loss that is a spike
         iters,values = self._iters,_values(self._losses)
-        spiked,levels = self._spikes(values, self.history['loss'])
+        spiked,levels,bounds = self._spikes(values, self.history['loss'])
         norms = torch.stack(self._norms).tolist() if self._norms else []
         for i,s in zip(self._norm_iters, self._spikes(norms, self.history['grad_norm'])[0]):
             if s: spiked[iters.index(i)] = True
         if num_distrib() > 1: spiked = (sum_across_ranks(torch.tensor(spiked, dtype=torch.float32)) > 0).tolist()
         if any(spiked):
-            k = spiked.index(True)
-            self.on_spike(iters[k], _why(values[k], levels[k]))
+            spikes = [(i, b, _why(v, l)) for i,s,v,l,b in zip(iters, spiked, values, levels, bounds) if s]
+            self.on_spike(spikes[0][0], spikes[0][2], spikes)
         self._keep(self.history['loss'], values)
         self._keep(self.history['grad_norm'], norms)
         self._clear()
 
     def _spikes(self, values, history):
-        "`(spiked, levels)` of `values`: judged against the values before each (not before `warmup` batches of the fit)"
-        if math.isinf(self.factor) or len(history) + len(values) < self.warmup:     # no level to judge by, yet
-            return [not math.isfinite(v) for v in values],[None] * len(values)
-        return _judged(values, history, self.factor, self.n_history)
+        """`(spiked, levels, bounds)` of `values`: judged against the values before each (not before `warmup`
+        batches of the fit)"""
+        n = len(values)
+        if math.isinf(self.factor) or len(history) + n < self.warmup:     # no level to judge by, yet
+            return [not math.isfinite(v) for v in values],[None] * n,[math.inf] * n
+        return judge_losses(values, history, self.factor, self.n_history)
 
     def _keep(self, history, values):
         history.extend(values)
         del history[:-self.n_history]
 
-    def on_spike(self, spiked, why=''):
-        "Roll the run back to the snapshot, skip batch `spiked` from now on, and go on from the snapshot (`why`: its loss)"
+    def on_spike(self, spiked, why='', spikes=()):
+        """Roll the run back to the snapshot and go on from there without the rows of batch `spiked` that made
+        it spike (`why`: its loss), found when the replay fetches it; without the batch if no sampler places
+        its rows. `spikes`: `(batch, bound, why)` of each batch that spiked since the last check, all looked
+        at"""
         learn,start = self.learn,self._start
-        rows = batch_items(learn.dls.train, spiked) or []         # before the rollback: the order of this pass
-        before,rollbacks,items = learn.skipped_batches,self.rollbacks + 1,learn.skipped_items
-        skipped = (*before, (learn.epoch, spiked))
+        rows = batch_items(learn.dls.train, spiked)         # before the rollback: the order of this pass
+        before,skipped = learn.skipped_batches,(*learn.skipped_batches, (learn.epoch, spiked))
         self._restore_snapshot()
-        learn.skipped_items = sorted(set(items) | set(rows))
         where = f"epoch {learn.epoch} batch {spiked}" + (f", rows {rows_text(rows)}" if rows else '') + why
-        if rollbacks > self.max_rollbacks:
+        if self.rollbacks >= self.max_rollbacks:
             learn.skipped_batches = before            # those skipped so far (the snapshot may be older than some)
             learn('after_rollback')                   # a checkpoint written on this error is of the snapshot
             raise RuntimeError(
                 f"SpikeGuard: the training loss spiked at {where}, after {self.rollbacks} rollbacks in this fit "
                 f"(max_rollbacks={self.max_rollbacks}); the batches (epoch, batch) that spiked: {list(skipped)}; their "
-                f"rows in the dataset: {rows_text(learn.skipped_items) or 'unknown (no sampler learncb orders)'} "
-                f"(learn.skipped_items). The learner holds the run as it was before batch {start} of epoch "
-                f"{learn.epoch}, before the spike. Drop those rows from the data, lower the lr, or raise max_rollbacks")
-        self.rollbacks,learn.skipped_batches = rollbacks,skipped
-        tell(learn, f"SpikeGuard: rolled back over {where}: the run went back to batch {start} and goes on without "
-                    f"that batch (rollback {rollbacks} of at most {self.max_rollbacks})")
+                f"rows in the dataset: {rows_text(sorted({*learn.skipped_items, *(rows or ())})) or '?'} "
+                f"(learn.skipped_items holds those found). The learner holds the run as it was before batch "
+                f"{start} of epoch {learn.epoch}, before the spike. Drop those rows from the data, lower the "
+                f"lr, or raise max_rollbacks")
+        self.rollbacks += 1
+        if rows: self._look_again(spikes or [(spiked, math.inf, why)])
+        else:
+            learn.skipped_batches = skipped
+            tell(learn, f"SpikeGuard: rolled back over {where}: the run went back to batch {start} and goes "
+                        f"on without that batch (rollback {self.rollbacks} of at most {self.max_rollbacks})")
         self._replay()
 
+    def _judge_first(self):
+        """The fit's first batch, with no batch before it to judge it by: its rows are judged against each
+        other, and those that make it spike leave the data (a rollback)"""
+        learn,dl,self._first = self.learn,self.learn.dls.train,False
+        sampler = sampler_of(dl)
+        if self.history['loss'] or math.isinf(self.factor) or sampler is None: return
+        if self.rollbacks >= self.max_rollbacks: return
+        losses,_ = learn.row_losses(learn.batch)
+        finite = [l for l in losses or () if math.isfinite(l)]
+        level = sorted(finite)[len(finite) // 2] if finite else math.inf
+        bad = [] if losses is None else spiking_rows(losses, self.factor * level, self.factor)
+        out = rows_out(dl, learn.skipped_items)[0].get(learn.iter, ())
+        mine = [k for j,k in enumerate(sampler.batch_rows(learn.iter, dl.batch_size)) if j not in out]
+        rows = sorted({k for found in gather_objects([mine[j] for j in bad]) for k in found})
+        if not rows: return
+        self._restore_snapshot()
+        learn.skipped_items,self.rollbacks = sorted({*learn.skipped_items, *rows}),self.rollbacks + 1
+        why = f" (the fit's first: its rows judged against its median row, {level:.4g})"
+        self._tell_left_out(rows, why, True, False)
+        self._replay()
+
+    def _look_again(self, spikes):
+        """Look at the rows of each batch of `spikes` (`(batch, bound, why)`, the one rolled back over first)
+        when the replay fetches it"""
+        self._pending = {i: (bound, why, n == 0) for n,(i,bound,why) in enumerate(spikes)}
+        self.learn.cbs_changed()                       # `after_fetch` now takes part
+
+    def _end_pending(self):
+        if self._pending: self._pending = {}; self.learn.cbs_changed()
+
+    def after_fetch(self):
+        """A batch that spiked, fetched again by the replay with the weights it had: the rows that made it
+        spike leave the data"""
+        learn = self.learn
+        if not learn.training or (spike := self._pending.pop(learn.iter, None)) is None: return
+        if not self._pending: learn.cbs_changed()
+        self._leave_out(*spike)
+
+    def _leave_out(self, bound, why, first):
+        """The rows of the batch just fetched (`learn.batch`) whose losses make it spike above `bound` leave
+        the data on every rank (`learn.skipped_items`). If none does and the batch is `first` (the one rolled
+        back over): the batch is skipped if its rows were looked at, all its rows leave the data if they
+        cannot be (a loss without a loss per row)"""
+        learn,dl = self.learn,self.learn.dls.train
+        mine,out = sampler_of(dl).batch_rows(learn.iter, dl.batch_size),rows_out(dl, learn.skipped_items)[0]
+        losses,reason = learn.row_losses(learn.batch)
+        bad = [] if losses is None else spiking_rows(losses, bound, self.factor, out.get(learn.iter, ()))
+        rows = sorted({k for found in gather_objects([mine[j] for j in bad]) for k in found})
+        if not rows and not first: return
+        if not rows and losses is not None: learn.batch = None    # the step spiked, not its rows: skip it
+        else:
+            if not rows: rows = batch_items(dl, learn.iter)
+            learn.skipped_items,self._last = sorted({*learn.skipped_items, *rows}),_unknown
+        self._tell_left_out(rows, why, first, reason)
+
+    def _tell_left_out(self, rows, why, first, reason):
+        "Say which `rows` of the batch that spiked (`why`) left the data (none: it is skipped), or why all"
+        learn,r,every = self.learn,rows_text(rows),batch_items(self.learn.dls.train, self.learn.iter)
+        where,n = f"epoch {learn.epoch} batch {learn.iter}{why}",len(every)
+        found = (f"no row of it ({rows_text(every)}) stands out, so the batch is skipped" if not rows else
+                 f"its rows cannot be told apart ({reason}), so all ({r}) left the data" if reason else
+                 f"all its rows ({r}) made it spike and left the data" if len(rows) >= n else
+                 f"row{'s' if len(rows) > 1 else ''} {r} of it made it spike and left the data, its other "
+                 f"{n - len(rows)} trained on")
+        if not first: return tell(learn, f"SpikeGuard: {where} spiked too: {found} (learn.skipped_items)")
+        tell(learn, f"SpikeGuard: rolled back over {where}: {found} (learn.skipped_items); the run went back "
+                    f"to batch {self._start} (rollback {self.rollbacks} of at most {self.max_rollbacks})")
+
     def _restore_snapshot(self):
-        "Put the run back as it was at the snapshot, before batch `_start` of this epoch"
+        "Put the run back as at the snapshot, before batch `_start` of this epoch (rows found bad stay out)"
+        items = self.learn.skipped_items
         self._snap.restore()
+        self.learn.skipped_items = items
         self.learn.iter,self.learn.step_taken = self._start - 1,None      # no batch begun since
         self._clear()
 
     def _replay(self):
         "Go on from the snapshot's batch: the epoch's data order from there, and the loop told to start there"
         learn,start = self.learn,self._start
-        self._last = _last_batch(learn)
+        self._last = _unknown
         dl = learn.dls.train
         if start == 0: learn.dl = dl                        # a new pass, drawn as the first was: the random state is back
         else: replay_pass(learn, dl, start, rank_rng(self._snap.state))
@@ -284,6 +344,7 @@ class SpikeGuard(Callback):
         if self._found_inf is not None: take_found_inf(opt, self._found_inf)
         self._snap,self._taken,self._found_inf,self._joined = None,None,None,None
         self._clear()
+        self._end_pending()
 
 def _why(value, level):
     "What made `value` a spike, for a message: not finite, or how many times its level it is"
@@ -326,7 +387,7 @@ class TerminateOnNaNCallback(SpikeGuard):
     def after_batch(self):
         if self.learn.training: super().after_batch()
 
-    def on_spike(self, bad, why=''):
+    def on_spike(self, bad, why='', spikes=()):
         "Put the run back to the last check and replay the batches before `bad`; the fit stops when `bad` comes"
         learn = self.learn
         where = f"training loss is NaN or infinite at epoch {learn.epoch}, batch {bad}"

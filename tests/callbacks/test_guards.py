@@ -34,11 +34,17 @@ def test_a_poisoned_batch_is_skipped_and_the_run_equals_the_one_without_it(clean
     assert [tuple(b) for b in guarded.skipped_batches] == [(0, BAD), (1, BAD), (2, BAD)]
     assert guarded.train_iter == clean.train_iter == 3 * (N // BS - 1)
     rows = list(range(BAD * BS, (BAD + 1) * BS))                          # the poisoned items, by dataset index
-    assert guarded.skipped_items == rows
     rollbacks = [l for l in guarded.said if 'rolled back' in l]
-    assert len(rollbacks) == 1 and f'epoch 0 batch {BAD}, rows {rows[0]}-{rows[-1]}' in rollbacks[0], guarded.said
-    assert guarded.said[-1] == (f'the fit skipped 3 batches: epoch 0 batch {BAD}, epoch 1 batch {BAD}, epoch 2 batch '
-                                f'{BAD}; their rows: {rows[0]}-{rows[-1]} (learn.skipped_items: drop them from the data)')
+    assert len(rollbacks) == 1 and f'epoch 0 batch {BAD} (loss ' in rollbacks[0], guarded.said
+    if poison == 'inf':                           # losses that are not finite name their rows: they leave
+        assert guarded.skipped_items == rows
+        assert f'all its rows ({rows[0]}-{rows[-1]}) made it spike and left the data' in rollbacks[0]
+    else:                                         # every row high, none far from the others: skip the batch
+        assert guarded.skipped_items == []
+        assert f'no row of it ({rows[0]}-{rows[-1]}) stands out, so the batch is skipped' in rollbacks[0]
+    summary = f'the fit skipped 3 batches: epoch 0 batch {BAD}, epoch 1 batch {BAD}, epoch 2 batch {BAD}'
+    told = f'; their rows: {rows[0]}-{rows[-1]} (learn.skipped_items: drop them from the data)'
+    assert guarded.said[-1] == summary + (told if poison == 'inf' else '')
 
 def test_a_batch_that_comes_back_each_epoch_is_skipped_there_with_one_rollback(clean):
     "Without shuffling the epochs repeat their batches: the batch found in epoch 0 is skipped in the others, no rollback"
@@ -47,24 +53,32 @@ def test_a_batch_that_comes_back_each_epoch_is_skipped_there_with_one_rollback(c
     assert guard.rollbacks == 1 and [tuple(b) for b in guarded.skipped_batches] == [(e, BAD) for e in range(4)]
     assert weights_equal(guarded.model.state_dict(), clean4.model.state_dict())
 
-def test_shuffled_poisoned_rows_are_named_by_their_dataset_indices():
-    "Shuffled, the bad rows land in other batches each epoch: each skipped batch's rows are named, the bad ones among them"
+def test_shuffled_poisoned_rows_are_found_named_and_kept_out_of_later_fits():
+    "Shuffled, the bad rows land in other batches each epoch: each is found once, named, and stays out of later fits"
     dl = torch.utils.data.DataLoader(regression().train.dataset, batch_size=BS, shuffle=True,
                                      generator=torch.Generator().manual_seed(1))
-    guarded = fit(DataLoaders(dl), [SpikeGuard(max_rollbacks=50)])
-    bad = set(range(BAD * BS, (BAD + 1) * BS))
-    assert bad <= set(guarded.skipped_items) and guarded.skipped_items == sorted(guarded.skipped_items)
-    assert BS < len(guarded.skipped_items) <= BS * len(guarded.skipped_batches)  # the items of the batches skipped
-    printed = '\n'.join(guarded.said)
-    assert printed.count('rolled back') == len(guarded.skipped_batches) > 1
-    assert f'their rows: {rows_text(guarded.skipped_items)}' in guarded.said[-1]
-    told = set()                                                                   # the rows each rollback line names
+    guard = SpikeGuard(max_rollbacks=50)
+    guarded = fit(DataLoaders(dl), [guard])
+    bad = list(range(BAD * BS, (BAD + 1) * BS))
+    assert guarded.skipped_items == bad and guarded.skipped_batches == () and 0 < guard.rollbacks <= len(bad)
+    told = set()                                                                   # the rows each line names
     for line in guarded.said:
-        if 'rolled back' in line:
-            for a, b in re.findall(r'(\d+)(?:-(\d+))?', re.search(r'rows ([\d, -]+)', line).group(1)):
+        if 'made it spike' in line:
+            for a, b in re.findall(r'(\d+)(?:-(\d+))?', re.search(r'rows? ([\d, -]+) of it', line).group(1)):
                 told |= set(range(int(a), int(b or a) + 1))
-    assert bad <= told
-    assert guarded.fit(1) is None and guarded.skipped_items == []                  # a new fit starts with none
+    assert told == set(bad), guarded.said
+    assert sum('rolled back' in l for l in guarded.said) == guard.rollbacks
+    guarded.said = []
+    with contextlib.redirect_stdout(io.StringIO()) as out: guarded.fit(1, cbs=[guard])
+    assert guarded.skipped_items == bad and guard.rollbacks == 0 and 'rolled back' not in out.getvalue()
+    seen = []                                                                      # and without a guard
+    def note(cb):
+        if cb.training: seen.extend(cb.y.flatten().tolist())
+    guarded.fit(1, cbs=Callback(before_batch=note))
+    assert len(seen) == N - len(bad) and max(map(abs, seen)) < 100                # no poisoned target
+    guarded.dls = regression(drop=True)                                            # other data: none kept
+    guarded.fit(1)
+    assert guarded.skipped_items == []
 
 def test_after_max_rollbacks_the_fit_stops_naming_the_batches_with_the_weights_before_the_spike(clean, tmp_path):
     "Batch 5 spikes in epoch 0 (and is skipped again in epoch 1, with no rollback); batch 10 of epoch 1 is one too many"
@@ -75,7 +89,7 @@ def test_after_max_rollbacks_the_fit_stops_naming_the_batches_with_the_weights_b
             if self.training and (self.epoch, self.iter) == (1, 10): self.learn.loss = self.learn.loss_grad = self.loss_grad * 1e4
     learn = regression_learner(regression(), path=tmp_path)
     with pytest.raises(RuntimeError, match=r'epoch 1 batch 10, rows 80-87 .*max_rollbacks=1.*\(0, 5\), \(1, 5\), \(1, 10\)\]; '
-                                           r'their rows in the dataset: 40-47, 80-87') as e:
+                                           r'their rows in the dataset: 80-87') as e:
         with contextlib.redirect_stdout(io.StringIO()):
             learn.fit(3, cbs=[SpikeGuard(max_rollbacks=1), CheckpointCallback(every_epoch=False), SpikeAt()])
     one_epoch = fit(regression(drop=True), epochs=1)      # the clean run's first epoch: where the second spike was
@@ -205,7 +219,7 @@ def test_a_shuffled_run_with_many_rollbacks_ended_by_an_exit_resumes_to_the_unin
     class ExitAfterRollback(Callback):
         order = Order.LAST + 100
         def after_batch(self):
-            if self.learn.skipped_batches and self.train_iter == 30: raise SystemExit(1)
+            if self.learn.skipped_items and self.train_iter == 30: raise SystemExit(1)
     def run(path, *extra, resume=None):
         learn = regression_learner(shuffled(), path=path)
         guard = SpikeGuard(check_every=4, snapshot_every=4, warmup=4, max_rollbacks=50)
@@ -216,7 +230,9 @@ def test_a_shuffled_run_with_many_rollbacks_ended_by_an_exit_resumes_to_the_unin
     whole = run(tmp_path/'whole')
     with pytest.raises(SystemExit): run(tmp_path/'run', ExitAfterRollback())
     resumed = run(tmp_path/'run', resume='auto')
-    assert len(whole.skipped_batches) > 10 and resumed.skipped_batches == whole.skipped_batches
+    bad = list(range(BAD * BS, (BAD + 1) * BS))              # the poisoned rows, found one by one
+    assert whole.skipped_items == resumed.skipped_items == bad
+    assert whole.skipped_batches == resumed.skipped_batches
     assert weights_equal(resumed.model.state_dict(), whole.model.state_dict()) and resumed.train_iter == whole.train_iter
 
 def test_a_run_resumed_at_an_epoch_end_keeps_the_guards_history(tmp_path):
@@ -238,7 +254,7 @@ def test_a_run_resumed_at_an_epoch_end_keeps_the_guards_history(tmp_path):
 def test_the_quick_verdict_agrees_with_the_judgement_of_each_batch():
     "A check whose values are all low (one sort) must be one in which judging each against its predecessors finds no spike"
     import random
-    from learncb.callbacks import guards
+    from learncb.callbacks import spikes as guards
     rng, quick = random.Random(0), 0
     for _ in range(3000):
         history = [rng.lognormvariate(0, rng.choice([0.1, 0.5, 1.5])) for _ in range(rng.randrange(0, 60))][-50:]
@@ -246,6 +262,6 @@ def test_the_quick_verdict_agrees_with_the_judgement_of_each_batch():
         if guards._all_low(values, history, 5., 50):
             quick += 1
             guards._all_low, saved = (lambda *a: False), guards._all_low
-            try: assert not any(guards._judged(values, history, 5., 50)[0]), (values, history)
+            try: assert not any(guards.judge_losses(values, history, 5., 50)[0]), (values, history)
             finally: guards._all_low = saved
     assert quick > 300                                     # the quick verdict is the common case
