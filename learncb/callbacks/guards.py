@@ -266,10 +266,11 @@ class SpikeGuard(Callback):
         mine = [k for j,k in enumerate(sampler.batch_rows(learn.iter, dl.batch_size)) if j not in out]
         rows = sorted({k for found in gather_objects([mine[j] for j in bad]) for k in found})
         if not rows: return
-        self._restore_snapshot()
-        learn.skipped_items,self.rollbacks = sorted({*learn.skipped_items, *rows}),self.rollbacks + 1
+        self.rollbacks += 1
         why = f" (the fit's first: its rows judged against its median row, {level:.4g})"
-        self._tell_left_out(rows, why, True, False)
+        self._tell_left_out(rows, why, True, None)
+        self._restore_snapshot()
+        learn.skipped_items = sorted({*learn.skipped_items, *rows})
         self._replay()
 
     def _look_again(self, spikes):

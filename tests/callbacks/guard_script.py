@@ -3,8 +3,9 @@ process or several (torchrun: DDP, gloo), with `SpikeGuard` or without, on the p
 that batch; checkpointed, killed after a rollback and resumed.
 
 python tests/callbacks/guard_script.py OUT [--poison scale|inf|none] [--poison-rank R] [--drop] [--guard]
-                                       [--ckpt] [--kill-at K] [--epochs E] [--strategy ddp|fsdp]
-Rank 0 saves OUT/result.pt: the weights, learn.skipped_batches, train_iter."""
+                                       [--ckpt] [--kill-at K] [--epochs E] [--strategy ddp|fsdp] [--rows R,..]
+`--rows`: those rows' targets 1e4 times too large instead, the data shuffled.
+Rank 0 saves OUT/result.pt: the weights, learn.skipped_batches, train_iter, each rank's skipped_items."""
 import argparse, os, signal
 from pathlib import Path
 import torch
@@ -28,6 +29,14 @@ def regression(world=1, poison='scale', poison_rank=None, drop=False, bad=BAD, n
         if poison_rank is not None: rows = rows[rows % world == poison_rank]
         y[rows] = y[rows] * 1e4 if poison == 'scale' else float('inf')
     return DataLoaders(DataLoader(TensorDataset(x, y), batch_size=bs))
+
+def poisoned_rows(rows, n=N, bs=BS):
+    "`DataLoaders` of the regression, shuffled, whose `rows` have targets 1e4 times too large"
+    dl = regression(poison='none', n=n, bs=bs).train
+    x, y = dl.dataset.tensors
+    y = y.clone(); y[rows] *= 1e4
+    return DataLoaders(DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=True,
+                                  generator=torch.Generator().manual_seed(1)))
 
 def regression_learner(dls, path='.', opt_func=torch.optim.Adam, dropout=0.1):
     "A small seeded network for `regression`, with dropout (so a replay must redraw exactly)"
@@ -53,19 +62,23 @@ def main():
     p.add_argument('--drop', action='store_true'); p.add_argument('--guard', action='store_true')
     p.add_argument('--ckpt', action='store_true'); p.add_argument('--kill-at', type=int)
     p.add_argument('--epochs', type=int, default=3); p.add_argument('--strategy', default='ddp')
+    p.add_argument('--rows', type=lambda s: [int(r) for r in s.split(',')])
     args = p.parse_args()
     out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     world = int(os.environ.get('WORLD_SIZE', '1'))
-    learn = regression_learner(regression(world, args.poison, args.poison_rank, args.drop), path=out)
+    dls = (regression(world, args.poison, args.poison_rank, args.drop) if args.rows is None else
+           poisoned_rows(args.rows))
+    learn = regression_learner(dls, path=out)
     cbs = [SpikeGuard(check_every=4, snapshot_every=4, warmup=4)] if args.guard else []
     if args.ckpt: cbs.append(CheckpointCallback(every_n_steps=5))
     if args.kill_at is not None: cbs.append(KillAfterRollback(args.kill_at))
     with learn.distrib_ctx(strategy=args.strategy, timeout=60):
         learn.fit(args.epochs, cbs=cbs, resume='auto' if args.ckpt else None)
         state = whole_state(learn.model.state_dict())          # FSDP: the whole tensors, gathered (every rank)
+        items = gather_objects(learn.skipped_items)
     if is_rank0():
         torch.save({'model': state, 'skipped': [tuple(b) for b in learn.skipped_batches],
-                    'train_iter': learn.train_iter}, out/'result.pt')
+                    'train_iter': learn.train_iter, 'items': items}, out/'result.pt')
 
 if __name__ == '__main__': main()
