@@ -316,9 +316,10 @@ class SpikeGuard(Callback):
                  f"all its rows ({r}) made it spike and left the data" if len(rows) >= n else
                  f"row{'s' if len(rows) > 1 else ''} {r} of it made it spike and left the data, its other "
                  f"{n - len(rows)} trained on")
-        if not first: return tell(learn, f"SpikeGuard: {where} spiked too: {found} (learn.skipped_items)")
-        tell(learn, f"SpikeGuard: rolled back over {where}: {found} (learn.skipped_items); the run went back "
-                    f"to batch {self._start} (rollback {self.rollbacks} of at most {self.max_rollbacks})")
+        found += ' (learn.skipped_items)' if rows else ' (learn.skipped_batches)'
+        if not first: return tell(learn, f"SpikeGuard: {where} spiked too: {found}")
+        tell(learn, f"SpikeGuard: rolled back over {where}: {found}; the run went back to batch "
+                    f"{self._start} (rollback {self.rollbacks} of at most {self.max_rollbacks})")
 
     def _restore_snapshot(self):
         "Put the run back as at the snapshot, before batch `_start` of this epoch (rows found bad stay out)"
