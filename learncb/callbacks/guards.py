@@ -46,7 +46,8 @@ def _last_batch(learn):
 _unknown = 'unknown'     # the last batch of a pass, until its order is drawn
 
 class SpikeGuard(Callback):
-    "Rolls the run back to a snapshot kept in memory when the training loss (or gradient norm) spikes, skips that batch and replays the others"
+    """Rolls the run back to a snapshot kept in memory when the training loss (or gradient norm) spikes, and
+    replays it without the rows that made it spike (or without the batch, when none stands out)"""
     order,run_valid,remove_on_lr_find = Order.GUARD,False,True     # lr_find makes the loss diverge on purpose
     takes_turns = False                  # it checks a batch's one loss and one step
     compiled_events,deferred_events = ('before_step',),('after_loss', 'after_step')   # under learn.compile(step=True)
