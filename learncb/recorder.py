@@ -309,7 +309,8 @@ class Recorder(Callback):
         self._flush()
         self._fit_columns = self.extra_columns       # still fitting: this fit's columns, kept with its history
         self.skipped,learn = tuple(self.learn.skipped_batches),self.learn
-        if self.skipped: tell(learn, skipped_summary(self.skipped, learn.skipped_items))
+        if self.skipped or learn.skipped_items:
+            tell(learn, skipped_summary(self.skipped, learn.skipped_items))
 
     def batch_numbers(self):
         "`(xs, ends, skipped)`: the fit's batch number of each training loss, of each epoch's end, and of each batch skipped"
@@ -389,10 +390,12 @@ def has_output(learn):
     return _bar(learn) is not None or learn.logger is not noop
 
 def skipped_summary(skipped, items):
-    "A line on the batches a fit skipped (`(epoch, batch)` pairs) and their dataset rows `items`"
+    "A line on the batches a fit skipped (`(epoch, batch)` pairs) and the dataset rows `items` it left out"
     batches = ', '.join(f'epoch {e} batch {i}' for e,i in skipped[:8]) + (f', ... ({len(skipped)} in all)' if len(skipped) > 8 else '')
-    rows = f"; their rows: {rows_text(items)} (learn.skipped_items: drop them from the data)" if items else ''
-    return f"the fit skipped {len(skipped)} batch{'es' if len(skipped) > 1 else ''}: {batches}{rows}"
+    rows = f"rows {rows_text(items)} left out (learn.skipped_items: drop them from the data)" if items else ''
+    if not skipped: return f"the fit trained with {rows}"
+    n = f"{len(skipped)} batch{'es' if len(skipped) > 1 else ''}"
+    return f"the fit skipped {n}: {batches}" + (f"; {rows}" if rows else '')
 
 def _fmt(v): return '' if v is None else f'{v:.6f}'
 

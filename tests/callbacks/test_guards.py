@@ -43,7 +43,7 @@ def test_a_poisoned_batch_is_skipped_and_the_run_equals_the_one_without_it(clean
         assert guarded.skipped_items == []
         assert f'no row of it ({rows[0]}-{rows[-1]}) stands out, so the batch is skipped' in rollbacks[0]
     summary = f'the fit skipped 3 batches: epoch 0 batch {BAD}, epoch 1 batch {BAD}, epoch 2 batch {BAD}'
-    told = f'; their rows: {rows[0]}-{rows[-1]} (learn.skipped_items: drop them from the data)'
+    told = f'; rows {rows[0]}-{rows[-1]} left out (learn.skipped_items: drop them from the data)'
     assert guarded.said[-1] == summary + (told if poison == 'inf' else '')
 
 def test_a_batch_that_comes_back_each_epoch_is_skipped_there_with_one_rollback(clean):
