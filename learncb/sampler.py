@@ -6,8 +6,8 @@ Docs: https://learncb.github.io/learncb/sampler.html.md"""
 
 # %% auto #0
 __all__ = ['ResumableSampler', 'has_state', 'sampler_of', 'cannot_resume_reason', 'data_shape', 'batch_items', 'rows_out',
-           'rows_left', 'user_train_dl', 'resumable_sampler', 'resumable_dataloader', 'restore_order', 'take_order',
-           'give_order_back', 'epoch_start_state', 'replayed_from']
+           'rows_kept', 'rows_left', 'user_train_dl', 'resumable_sampler', 'resumable_dataloader', 'restore_order',
+           'take_order', 'give_order_back', 'epoch_start_state', 'replayed_from']
 
 # %% ../nbs/16e_sampler.ipynb #5be1e0d9
 import math
@@ -21,7 +21,7 @@ class ResumableSampler(Sampler):
     def __init__(self, n, shuffle=True, seed=None, generator=None, rank=0, world=1):
         self.n,self.shuffle,self.seed,self.generator,self.rank,self.world = n,shuffle,seed,generator,rank,world
         self.epoch,self.start,self._pass,self._saved_pass,self._replay,self.order = 0,0,None,None,None,None
-        self._out = (None, None, None, {}, set())      # where the rows left out are in this pass's batches
+        self._out = (None, None, None, {}, set(), {})     # where the rows left out are in this pass's batches
 
     def __len__(self): return math.ceil(self.n / self.world)
 
@@ -67,9 +67,16 @@ class ResumableSampler(Sampler):
             out,n = set(items),len(self)
             found = [_positions(self._share(self.order, r) if self.world > 1 else self.order, out, bs)
                      for r in range(self.world)]
-            emptied = {i for f in found for i,p in f.items() if len(p) == min(bs, n - i * bs)}
-            self._out = (self.order, len(items), bs, found[self.rank], emptied)
-        return self._out[3:]
+            size = lambda i: min(bs, n - i * bs)
+            emptied = {i for f in found for i,p in f.items() if len(p) == size(i)}
+            kept = {i: [size(i) - len(f.get(i, ())) for f in found] for i in set().union(*found)}
+            self._out = (self.order, len(items), bs, found[self.rank], emptied, kept)
+        return self._out[3:5]
+
+    def rows_kept(self, i, items, bs):
+        "How many rows each rank keeps of its batch `i` without the rows `items`; `None` if it loses none"
+        self.rows_out(items, bs)
+        return self._out[5].get(i)
 
     def _drawn(self):
         "The generator of a new pass, and what replays it: a seed (`seed + epoch`, or drawn), or the generator's state"
@@ -151,6 +158,12 @@ def rows_out(dl, items):
     sampler,bs = sampler_of(dl),getattr(dl, 'batch_size', None)
     if sampler is None or sampler.order is None or not bs or not items: return {},set()
     return sampler.rows_out(items, bs)
+
+def rows_kept(dl, i, items):
+    "How many rows each rank's batch `i` of `dl`'s current pass keeps without the rows `items`; `None`: all"
+    sampler,bs = sampler_of(dl),getattr(dl, 'batch_size', None)
+    if sampler is None or sampler.order is None or not bs or not items: return None
+    return sampler.rows_kept(i, items, bs)
 
 def rows_left(dl, i, b, items):
     "Batch `b` (batch `i` of `dl`'s pass) without the rows `items` (dataset indices); `None`: no row left"

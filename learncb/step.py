@@ -12,7 +12,8 @@ from .core import *
 from .utils import *
 from .diagnose import note_failure, note_where, why_no_grad, check_target_shape
 from .optim import opt_step, clear_grads, needs_closure, opt_names
-from .ranks import refuse
+from .ranks import refuse, rank_distrib
+from .sampler import rows_kept
 
 # %% ../nbs/02e_step.ipynb #34880ef0
 def _hook(learn, name):
@@ -159,7 +160,8 @@ class Step:
         """The backward of the loss with the reduction of the gradients (`Strategy.backward`); the reason when
         the user's loss cannot have one"""
         learn = self.learn
-        try: learn.strategy.backward(learn.loss_grad)
+        w = self._rows_weight() if learn.skipped_items else 1.
+        try: learn.strategy.backward(learn.loss_grad if w == 1. else learn.loss_grad * w)
         except Exception as e:
             note_where(e, 'backward')
             if not isinstance(e, RuntimeError): raise
@@ -210,6 +212,14 @@ class Step:
         """How many items the run's batch holds, of which this process computes this batch
         (`Strategy.global_items`)"""
         learn = self.learn
-        return learn.strategy.global_items(find_bs(learn.yb or learn.xb))
+        kept = rows_kept(learn.dls.train, learn.iter, learn.skipped_items) if learn.skipped_items else None
+        return sum(kept) if kept else learn.strategy.global_items(find_bs(learn.yb or learn.xb))
+
+    def _rows_weight(self):
+        """This rank's weight in the mean over the ranks, its part of the batch's rows when some were left out
+        (`learn.skipped_items`): each rank's mean counts for its rows, as the one-process batch's mean"""
+        learn = self.learn
+        kept = rows_kept(learn.dls.train, learn.iter, learn.skipped_items)
+        return 1. if not kept or len(kept) == 1 else kept[rank_distrib()] * len(kept) / sum(kept)
 
     def __repr__(self): return f'{type(self).__name__}()'

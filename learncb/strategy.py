@@ -99,6 +99,10 @@ class Strategy:
     """Whether the model's backward reduces the gradients over the ranks (DDP's hooks):
     a compiled step leaves it untraced"""
 
+    pools_rows = True
+    """Whether the ranks can pool what each finds in its part of a batch (`gather`, outside the step): then
+    `SpikeGuard` finds the rows of a batch that spiked, else it skips that batch on every rank"""
+
     def backward(self, loss):
         """The backward of `loss` on this rank, which the step calls
         (its gradients reduced by a wrapper, if any)"""

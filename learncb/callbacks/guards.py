@@ -245,7 +245,7 @@ class SpikeGuard(Callback):
                 f"{start} of epoch {learn.epoch}, before the spike. Drop those rows from the data, lower the "
                 f"lr, or raise max_rollbacks")
         self.rollbacks += 1
-        if rows: self._look_again(spikes or [(spiked, math.inf, why)])
+        if rows and learn.strategy.pools_rows: self._look_again(spikes or [(spiked, math.inf, why)])
         else:
             learn.skipped_batches = skipped
             tell(learn, f"SpikeGuard: rolled back over {where}: the run went back to batch {start} and goes "
@@ -258,6 +258,7 @@ class SpikeGuard(Callback):
         learn,dl,self._first = self.learn,self.learn.dls.train,False
         sampler = sampler_of(dl)
         if self.history['loss'] or math.isinf(self.factor) or sampler is None: return
+        if not learn.strategy.pools_rows: return
         if self.rollbacks >= self.max_rollbacks: return
         losses,_ = learn.row_losses(learn.batch)
         finite = [l for l in losses or () if math.isfinite(l)]
@@ -265,7 +266,7 @@ class SpikeGuard(Callback):
         bad = [] if losses is None else spiking_rows(losses, self.factor * level, self.factor)
         out = rows_out(dl, learn.skipped_items)[0].get(learn.iter, ())
         mine = [k for j,k in enumerate(sampler.batch_rows(learn.iter, dl.batch_size)) if j not in out]
-        rows = sorted({k for found in gather_objects([mine[j] for j in bad]) for k in found})
+        rows = sorted({k for found in learn.strategy.gather([mine[j] for j in bad]) for k in found})
         if not rows: return
         self.rollbacks += 1
         why = f" (the fit's first: its rows judged against its median row, {level:.4g})"
@@ -300,7 +301,7 @@ class SpikeGuard(Callback):
         mine,out = sampler_of(dl).batch_rows(learn.iter, dl.batch_size),rows_out(dl, learn.skipped_items)[0]
         losses,reason = learn.row_losses(learn.batch)
         bad = [] if losses is None else spiking_rows(losses, bound, self.factor, out.get(learn.iter, ()))
-        rows = sorted({k for found in gather_objects([mine[j] for j in bad]) for k in found})
+        rows = sorted({k for found in learn.strategy.gather([mine[j] for j in bad]) for k in found})
         if not rows and not first: return
         if not rows and losses is not None: learn.batch = None    # the step spiked, not its rows: skip it
         else:

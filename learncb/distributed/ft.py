@@ -83,6 +83,7 @@ def _not_yet(what):
 class TorchFT(Strategy):
     "Fault tolerance per step on torchft: one process per replica group, a quorum each step, the global batch shared among the replicas present"
     needs_group = False
+    pools_rows = False            # the replicas meet only in the step: a spike skips its batch on every one
     def __init__(self, timeout=60, quorum_timeout=120, connect_timeout=30, allow_untested=False):
         "Timeouts in seconds: `timeout` for a collective and a heal, `quorum_timeout` for a quorum to form"
         for k,v in dict(timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=connect_timeout).items():

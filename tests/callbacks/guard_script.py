@@ -63,17 +63,20 @@ def main():
     p.add_argument('--ckpt', action='store_true'); p.add_argument('--kill-at', type=int)
     p.add_argument('--epochs', type=int, default=3); p.add_argument('--strategy', default='ddp')
     p.add_argument('--rows', type=lambda s: [int(r) for r in s.split(',')])
+    p.add_argument('--global-batch', type=int); p.add_argument('--dropout', type=float, default=.1)
     args = p.parse_args()
     out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     world = int(os.environ.get('WORLD_SIZE', '1'))
     dls = (regression(world, args.poison, args.poison_rank, args.drop) if args.rows is None else
            poisoned_rows(args.rows))
-    learn = regression_learner(dls, path=out)
+    learn = regression_learner(dls, path=out, dropout=args.dropout)
     cbs = [SpikeGuard(check_every=4, snapshot_every=4, warmup=4)] if args.guard else []
     if args.ckpt: cbs.append(CheckpointCallback(every_n_steps=5))
     if args.kill_at is not None: cbs.append(KillAfterRollback(args.kill_at))
-    with learn.distrib_ctx(strategy=args.strategy, timeout=60):
+    gb = {} if args.global_batch is None else {'global_batch': args.global_batch}
+    one = world == 1 and gb                       # the one-process fit of the global batch
+    with learn.distrib_ctx(**gb) if one else learn.distrib_ctx(strategy=args.strategy, timeout=60, **gb):
         learn.fit(args.epochs, cbs=cbs, resume='auto' if args.ckpt else None)
         state = whole_state(learn.model.state_dict())          # FSDP: the whole tensors, gathered (every rank)
         items = gather_objects(learn.skipped_items)

@@ -174,11 +174,18 @@ def test_the_compiled_step_finds_the_rows_and_stays_compiled():
 @pytest.mark.slow
 @pytest.mark.parametrize('strategy', ['ddp', 'fsdp'])
 def test_the_rows_one_rank_finds_are_skipped_by_every_rank(tmp_path, strategy):
-    "Four rows with targets 1e4 times too large, shuffled over two ranks: each found by the rank that had it"
+    """Four rows with targets 1e4 times too large, shuffled over two ranks: each found by the rank that had it,
+    and the fit the one-process fit of the same global batches"""
     from conftest import run_script
     rows = [3, 77, 150, 290]
-    res = run_script(Path(__file__).parent/'guard_script.py', tmp_path, '--guard', '--strategy', strategy,
-                     '--rows', ','.join(map(str, rows)), nproc=2, timeout=300)
-    assert res.returncode == 0, res.stderr[-4000:]
-    result = torch.load(tmp_path/'result.pt', weights_only=False)
-    assert result['items'] == [rows, rows]
+    args = ('--guard', '--strategy', strategy, '--rows', ','.join(map(str, rows)), '--global-batch', '16',
+            '--dropout', '0')                  # no dropout: one process draws other masks than two
+    script = Path(__file__).parent/'guard_script.py'
+    for n in (1, 2):
+        res = run_script(script, tmp_path/str(n), *args, nproc=n, timeout=300)
+        assert res.returncode == 0, res.stderr[-4000:]
+    one, two = (torch.load(tmp_path/n/'result.pt', weights_only=False) for n in '12')
+    assert two['items'] == [rows, rows] and one['items'] == [rows]
+    assert two['skipped'] == one['skipped'] and two['train_iter'] == one['train_iter']
+    rel = max(((two['model'][k] - w).abs().max() / w.abs().max()).item() for k, w in one['model'].items())
+    assert rel <= 1e-5, rel            # each rank's mean weighed by its rows: the one-process batch's mean
