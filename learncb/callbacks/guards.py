@@ -39,7 +39,7 @@ def _order_repeats(dl):
 def _last_batch(learn):
     "The last batch of this pass that runs, not skipped or emptied (`None`: a dataloader without a length)"
     if learn.n_iter is None: return None
-    emptied = rows_out(learn.dls.train, learn.skipped_items)[1]
+    emptied = rows_out(learn.dls.train, learn.skipped_items).emptied
     skipped = {i for e,i in learn.skipped_batches if e == learn.epoch} | emptied
     return next((i for i in range(learn.n_iter - 1, -1, -1) if i not in skipped), -1)
 
@@ -237,10 +237,11 @@ class SpikeGuard(Callback):
         if self.rollbacks >= self.max_rollbacks:
             learn.skipped_batches = before            # those skipped so far (the snapshot may be older than some)
             learn('after_rollback')                   # a checkpoint written on this error is of the snapshot
+            named = rows_text(sorted({*learn.skipped_items, *(rows or ())}))
             raise RuntimeError(
                 f"SpikeGuard: the training loss spiked at {where}, after {self.rollbacks} rollbacks in this fit "
                 f"(max_rollbacks={self.max_rollbacks}); the batches (epoch, batch) that spiked: {list(skipped)}; their "
-                f"rows in the dataset: {rows_text(sorted({*learn.skipped_items, *(rows or ())})) or '?'} "
+                f"rows in the dataset: {named or 'unknown (no sampler learncb orders)'} "
                 f"(learn.skipped_items holds those found). The learner holds the run as it was before batch "
                 f"{start} of epoch {learn.epoch}, before the spike. Drop those rows from the data, lower the "
                 f"lr, or raise max_rollbacks")
@@ -261,16 +262,13 @@ class SpikeGuard(Callback):
         if not learn.strategy.pools_rows: return
         if self.rollbacks >= self.max_rollbacks: return
         losses,_ = learn.row_losses(learn.batch)
-        finite = [l for l in losses or () if math.isfinite(l)]
-        level = sorted(finite)[len(finite) // 2] if finite else math.inf
-        bad = [] if losses is None else spiking_rows(losses, self.factor * level, self.factor)
-        out = rows_out(dl, learn.skipped_items)[0].get(learn.iter, ())
+        bad = [] if losses is None else spiking_rows(losses, None, self.factor)
+        out = rows_out(dl, learn.skipped_items).positions.get(learn.iter, ())
         mine = [k for j,k in enumerate(sampler.batch_rows(learn.iter, dl.batch_size)) if j not in out]
         rows = sorted({k for found in learn.strategy.gather([mine[j] for j in bad]) for k in found})
         if not rows: return
         self.rollbacks += 1
-        why = f" (the fit's first: its rows judged against its median row, {level:.4g})"
-        self._tell_left_out(rows, why, True, None)
+        self._tell_left_out(rows, " (the fit's first batch: its rows judged against each other)", True, None)
         self._restore_snapshot()
         learn.skipped_items = sorted({*learn.skipped_items, *rows})
         self._replay()
@@ -298,7 +296,8 @@ class SpikeGuard(Callback):
         back over): the batch is skipped if its rows were looked at, all its rows leave the data if they
         cannot be (a loss without a loss per row)"""
         learn,dl = self.learn,self.learn.dls.train
-        mine,out = sampler_of(dl).batch_rows(learn.iter, dl.batch_size),rows_out(dl, learn.skipped_items)[0]
+        mine = sampler_of(dl).batch_rows(learn.iter, dl.batch_size)
+        out = rows_out(dl, learn.skipped_items).positions
         losses,reason = learn.row_losses(learn.batch)
         bad = [] if losses is None else spiking_rows(losses, bound, self.factor, out.get(learn.iter, ()))
         rows = sorted({k for found in learn.strategy.gather([mine[j] for j in bad]) for k in found})

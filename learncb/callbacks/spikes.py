@@ -35,8 +35,9 @@ def judge_losses(values, history, factor, n_history):
     return spiked,levels,bounds
 
 def _all_low(values, history, factor, n_history):
-    """Whether none of `values` can spike, found at the cost of one sort: each is finite and at most `factor / 2` times a
-    lower bound of the 90th percentile of its predecessors (the `k`-th largest of the `history` every one of them has)"""
+    """Whether none of `values` can spike, found at the cost of one sort: each is finite and at most
+    `factor / 2` times a lower bound of the 90th percentile of its predecessors (the `k`-th largest of the
+    `history` every one of them has)"""
     k,m = n_history - int(0.9 * n_history),n_history - len(values)
     common = history[-m:] if m > 0 else []
     return (len(common) >= k and all(map(math.isfinite, values))
@@ -47,11 +48,14 @@ def spiking_rows(losses, bound, factor, out=()):
     it was judged by: every row that is not finite, then the largest, while the mean of the rows left is above
     `bound`, each above `bound` and more than `factor` times the batch's median row (far out from its
     batch-mates, so a batch whose rows are all high gives none); `[]` when those rows do not bring the batch
-    down to `bound`. `out`: the positions left out already"""
+    down to `bound`. `bound=None`: no level before it (the fit's first batch), `factor` times its median row.
+    `out`: the positions left out already"""
     rows = [j for j in range(len(losses)) if j not in out]
     bad = [j for j in rows if not math.isfinite(losses[j])]
     left = sorted((j for j in rows if math.isfinite(losses[j])), key=losses.__getitem__)
-    far = max(bound, factor * losses[left[len(left) // 2]]) if left else math.inf
+    median = losses[left[len(left) // 2]] if left else math.inf
+    bound = factor * median if bound is None else bound
+    far = max(bound, factor * median)
     sums = [0., *itertools.accumulate(losses[j] for j in left)]
     high = lambda: sums[len(left)] > bound * len(left)
     while left and high() and losses[left[-1]] > far: bad.append(left.pop())
