@@ -39,6 +39,7 @@ from .distributed.strategy import *
 from .distributed.ddp import *
 from .distributed.fsdp import *
 from .distributed.ft import *
+from .distributed.replicas import *
 from .distributed.context import *
 from .callbacks.compiling import *
 from .callbacks.tricks import *

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest, torch
 
 torchft = pytest.importorskip('torchft')
-from learncb.distributed.ft import Lighthouse, replica_env
+from learncb.distributed.replicas import Lighthouse, replica_env
 from learncb.ranks import free_port
 from conftest import run_forked, start_forked
 
