@@ -95,6 +95,11 @@ class Strategy:
         every rank reads as many (DDP, FSDP)"""
         return n * num_distrib()
 
+    reads_whole_batch = False
+    """Whether every process reads the whole batch of the run and computes its share of it in the step (a
+    fault-tolerant step): then `distrib_ctx(global_batch=n)` gives each process batches of `n`, not `n /
+    world`"""
+
     reduces_in_backward = False
     """Whether the model's backward reduces the gradients over the ranks (DDP's hooks):
     a compiled step leaves it untraced"""

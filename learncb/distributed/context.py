@@ -67,7 +67,7 @@ def distrib_ctx(self:Learner, strategy='ddp', shard=None, backend=None, timeout=
     "Context manager: fits inside run over every process torchrun started, with `strategy`; a no-op in one process"
     strategy = _as_strategy(strategy, shard, device_ids, find_unused_parameters)
     world = num_distrib() if dist.is_initialized() else launched_world()
-    with self._global_batch(global_batch, world, strategy.seed):
+    with self._global_batch(global_batch, 1 if strategy.reads_whole_batch else world, strategy.seed):
         started = (self._start_group(backend, timeout) if strategy.needs_group and launched_world() > 1
                    and not dist.is_initialized() else False)
         if num_distrib() == 1 and strategy.needs_group:

@@ -13,13 +13,16 @@ import copy, datetime, importlib.metadata, os, socket, time
 from contextlib import contextmanager
 from urllib.parse import urlparse
 import torch
+import torch.distributed as dist
 from ..core import *
 from ..utils import *
 from ..learner import *
 from ..step import Step
 from ..resume import ResumeCallback, check_same_run
+from ..ranks import *
 from ..strategy import *
 from .strategy import *
+from .fsdp import FSDP
 
 # %% ../../nbs/23e_ft.ipynb #a1f0e002
 tested_torchft = '0.2.0'
@@ -80,21 +83,42 @@ def _not_yet(what):
             f"of each quorum): fit without it, or with strategy='ddp'")
 
 class TorchFT(Strategy):
-    "Fault tolerance per step on torchft: one process per replica group, a quorum each step, the global batch shared among the replicas present"
-    needs_group = False
+    """Fault tolerance per step on torchft: replica groups of one process or of many ranks (torchrun), a
+    quorum each step, the global batch shared among the groups present and in a group among its ranks"""
     pools_rows = False            # the replicas meet only in the step: a spike skips its batch on every one
-    def __init__(self, timeout=60, quorum_timeout=120, connect_timeout=30, allow_untested=False):
-        "Timeouts in seconds: `timeout` for a collective and a heal, `quorum_timeout` for a quorum to form"
+    reads_whole_batch = True      # every rank of every group: its share is known after the step's quorum
+    def __init__(self, within='ddp', shard=None, timeout=60, quorum_timeout=120, connect_timeout=30,
+                 allow_untested=False):
+        """`within`: how a replica group of many ranks trains, `'ddp'` (the whole model on each rank) or
+        `'fsdp'` (sharded over the group's ranks, `shard` as `FSDP` takes it). Timeouts in seconds: `timeout`
+        for a collective and a heal, `quorum_timeout` for a quorum to form"""
+        check_choice(within, 'within', ('ddp', 'fsdp'), who='TorchFT',
+                     hint="how a replica group of many ranks trains: the whole model on each rank or sharded")
+        if shard is not None and within != 'fsdp': raise ValueError(
+            f"TorchFT: shard={shard!r} says how FSDP cuts the model inside a replica group, but "
+            f"within={within!r}: pass within='fsdp' with it")
         for k,v in dict(timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=connect_timeout).items():
             check_number(v, k, gt=0, who='TorchFT', hint='seconds')
+        self.within,self.shard,self.inner,self.group_rank,self.group_world = within,shard,None,0,1
         self.timeout,self.quorum_timeout,self.connect_timeout = timeout,quorum_timeout,connect_timeout
         self.allow_untested,self.manager,self.learn = allow_untested,None,None
         self._ready,self._received,self._rng,self._first_fit,self.rank = False,None,None,True,0
+
+    @property
+    def needs_group(self):
+        "A replica group of many ranks (torchrun's `WORLD_SIZE` above 1) runs as one torch process group"
+        return int(os.environ.get('WORLD_SIZE', 1)) > 1
+
+    @property
+    def sharded(self):
+        "Whether each rank of a group holds a shard of the model (`within='fsdp'` in a group of many ranks)"
+        return self.inner is not None
 
     def cannot_microbatch(self):
         "Not yet: the step shares each batch among the replicas of the quorum"
         return _not_yet('micro-batches (AutoMicrobatch)')
 
+    def cannot_average_weights(self): return self.inner and self.inner.cannot_average_weights()
     def cannot_take_turns(self): return turns_not_yet('torchft')
     def cannot_step_with_closure(self): return closure_not_yet('torchft')
 
@@ -117,6 +141,24 @@ class TorchFT(Strategy):
     def reduce(self, t): return t
     def gather(self, o): return [o]
 
+    def wrap(self, learn):
+        """Inside a group of many ranks: shard the model (`within='fsdp'`), or give every rank group rank 0's
+        weights, as DDP does"""
+        if self.inner is not None: return self.inner.wrap(learn)
+        if self.group_world > 1:
+            for t in learn.model.state_dict().values(): dist.broadcast(t, src=0)
+
+    def unwrap(self, learn):
+        if self.inner is not None: self.inner.unwrap(learn)
+
+    def before_validate(self, learn):
+        if self.inner is not None: self.inner.before_validate(learn)
+
+    def after_validate(self, learn):
+        if self.inner is not None: self.inner.after_validate(learn)
+
+    def casts_model(self, dtype): return self.inner is not None and self.inner.casts_model(dtype)
+
     def callbacks(self): return [ReplicaCallback(self)]
 
     def logger_for(self, logger):
@@ -124,17 +166,16 @@ class TorchFT(Strategy):
         return lambda *args, **kwargs: logger(*args, **kwargs) if self.speaks() else None
 
     def speaks(self):
-        "Whether this replica is the first of its latest quorum (the one that prints and writes)"
-        return self.rank == 0
+        "Whether this is rank 0 of the replica group first in its latest quorum (it prints and writes)"
+        return self.rank == 0 and self.group_rank == 0
 
     @contextmanager
     def session(self, learn):
-        "The replica group's torchft manager, from the first fit of the `with` block to its end"
-        if int(os.environ.get('WORLD_SIZE', 1)) > 1: raise ValueError(
-            f"strategy='torchft' runs one process per replica group, but this process was launched in a group of "
-            f"WORLD_SIZE={os.environ['WORLD_SIZE']}: start each replica group as one process (python script.py) with "
-            f"its REPLICA_GROUP_ID")
+        """The replica group's torchft manager, from the first fit of the `with` block to its end; in a group
+        of many ranks (torchrun), one on each rank"""
         self.settings = replica_settings()
+        self.group_rank,self.group_world = (rank_distrib(),num_distrib()) if dist.is_initialized() else (0, 1)
+        self.inner = FSDP(self.shard) if self.within == 'fsdp' and self.group_world > 1 else None
         import_torchft(self.allow_untested)
         check_lighthouse(self.settings[0], timeout=self.connect_timeout)
         self.learn,self._first_fit = learn,True
@@ -146,13 +187,24 @@ class TorchFT(Strategy):
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo
         lighthouse,group,_ = self.settings
-        self._store = torch.distributed.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)
+        host,port = self._group_store()
         td = lambda s: datetime.timedelta(seconds=s)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=td(self.timeout)), load_state_dict=self._receive, state_dict=self._served_state,
             min_replica_size=1, use_async_quorum=False, timeout=td(self.timeout), quorum_timeout=td(self.quorum_timeout),
-            connect_timeout=td(self.connect_timeout), rank=0, world_size=1, store_addr='127.0.0.1',
-            store_port=self._store.port, lighthouse_addr=lighthouse, replica_id=f'learncb_{group}', init_sync=False)
+            connect_timeout=td(self.connect_timeout), rank=self.group_rank, world_size=self.group_world,
+            store_addr=host, store_port=port, lighthouse_addr=lighthouse, replica_id=f'learncb_{group}',
+            init_sync=False)
+
+    def _group_store(self):
+        "`(host, port)` of the store of the group's managers: group rank 0 starts it, and tells the others"
+        one_node = int(os.environ.get('LOCAL_WORLD_SIZE', self.group_world)) == self.group_world
+        host = '127.0.0.1' if one_node else socket.gethostname()
+        self._store = (dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if self.group_rank == 0
+                       else None)
+        where = [(host, self._store.port) if self._store is not None else None]
+        if self.group_world > 1: dist.broadcast_object_list(where, src=0)
+        return where[0]
 
     def _shutdown(self):
         if self.manager is not None: self.manager.shutdown(wait=False)
@@ -167,6 +219,9 @@ class TorchFT(Strategy):
         self._quorum(heal=True)
         self._ready = True
         state,self._received = self._received,None
+        if state is not None and self.inner is not None:      # this rank's shards, laid out as the model's
+            mesh = next(p.device_mesh for p in learn.model.parameters() if is_sharded(p))
+            state = _shards_like(state, mesh)
         return state
 
     def _quorum(self, heal=False):
@@ -189,38 +244,45 @@ class TorchFT(Strategy):
         if self._ready: self._ready = False          # the quorum `join` formed, before the fit's first batch
         else: self._quorum()
         m = self.manager
-        return _share(n, m.num_participants(), m.participating_rank())
+        lo,hi = _share(n, m.num_participants(), m.participating_rank())
+        a,b = _share(hi - lo, self.group_world, self.group_rank)      # this rank's part of the group's share
+        return lo + a,lo + b
 
     def _receive(self, state): self._received = state
 
     def _served_state(self):
         "The run's state for a replica that heals from this one: as a checkpoint after the last committed step"
         learn = self.learn
-        state = learn.state_dict(live=True)      # with what its callbacks have pending (a guard's snapshot)
+        state = _local_shards(learn.state_dict(live=True))   # with what callbacks have pending
         state['loop'] = {**state['loop'], 'iter': learn.iter - 1}
         state['at'] = 'batch'
         if self._rng is not None: state['rng'] = self._rng      # as before this batch was read
         return state
 
     def backward(self, loss):
-        "The backward of this replica's share of the loss, weighted by its part of the global batch"
-        (loss * self.weight).backward()
+        """The backward of this rank's share of the loss, weighted by its part of the global batch (times the
+        group's ranks under FSDP, which averages over them)"""
+        (loss * (self.weight * (1 if self.inner is None else self.group_world))).backward()
 
     def sum_and_commit(self, learn, params, loss):
         "Sum the gradients and `loss` over the quorum (one all-reduce); the global batch's loss if the quorum commits, else `None`"
-        m = self.manager
-        own = _weights_sum(params) if m.current_step() == 0 else None    # all at step 0 started afresh: compare models
+        m,parts = self.manager,[_local(p) for p in params]
+        own = _weights_sum(parts) if m.current_step() == 0 else None    # at step 0, afresh: compare models
         checks = [1., learn.epoch, learn.iter, own or 0.]
         dtype = params[0].dtype if params else torch.float32
-        flat = torch.cat([*(p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params),
+        flat = torch.cat([*(_local(p.grad).reshape(-1) if p.grad is not None else t.new_zeros(t.numel())
+                            for p,t in zip(params, parts)),
                           loss.detach().reshape(1).to(dtype), torch.tensor(checks, dtype=dtype, device=loss.device)])
-        m.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        n = flat.numel() - 5
+        if self.group_world > 1:          # summed in the group first: the gradients (FSDP's are) and the loss
+            dist.all_reduce(flat[:n + 1] if self.inner is None else flat[n:n + 1])
+        m.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
         if m.errored() is None: self._check_agreement(flat[-4:].tolist(), learn, own)
         if not m.should_commit():
             for p in params: p.grad = None
             return None
-        for p,g in zip(params, flat[:-5].split([p.numel() for p in params])): p.grad = g.view_as(p).to(p.dtype)
-        return flat[-5].to(loss.dtype)
+        for p,g in zip(params, flat[:n].split([t.numel() for t in parts])): p.grad = _as_grad(p, g)
+        return flat[n].to(loss.dtype)
 
     def _check_agreement(self, checks, learn, own):
         "Raise if the replicas of the quorum did not compute the same batch, or (`own`: this one's sum) start from the same weights"
@@ -237,6 +299,41 @@ class TorchFT(Strategy):
 def _weights_sum(params):
     "A float64 sum of every weight: replicas whose sums differ have different models"
     return float(sum(p.detach().double().sum() for p in params)) if params else 0.
+
+def _local(t):
+    "This rank's part of `t`: its local shard if `t` is sharded (FSDP), else `t`"
+    return t.to_local() if is_sharded(t) else t
+
+def _as_grad(p, g):
+    "Flat `g`, this rank's part of the gradient of `p`, as `p.grad` holds it: sharded as `p` is, if it is"
+    if not is_sharded(p): return g.view_as(p).to(p.dtype)
+    from torch.distributed.tensor import DTensor
+    with torch.no_grad(): local = p.to_local()
+    return DTensor.from_local(g.view_as(local).to(p.dtype), p.device_mesh, p.placements, shape=p.shape,
+                              stride=p.stride())
+
+def _local_shards(o):
+    """`o` (a state: dicts and lists of tensors) with each sharded tensor as `{'learncb_shard': its local
+    part, ...}`, which a peer's heal reads without DTensor (torchft's transport loads `weights_only`)"""
+    if isinstance(o, dict): return {k: _local_shards(v) for k,v in o.items()}
+    if isinstance(o, (list, tuple)): return type(o)(_local_shards(v) for v in o)
+    if not is_sharded(o): return o
+    from torch.distributed.tensor import Shard, Replicate
+    if not all(isinstance(p, (Shard, Replicate)) for p in o.placements): raise NotImplementedError(
+        f"strategy='torchft' heals shards laid out as Shard or Replicate, not {o.placements}")
+    dims = [p.dim if isinstance(p, Shard) else -1 for p in o.placements]
+    return {'learncb_shard': o.to_local(), 'shape': list(o.shape), 'stride': list(o.stride()), 'dims': dims}
+
+def _shards_like(o, mesh):
+    "`o` from a peer's `_local_shards`, its shards made sharded tensors again, on this rank's `mesh`"
+    if isinstance(o, dict) and 'learncb_shard' in o:
+        from torch.distributed.tensor import DTensor, Shard, Replicate
+        placements = [Shard(d) if d >= 0 else Replicate() for d in o['dims']]
+        return DTensor.from_local(o['learncb_shard'], mesh, placements, shape=torch.Size(o['shape']),
+                                  stride=tuple(o['stride']))
+    if isinstance(o, dict): return {k: _shards_like(v, mesh) for k,v in o.items()}
+    if isinstance(o, (list, tuple)): return type(o)(_shards_like(v, mesh) for v in o)
+    return o
 
 register_strategy('torchft', TorchFT)
 
@@ -280,9 +377,10 @@ class FaultTolerantStep(Step):
         "A quorum, and this replica's share of the batch in `learn.xb`, `learn.yb`: whether it has an item"
         learn,ft = self.learn,self.strategy
         lo,hi = ft.quorum_share(self.loss_items)
+        ft.weight = (hi - lo) / self.loss_items
+        if hi == lo and ft.inner is not None: lo,hi = 0,min(1, self.loss_items)   # FSDP: every rank computes
         xb,yb = self._batch
         learn.xb,learn.yb = _sliced(xb, lo, hi),_sliced(yb, lo, hi)
-        ft.weight = (hi - lo) / self.loss_items
         return hi > lo
 
     def compute_loss(self):
@@ -305,7 +403,7 @@ class FaultTolerantStep(Step):
         kept,self._total = [p.grad for p in self.params],None
         for p in self.params: p.grad = None
         try:
-            if ft.weight: super().backward()
+            if ft.weight or ft.inner is not None: super().backward()     # FSDP's backward is a collective
             self._total = ft.sum_and_commit(learn, self.params, learn.loss * ft.weight)
         finally:
             for p,g in zip(self.params, kept):

@@ -23,11 +23,14 @@ p.add_argument('--kill-at', type=int, default=None); p.add_argument('--kill-in',
 p.add_argument('--slow-alone', type=float, default=0.0); p.add_argument('--wait-for', type=int, default=0)
 p.add_argument('--slow', type=float, default=0.0); p.add_argument('--seed', type=int, default=0)
 p.add_argument('--n-items', type=int, default=64 * 12); p.add_argument('--ckpt', action='store_true')
-p.add_argument('--spike-at', default=None)
+p.add_argument('--spike-at', default=None); p.add_argument('--within', default='ddp')
+p.add_argument('--kill-rank', type=int, default=0)
 args = p.parse_args()
 out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
 torch.set_num_threads(1)
 replica = os.environ.get('REPLICA_GROUP_ID', 'plain')
+group_rank = int(os.environ.get('RANK', 0))          # a replica group of many ranks: torchrun's
+name = replica if int(os.environ.get('WORLD_SIZE', 1)) == 1 else f'{replica}-{group_rank}'
 marker = out / f'killed{replica}'
 hold = out / 'hold'
 
@@ -67,6 +70,7 @@ class Chaos(Callback):
         if args.slow: time.sleep(args.slow)
         if args.wait_for and ft.manager.num_participants() < args.wait_for: wait_alone()
         if not learn.training or args.kill_at is None or marker.exists() or learn.train_iter != args.kill_at: return
+        if group_rank != args.kill_rank: return
         if args.kill_in == 'forward': learn.model.register_forward_hook(lambda *a: die())
         elif args.kill_in == 'backward': learn.model[0].weight.register_hook(lambda g: die())
         elif args.kill_in == 'allreduce':
@@ -95,9 +99,9 @@ def result():
 if args.plain:
     with learn.distrib_ctx(global_batch=64): learn.fit(args.epochs, cbs=guards)
 else:
-    with learn.distrib_ctx(strategy=TorchFT(timeout=30, quorum_timeout=120), global_batch=64):
+    with learn.distrib_ctx(strategy=TorchFT(args.within, timeout=30, quorum_timeout=120), global_batch=64):
         hold.unlink(missing_ok=True)      # its manager is up: the replicas that waited for it go on, and meet it
         ckpt = [CheckpointCallback(out/f'ckpt{replica}', every_n_steps=4, background=False)] if args.ckpt else []
         learn.fit(args.epochs, cbs=[Chaos(), *ckpt, *guards], resume='auto' if args.ckpt else None)
     assert isinstance(learn.model, nn.Sequential) and type(learn.opt).__name__ == 'Adam'
-torch.save(result(), out / f'result{replica}.pt')
+torch.save(result(), out / f'result{name}.pt')
