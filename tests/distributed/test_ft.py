@@ -183,6 +183,42 @@ def test_a_replica_of_other_data_is_refused_and_the_run_goes_on(tmp_path, lighth
     assert finish([first]) == [0], logs(tmp_path)
     assert_close_to(result(tmp_path, 0), plain)
 
+_torchrun_vars = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')
+
+def start_group(out, lighthouse, group, n, *args):
+    """Replica group `group` of `n` as torchrun starts one: 2 ranks (gloo) on its own `--standalone`
+    rendezvous, each rank saving OUT/result{group}-{rank}.pt; the same command starts it again"""
+    log = out/f'log{group}-{len(list(out.glob(f"log{group}-*")))}'
+    env = {k: v for k,v in os.environ.items() if k not in _torchrun_vars}
+    env.update(replica_env(lighthouse, group, n), RUST_LOG='warn')
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2',
+           '--max-restarts', '0', str(SCRIPT), str(out), *args]
+    return subprocess.Popen(cmd, env=env, stdout=open(log, 'w'), stderr=subprocess.STDOUT)
+
+@pytest.mark.slow
+@pytest.mark.parametrize('within,stage', [('ddp', 'backward'), ('fsdp', 'allreduce')])
+def test_groups_of_two_ranks_one_killed_its_group_restarted_heals(tmp_path, lighthouse, plain, within, stage):
+    """2 replica groups of 2 ranks (torchrun, DDP or FSDP within): rank 1 of group 1 SIGKILLed in the middle
+    of a step; torchrun ends its group; group 0 goes on without a restart; group 1 started again with the same
+    command heals rank by rank (FSDP: each its shards); all four ranks end bitwise equal, and within 1e-6 of
+    the one-process fit"""
+    common = ['--within', within, '--wait-for', '2', '--slow-alone', '0.4']
+    (tmp_path/'hold').touch()                   # group 0 waits for group 1's manager before it trains alone
+    first = start_group(tmp_path, lighthouse, 0, 2, *common)
+    kill = ['--kill-at', '18', '--kill-in', stage, '--kill-rank', '1']
+    killed = start_group(tmp_path, lighthouse, 1, 2, *common, *kill)
+    assert finish([killed]) == [1], logs(tmp_path)             # torchrun's exit: a rank failed
+    assert (tmp_path/'killed1').exists()
+    (tmp_path/'hold').touch()
+    again = start_group(tmp_path, lighthouse, 1, 2, *common)
+    assert finish([first, again]) == [0, 0], logs(tmp_path)
+    (a,b),(c,d) = [[result(tmp_path, f'{g}-{r}') for r in range(2)] for g in range(2)]
+    assert c['healed_at'] == d['healed_at'] >= 18 > a['healed_at']      # group 1 healed, after its kill
+    if stage == 'backward': assert a['tries'] >= 1         # the step its peer died in was computed again
+    assert_each_step_once(a, b, c, d)
+    for other in (b, c, d): assert_same(a, other)
+    assert_close_to(a, plain)
+
 def test_replicas_with_different_weights_stop_at_the_first_step(tmp_path):
     "Replicas that start together with models made differently (not seeded alike) say so before the first step is taken"
     with Lighthouse(min_replicas=2, join_timeout=10, heartbeat_timeout=2) as both:     # the first quorum holds both
@@ -219,8 +255,8 @@ def test_missing_settings_are_named(monkeypatch):
     with pytest.raises(ValueError, match='TORCHFT_LIGHTHOUSE is not set'): fit_torchft(monkeypatch, {})
     with pytest.raises(ValueError, match="REPLICA_GROUP_ID=None"):
         fit_torchft(monkeypatch, {'TORCHFT_LIGHTHOUSE': 'http://127.0.0.1:1'})
-    with pytest.raises(ValueError, match='one process per replica group.*WORLD_SIZE=2'):
-        fit_torchft(monkeypatch, {**replica_env('http://127.0.0.1:1', 0, 1), 'WORLD_SIZE': '2'})
+    with pytest.raises(ValueError, match="within='fsdp'"): TorchFT(shard=nn.Linear)
+    with pytest.raises(ValueError, match="within must be 'ddp' or 'fsdp', not 'hsdp'"): TorchFT(within='hsdp')
 
 def test_an_untested_or_missing_torchft_is_named(monkeypatch):
     import importlib.metadata
