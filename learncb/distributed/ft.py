@@ -88,10 +88,12 @@ class TorchFT(Strategy):
     pools_rows = False            # the replicas meet only in the step: a spike skips its batch on every one
     reads_whole_batch = True      # every rank of every group: its share is known after the step's quorum
     def __init__(self, within='ddp', shard=None, timeout=60, quorum_timeout=120, connect_timeout=30,
-                 allow_untested=False):
+                 quorum_every=1.0, allow_untested=False):
         """`within`: how a replica group of many ranks trains, `'ddp'` (the whole model on each rank) or
         `'fsdp'` (sharded over the group's ranks, `shard` as `FSDP` takes it). Timeouts in seconds: `timeout`
-        for a collective and a heal, `quorum_timeout` for a quorum to form"""
+        for a collective and a heal, `quorum_timeout` for a quorum to form. `quorum_every`: the most seconds
+        between two quorums while no step fails (a replica that starts joins at the next; 0: a quorum every
+        step)"""
         check_choice(within, 'within', ('ddp', 'fsdp'), who='TorchFT',
                      hint="how a replica group of many ranks trains: the whole model on each rank or sharded")
         if shard is not None and within != 'fsdp': raise ValueError(
@@ -99,10 +101,13 @@ class TorchFT(Strategy):
             f"within={within!r}: pass within='fsdp' with it")
         for k,v in dict(timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=connect_timeout).items():
             check_number(v, k, gt=0, who='TorchFT', hint='seconds')
+        self.quorum_every = check_number(quorum_every, 'quorum_every', ge=0, who='TorchFT', hint='seconds')
+        self._quorum_due,self._last_quorum = True,0.
         self.within,self.shard,self.inner,self.group_rank,self.group_world = within,shard,None,0,1
         self.timeout,self.quorum_timeout,self.connect_timeout = timeout,quorum_timeout,connect_timeout
         self.allow_untested,self.manager,self.learn = allow_untested,None,None
         self._ready,self._received,self._rng,self._first_fit,self.rank = False,None,None,True,0
+        self._buffer,self._views = None,None       # the gradients' flat buffer (`grads_in_buffer`)
 
     @property
     def needs_group(self):
@@ -214,7 +219,9 @@ class TorchFT(Strategy):
         "The first quorum of this process, before the first batch: the state of a live peer to heal from, or `None`"
         self.learn = learn
         if self.manager is None: self._start()
-        if not self._first_fit: return None         # a later fit of the block: its first step forms the quorum
+        if not self._first_fit:                  # a later fit of the block: its first step forms the quorum
+            self._quorum_due = True
+            return None
         self._first_fit = False
         self._quorum(heal=True)
         self._ready = True
@@ -232,7 +239,8 @@ class TorchFT(Strategy):
             raise TimeoutError(f"strategy='torchft': no quorum formed within quorum_timeout={self.quorum_timeout} s "
                                f"(lighthouse {self.settings[0]}): check that the lighthouse runs and that as many "
                                f"replicas as its --min_replicas are started, or raise TorchFT(quorum_timeout=...)") from e
-        self.rank = self.manager.participating_rank()
+        self.rank,self._quorum_due = self.manager.participating_rank(),False
+        self._last_quorum = time.monotonic()
         if self._received is not None and not heal: raise RuntimeError(
             "strategy='torchft': this replica fell behind the run in the middle of its fit (its quorum said to heal "
             "from a peer ahead of it, as when the lighthouse formed a quorum without the others for longer than its "
@@ -242,7 +250,7 @@ class TorchFT(Strategy):
     def quorum_share(self, n):
         "`(lo, hi)`: the items of this step's batch of `n` this replica computes, after the step's quorum"
         if self._ready: self._ready = False          # the quorum `join` formed, before the fit's first batch
-        else: self._quorum()
+        elif self._quorum_due: self._quorum()        # else the last quorum: all of it committed the last step
         m = self.manager
         lo,hi = _share(n, m.num_participants(), m.participating_rank())
         a,b = _share(hi - lo, self.group_world, self.group_rank)      # this rank's part of the group's share
@@ -268,21 +276,50 @@ class TorchFT(Strategy):
         "Sum the gradients and `loss` over the quorum (one all-reduce); the global batch's loss if the quorum commits, else `None`"
         m,parts = self.manager,[_local(p) for p in params]
         own = _weights_sum(parts) if m.current_step() == 0 else None    # at step 0, afresh: compare models
-        checks = [1., learn.epoch, learn.iter, own or 0.]
+        due = time.monotonic() - self._last_quorum >= self.quorum_every     # asks a quorum at the next step
+        checks = [float(due), 1., learn.epoch, learn.iter, own or 0.]
         dtype = params[0].dtype if params else torch.float32
-        flat = torch.cat([*(_local(p.grad).reshape(-1) if p.grad is not None else t.new_zeros(t.numel())
-                            for p,t in zip(params, parts)),
-                          loss.detach().reshape(1).to(dtype), torch.tensor(checks, dtype=dtype, device=loss.device)])
-        n = flat.numel() - 5
-        if self.group_world > 1:          # summed in the group first: the gradients (FSDP's are) and the loss
-            dist.all_reduce(flat[:n + 1] if self.inner is None else flat[n:n + 1])
+        checks = torch.tensor(checks, dtype=dtype, device=loss.device)
+        tail = torch.cat([loss.detach().reshape(1).to(dtype), checks])
+        flat,in_place = self._flat(params, parts, tail)
+        n = flat.numel() - 6
+        if self.group_world > 1:   # summed in the group first: the gradients (FSDP's are), the loss, the asks
+            dist.all_reduce(flat[:n + 2] if self.inner is None else flat[n:n + 2])
         m.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
         if m.errored() is None: self._check_agreement(flat[-4:].tolist(), learn, own)
+        self._quorum_due = True          # the next step forms a quorum unless this one commits, none asking
         if not m.should_commit():
             for p in params: p.grad = None
             return None
-        for p,g in zip(params, flat[:n].split([t.numel() for t in parts])): p.grad = _as_grad(p, g)
+        self._quorum_due = bool(flat[n + 1] > 0)      # the same sum on every rank of every group: they agree
+        if not in_place:
+            for p,g in zip(params, flat[:n].split([t.numel() for t in parts])): p.grad = _as_grad(p, g)
         return flat[n].to(loss.dtype)
+
+    def grads_in_buffer(self, params, fresh=False):
+        """Give `params` (not sharded) gradients that are zero views of one flat buffer, which the backward
+        adds into and the all-reduce then sends without a copy; kept from step to step unless `fresh`
+        (gradients kept from before the batch may be views of it). Under FSDP, which makes its own gradients,
+        nothing"""
+        if self.inner is not None or not params: return
+        n = sum(p.numel() for p in params)
+        buf = self._buffer
+        if fresh or buf is None or buf.numel() != n + 6 or buf.dtype != params[0].dtype:
+            buf = self._buffer = params[0].new_zeros(n + 6)
+        else: buf.zero_()
+        self._views = [g.view_as(p) for p,g in zip(params, buf[:n].split([p.numel() for p in params]))]
+        for p,g in zip(params, self._views): p.grad = g
+
+    def _flat(self, params, parts, tail):
+        """The gradients (this rank's `parts` of `params`), then `tail`, in one tensor: the buffer they are
+        views of (`True`), or a copy (`False`: FSDP's, or replaced by a callback)"""
+        views = self._views
+        if views is not None and all(p.grad is v for p,v in zip(params, views)):
+            self._buffer[-len(tail):] = tail
+            return self._buffer,True
+        grads = [_local(p.grad).reshape(-1) if p.grad is not None else t.new_zeros(t.numel())
+                 for p,t in zip(params, parts)]
+        return torch.cat([*grads, tail]),False
 
     def _check_agreement(self, checks, learn, own):
         "Raise if the replicas of the quorum did not compute the same batch, or (`own`: this one's sum) start from the same weights"
@@ -402,6 +439,7 @@ class FaultTolerantStep(Step):
         learn,ft = self.learn,self.strategy
         kept,self._total = [p.grad for p in self.params],None
         for p in self.params: p.grad = None
+        ft.grads_in_buffer(self.params, fresh=any(g is not None for g in kept))
         try:
             if ft.weight or ft.inner is not None: super().backward()     # FSDP's backward is a collective
             self._total = ft.sum_and_commit(learn, self.params, learn.loss * ft.weight)
