@@ -123,7 +123,11 @@ class TorchFT(Strategy):
         "Not yet: the step shares each batch among the replicas of the quorum"
         return _not_yet('micro-batches (AutoMicrobatch)')
 
-    def cannot_average_weights(self): return self.inner and self.inner.cannot_average_weights()
+    def cannot_average_weights(self):
+        "Not with FSDP within a group: each rank holds shards of the weights, the average is of whole weights"
+        return None if self.inner is None else (
+            "strategy='torchft' with within='fsdp' does not average weights yet (each rank of a replica "
+            "group holds shards of the weights, and the average is of whole weights): use within='ddp'")
     def cannot_take_turns(self): return turns_not_yet('torchft')
     def cannot_step_with_closure(self): return closure_not_yet('torchft')
 

@@ -1,10 +1,11 @@
 """The capability x strategy matrix (tests/distributed/test_matrix.py): one fit per capability, each from the same
 weights and data, under one strategy; every result saved for the test to hold against the one-process fit.
 
-python tests/distributed/matrix_script.py OUT --strategy one|ddp|fsdp|torchft [--only CAP,CAP]
+python tests/distributed/matrix_script.py OUT --strategy one|ddp|fsdp|torchft|torchft_fsdp [--only CAP,CAP]
 'one': this process, `distrib_ctx(global_batch=64)` (the order the others are held against); 'ddp', 'fsdp': two
 processes (learncb's `launch`, gloo); 'torchft': two replica groups of one process under a lighthouse of their own
-(`launch_replicas`). Each process saves OUT/<strategy><rank>.pt: `{capability: {'weights', 'steps', 'refused',
+(`launch_replicas`); 'torchft_fsdp': two replica groups of two ranks each,
+FSDP within a group. Each process saves OUT/<strategy><rank>.pt: `{capability: {'weights', 'steps', 'refused',
 'train_iter', 'skipped', 'losses'}}`, where `refused` is the error of a fit refused before its first batch (else `None`)."""
 import argparse, os
 from functools import partial
@@ -77,10 +78,11 @@ def fit(cap, strategy, out, rank):
     "One fit with capability `cap`: what it computed, or why it was refused"
     learn,steps = learner(**learner_kwargs.get(cap, {})),StepCount()
     if cap == 'compiled_step': learn.compile(step=True, fallback=False)
-    folder = out/'ckpt'/strategy/(str(rank) if strategy == 'torchft' else '')/cap
+    folder = out/'ckpt'/strategy/(str(rank) if strategy.startswith('torchft') else '')/cap
     refused,before = None,{k: v.clone() for k,v in learn.model.state_dict().items()}
+    ft = {'torchft': TorchFT(timeout=30), 'torchft_fsdp': TorchFT('fsdp', timeout=30)}
     ctx = learn.distrib_ctx(global_batch=GLOBAL_BATCH) if strategy == 'one' else learn.distrib_ctx(
-        strategy=TorchFT(timeout=30) if strategy == 'torchft' else strategy, global_batch=GLOBAL_BATCH)
+        strategy=ft.get(strategy, strategy), global_batch=GLOBAL_BATCH)
     try:
         with ctx: learn.fit(EPOCHS, cbs=[steps, *capabilities[cap](folder)])
     except ValueError as e:
@@ -93,12 +95,13 @@ def fit(cap, strategy, out, rank):
 def run_all(out, strategy, caps):
     rank = int(os.environ.get('REPLICA_GROUP_ID', os.environ.get('RANK', 0)))
     torch.set_num_threads(1)
-    group = strategy in ('ddp', 'fsdp')      # one process group for all the fits (each distrib_ctx joins it)
+    group = strategy in ('ddp', 'fsdp', 'torchft_fsdp')     # one process group for all the fits
     if group: torch.distributed.init_process_group('gloo')
     try: results = {cap: fit(cap, strategy, out, rank) for cap in caps}
     finally:
         if group: torch.distributed.destroy_process_group()
-    torch.save(results, out/f'{strategy}{rank}.pt')
+    torch.save(results, out/f'{strategy}{rank}.pt' if os.environ.get('RANK', '0') == '0' else
+               out/f'{strategy}{rank}-{os.environ["RANK"]}.pt')
 
 if __name__ == '__main__':
     p = argparse.ArgumentParser()
@@ -109,4 +112,7 @@ if __name__ == '__main__':
     if args.strategy == 'one': run_all(out, 'one', caps)
     elif args.strategy == 'torchft':
         with Lighthouse(min_replicas=2) as lh: launch_replicas(run_all, out, 'torchft', caps, n=2, lighthouse=lh, timeout=900)
+    elif args.strategy == 'torchft_fsdp':
+        with Lighthouse(min_replicas=2) as lh:
+            launch_replicas(run_all, out, 'torchft_fsdp', caps, n=2, ranks=2, lighthouse=lh, timeout=900)
     else: launch(run_all, out, args.strategy, caps, nprocs=2)

@@ -1,6 +1,6 @@
 """The capability x strategy matrix: every built-in callback that acts on the step, in one process and under DDP, FSDP
-and torchft (two processes or replica groups, gloo), each fit held against the same fit in one process, or refused
-by name before its first batch. One launch per strategy runs every capability in turn (matrix_script.py)."""
+and torchft (two processes or replica groups, gloo; 'torchft_fsdp': two replica groups of two ranks, FSDP
+within each), each fit held against the same fit in one process, or refused by name before its first batch. One launch per strategy runs every capability in turn (matrix_script.py)."""
 from pathlib import Path
 import pytest, torch
 from conftest import run_forked
@@ -15,6 +15,8 @@ refused = {'ddp': {'turns': 'AlternatingStep', 'closure': 'LBFGS'},
                     'compiled_step': 'learn.compile(step=True)', 'turns': 'AlternatingStep', 'closure': 'LBFGS'},
            'torchft': {'microbatch': 'AutoMicrobatch', 'compiled_step': 'learn.compile(step=True)',
                        'turns': 'AlternatingStep', 'closure': 'LBFGS'}}
+refused['torchft_fsdp'] = {**refused['torchft'], 'ema': 'EMACallback', 'swa': 'SWACallback'}    # and FSDP's
+named = {'torchft_fsdp': 'torchft'}           # the name a refusal gives the strategy
 tolerance = {'precision': 1e-2}       # bf16: equal to its rounding; every other cell to float32's (1e-5)
 
 def matrix(out, strategy):
@@ -40,7 +42,7 @@ def max_rel(a, b):
     return max(((a[k] - w).abs().max() / w.abs().max()).item() for k,w in b.items())
 
 @pytest.mark.slow
-@pytest.mark.parametrize('strategy', ['ddp', 'fsdp', 'torchft'])
+@pytest.mark.parametrize('strategy', ['ddp', 'fsdp', 'torchft', 'torchft_fsdp'])
 def test_every_capability_means_the_same_under_every_strategy(strategy, one, tmp_path):
     "Each cell: the one-process fit's optimizer steps and weights, or a refusal before the first batch naming who and why"
     got = matrix(tmp_path, strategy)
@@ -48,7 +50,8 @@ def test_every_capability_means_the_same_under_every_strategy(strategy, one, tmp
     for cap,r in got.items():
         if cap in refused[strategy]:
             assert r['refused'] is not None and r['train_iter'] == 0, cap
-            assert r['refused'].startswith(f"{refused[strategy][cap]}: strategy='{strategy}'"), r['refused']
+            who = f"{refused[strategy][cap]}: strategy='{named.get(strategy, strategy)}'"
+            assert r['refused'].startswith(who), r['refused']
             continue
         assert r['refused'] is None, (cap, r['refused'])
         counts = lambda r: (r['steps'], r['train_iter'], r['skipped'])
