@@ -2,14 +2,19 @@
 
 python tests/distributed/ft_script.py OUT [--plain] [--epochs E] [--kill-at K --kill-in forward|backward|allreduce|step]
     [--slow-alone S] [--wait-for N] [--slow S] [--seed S] [--n-items N] [--ckpt] [--spike-at EPOCH,BATCH]
-torchft's variables (TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS) say which replica this is. The replica
-SIGKILLs itself once (a marker file in OUT keeps a restart from doing it again) at committed step K, in the stage named.
+    [--within ddp|fsdp] [--kill-rank R] [--kill-group G] [--hold-when-killed]
+torchft's variables (TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS) say which replica this is (in a
+Ray Train worker, Ray's context: `ray_replica_env`); under torchrun it is a replica group of many ranks
+(`--within` says how they train). Rank --kill-rank of the replica (of group --kill-group only, if given)
+SIGKILLs itself once (a marker file in OUT keeps a restart from doing it again) at committed step K, in the
+stage named; with --hold-when-killed it makes OUT/hold first (the others wait for its restart).
 With --wait-for N a replica in a quorum of fewer than N waits while OUT/hold exists (the test makes it before it starts
 a replica; that replica removes it), then sleeps --slow-alone seconds a batch: it cannot finish before the one started.
 With --spike-at the targets of that training batch are made 100 times larger, and a SpikeGuard rolls the run back
 over it (its snapshot at the start of each epoch).
 With --ckpt each replica writes checkpoints to OUT/ckpt{REPLICA_GROUP_ID} and resumes from them (resume='auto').
-Each replica saves OUT/result{REPLICA_GROUP_ID}.pt: weights, optimizer state, counters, the Recorder's values."""
+Each replica saves OUT/result{REPLICA_GROUP_ID}.pt (each rank of a group of many:
+OUT/result{REPLICA_GROUP_ID}-{RANK}.pt): weights, optimizer state, counters, the Recorder's values."""
 import argparse, os, signal, time
 from pathlib import Path
 import torch
@@ -24,13 +29,15 @@ p.add_argument('--slow-alone', type=float, default=0.0); p.add_argument('--wait-
 p.add_argument('--slow', type=float, default=0.0); p.add_argument('--seed', type=int, default=0)
 p.add_argument('--n-items', type=int, default=64 * 12); p.add_argument('--ckpt', action='store_true')
 p.add_argument('--spike-at', default=None); p.add_argument('--within', default='ddp')
-p.add_argument('--kill-rank', type=int, default=0)
+p.add_argument('--kill-rank', type=int, default=0); p.add_argument('--kill-group', default=None)
+p.add_argument('--hold-when-killed', action='store_true')
 args = p.parse_args()
 out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
 torch.set_num_threads(1)
-replica = os.environ.get('REPLICA_GROUP_ID', 'plain')
-group_rank = int(os.environ.get('RANK', 0))          # a replica group of many ranks: torchrun's
-name = replica if int(os.environ.get('WORLD_SIZE', 1)) == 1 else f'{replica}-{group_rank}'
+on_ray = ray_replica_env()                           # a Ray Train worker under TorchftConfig: a group of one
+replica = os.environ.get('REPLICA_GROUP_ID') or on_ray.get('REPLICA_GROUP_ID', 'plain')
+group_rank = 0 if on_ray else int(os.environ.get('RANK', 0))          # in a group of many ranks: torchrun's
+name = replica if on_ray or int(os.environ.get('WORLD_SIZE', 1)) == 1 else f'{replica}-{group_rank}'
 marker = out / f'killed{replica}'
 hold = out / 'hold'
 
@@ -53,6 +60,7 @@ def wait_alone():
 
 def die():
     marker.write_text('killed')
+    if args.hold_when_killed: hold.touch()         # the others wait for this group to start again (Ray)
     os.kill(os.getpid(), signal.SIGKILL)
 
 class Chaos(Callback):
@@ -70,7 +78,7 @@ class Chaos(Callback):
         if args.slow: time.sleep(args.slow)
         if args.wait_for and ft.manager.num_participants() < args.wait_for: wait_alone()
         if not learn.training or args.kill_at is None or marker.exists() or learn.train_iter != args.kill_at: return
-        if group_rank != args.kill_rank: return
+        if group_rank != args.kill_rank or args.kill_group not in (None, replica): return
         if args.kill_in == 'forward': learn.model.register_forward_hook(lambda *a: die())
         elif args.kill_in == 'backward': learn.model[0].weight.register_hook(lambda g: die())
         elif args.kill_in == 'allreduce':

@@ -23,6 +23,12 @@ def job_learner(out, fail_at=None):
     learn.add_cbs([SaveAtEnd(out)] + ([FailOnce(out, fail_at)] if fail_at is not None else []))
     return learn
 
+def torchft_train_func(config):
+    "A replica group of one worker under Ray Train's `TorchftConfig`: the command of ft_script.py"
+    import runpy, sys
+    sys.argv = [config['script'], config['out'], *config['args']]
+    runpy.run_path(config['script'], run_name='__main__')
+
 def fsdp_train_func(config):
     "The cluster page's recipe under FSDP, on a global batch of 16 whatever the number of workers (2: 8 items each)"
     import ray.train

@@ -127,3 +127,34 @@ def test_the_older_ray_train_api_reports_the_checkpoints_without_a_preemption_no
                          timeout=420, env=env)
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-4000:])
     assert 'REPORTED 12 True' in res.stdout, res.stdout[-2000:]
+
+@pytest.mark.slow
+def test_torchft_replica_groups_on_ray_a_killed_worker_heals_and_the_run_is_exact(local_ray):
+    """Ray Train's `TorchftConfig`: 2 replica groups of one worker each run tests/distributed/ft_script.py; the worker of
+    group 1 SIGKILLs itself in the middle of a step; Ray starts that group again, it heals from group 0, which went on
+    without a restart; both end bitwise equal, and within 1e-6 of the same fit in one process"""
+    import subprocess, sys
+    from ray.train import ScalingConfig, RunConfig, FailureConfig
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2.torch.torchft_config import TorchftConfig
+    from ray_job import torchft_train_func
+    script,out = HERE.parents[0]/'distributed'/'ft_script.py',local_ray/'out'
+    plain = subprocess.run([sys.executable, str(script), str(local_ray/'plain'), '--plain'], capture_output=True,
+                           text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    args = ['--wait-for', '2', '--slow-alone', '0.3', '--kill-at', '18', '--kill-in', 'backward', '--kill-group', '1',
+            '--hold-when-killed']
+    lighthouse = {'min_replicas': 1, 'join_timeout_ms': 10000, 'heartbeat_timeout_ms': 2000}
+    trainer = TorchTrainer(torchft_train_func, train_loop_config={'script': str(script), 'out': str(out), 'args': args},
+                           scaling_config=ScalingConfig(num_workers=2),
+                           torch_config=TorchftConfig(lighthouse_kwargs=lighthouse, backend='gloo'),
+                           run_config=RunConfig(storage_path=str(local_ray/'storage'), name='torchft',
+                                                failure_config=FailureConfig(max_failures=2)))
+    trainer.fit()
+    a,b = [torch.load(out/f'result{g}.pt', weights_only=False) for g in range(2)]
+    ref = torch.load(local_ray/'plain'/'resultplain.pt', weights_only=False)
+    assert (out/'killed1').exists() and b['healed_at'] >= 18 and a['healed_at'] < 18   # group 1 killed, then healed
+    assert a['tries'] >= 1                       # group 0 computed the step again, without group 1
+    assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model']) and a['values'] == b['values']
+    for k,w in ref['model'].items(): assert (a['model'][k] - w).abs().max() <= 1e-6 * w.abs().max(), k
+    assert a['counters'] == ref['counters']
