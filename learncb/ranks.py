@@ -6,8 +6,9 @@ Docs: https://learncb.github.io/learncb/ranks.html.md"""
 
 # %% auto #0
 __all__ = ['num_distrib', 'rank_distrib', 'is_rank0', 'refuse', 'on_group_end', 'group_ended', 'local_model', 'sum_across_ranks',
-           'gather_objects', 'free_port', 'is_sharded', 'whole_state', 'shard_like', 'opt_state_like', 'ShardSampler',
-           'check_shardable', 'shard_in_order', 'gather_in_order']
+           'gather_objects', 'free_port', 'is_sharded', 'whole_state', 'shard_like', 'opt_state_like', 'local_part',
+           'grad_like', 'local_shards', 'shards_like', 'ShardSampler', 'check_shardable', 'shard_in_order',
+           'gather_in_order']
 
 # %% ../nbs/01c_ranks.ipynb #14980140
 import functools, socket
@@ -126,6 +127,43 @@ def opt_state_like(state, opt):
     per_param = {i: {k: shard_like(v, params[i]) if i < len(params) else v for k,v in s.items()}
                  for i,s in state['state'].items()}
     return {**state, 'state': per_param}
+
+# %% ../nbs/01c_ranks.ipynb #83c5e2dc
+def local_part(t):
+    "This rank's part of `t`: its local shard if `t` is sharded (FSDP), else `t`"
+    return t.to_local() if is_sharded(t) else t
+
+def grad_like(p, g):
+    "Flat `g`, this rank's part of the gradient of `p`, as `p.grad` holds it: sharded as `p` is, if it is"
+    if not is_sharded(p): return g.view_as(p).to(p.dtype)
+    from torch.distributed.tensor import DTensor
+    with torch.no_grad(): local = p.to_local()
+    return DTensor.from_local(g.view_as(local).to(p.dtype), p.device_mesh, p.placements, shape=p.shape,
+                              stride=p.stride())
+
+def local_shards(o):
+    """`o` (a state: dicts and lists of tensors) with each sharded tensor as `{'learncb_shard': its local
+    part, ...}`, which a peer's heal reads without DTensor (torchft's transport loads `weights_only`)"""
+    if isinstance(o, dict): return {k: local_shards(v) for k,v in o.items()}
+    if isinstance(o, (list, tuple)): return type(o)(local_shards(v) for v in o)
+    if not is_sharded(o): return o
+    from torch.distributed.tensor import Shard, Replicate
+    if not all(isinstance(p, (Shard, Replicate)) for p in o.placements): raise NotImplementedError(
+        f"local_shards: shards laid out as Shard or Replicate are read, not {o.placements}")
+    dims = [p.dim if isinstance(p, Shard) else -1 for p in o.placements]
+    return {'learncb_shard': o.to_local(), 'shape': list(o.shape), 'stride': list(o.stride()), 'dims': dims}
+
+def shards_like(o, mesh):
+    "`o` from `local_shards` (a peer's, with the same layout), its shards sharded tensors again on this rank's `mesh`"
+    if isinstance(o, dict) and 'learncb_shard' in o:
+        from torch.distributed.tensor import DTensor, Shard, Replicate
+        placements = [Shard(d) if d >= 0 else Replicate() for d in o['dims']]
+        return DTensor.from_local(o['learncb_shard'], mesh, placements, shape=torch.Size(o['shape']),
+                                  stride=tuple(o['stride']))
+    if isinstance(o, dict): return {k: shards_like(v, mesh) for k,v in o.items()}
+    if isinstance(o, (list, tuple)): return type(o)(shards_like(v, mesh) for v in o)
+    return o
+
 
 # %% ../nbs/01c_ranks.ipynb #e0a6a4f4
 class ShardSampler(Sampler):
