@@ -81,12 +81,12 @@ class Chaos(Callback):
         if group_rank != args.kill_rank or args.kill_group not in (None, replica): return
         if args.kill_in == 'forward': learn.model.register_forward_hook(lambda *a: die())
         elif args.kill_in == 'backward': learn.model[0].weight.register_hook(lambda g: die())
-        elif args.kill_in == 'allreduce':
-            reduce = ft.manager.allreduce
-            def reduce_then_die(t, **kw):
-                work = reduce(t, **kw)
+        elif args.kill_in == 'allreduce':         # the sum over the quorum started, its data on its way
+            reduce = ft._pg.allreduce
+            def reduce_then_die(*args, **kw):
+                work = reduce(*args, **kw)
                 die()
-            ft.manager.allreduce = reduce_then_die
+            ft._pg.allreduce = reduce_then_die
         elif args.kill_in == 'step': learn.opt.register_step_post_hook(lambda *a: die())
 
 class Spike(Callback):
