@@ -154,7 +154,7 @@ def local_shards(o):
     return {'learncb_shard': o.to_local(), 'shape': list(o.shape), 'stride': list(o.stride()), 'dims': dims}
 
 def shards_like(o, mesh):
-    "`o` from `local_shards` (a peer's, with the same layout), its shards sharded tensors again on this rank's `mesh`"
+    "`o` from a peer's `local_shards` (laid out alike), its shards sharded tensors again on `mesh`"
     if isinstance(o, dict) and 'learncb_shard' in o:
         from torch.distributed.tensor import DTensor, Shard, Replicate
         placements = [Shard(d) if d >= 0 else Replicate() for d in o['dims']]

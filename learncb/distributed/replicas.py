@@ -1,4 +1,4 @@
-"""Starting the replica groups of a fault-tolerant run: torchft's lighthouse as a local process, each group's environment, groups of one process forked here (`launch_replicas`) or of many ranks under torchrun.
+"""The replica groups of a fault-tolerant run: torchft's settings, the lighthouse, local launches.
 
 Docs: https://learncb.github.io/learncb/replicas.html.md"""
 
@@ -20,14 +20,17 @@ tested_torchft = '0.2.0'
 "The torchft version learncb's fault tolerance was tested with"
 
 def import_torchft(allow_untested=False):
-    "The `torchft` module, if installed at the tested version (any version with `allow_untested`); else a clear error"
+    """The `torchft` module, if installed at the tested version (any version with `allow_untested`);
+    else a clear error"""
     try: version = importlib.metadata.version('torchft')
     except importlib.metadata.PackageNotFoundError: raise ImportError(
-        f"strategy='torchft' needs torchft: pip install 'learncb[ft]' (which installs torchft=={tested_torchft})") from None
+        f"strategy='torchft' needs torchft: pip install 'learncb[ft]' "
+        f"(which installs torchft=={tested_torchft})") from None
     if version != tested_torchft and not allow_untested: raise ImportError(
-        f"torchft {version} is installed, but learncb's fault tolerance was tested with torchft {tested_torchft}: "
-        f"pip install torchft=={tested_torchft}, or pass TorchFT(allow_untested=True) to try this version")
-    os.environ.setdefault('RUST_LOG', 'warn')      # torchft's quorum and commit logs, a few lines a step, unless asked
+        f"torchft {version} is installed, but learncb's fault tolerance was tested with torchft "
+        f"{tested_torchft}: pip install torchft=={tested_torchft}, or pass TorchFT(allow_untested=True) "
+        f"to try this version")
+    os.environ.setdefault('RUST_LOG', 'warn')   # torchft's quorum and commit logs, a few a step, unless asked
     import torchft
     return torchft
 
@@ -43,18 +46,20 @@ def ray_replica_env(group_world=1):
             'NUM_REPLICA_GROUPS': str(ctx.get_world_size() // group_world)}
 
 def replica_settings(env=None):
-    "`(lighthouse, replica group id, number of replica groups)` from torchft's variables: `TORCHFT_LIGHTHOUSE`, `REPLICA_GROUP_ID`, `NUM_REPLICA_GROUPS`"
+    """`(lighthouse, replica group id, number of replica groups)` from torchft's variables:
+    `TORCHFT_LIGHTHOUSE`, `REPLICA_GROUP_ID`, `NUM_REPLICA_GROUPS`"""
     env = os.environ if env is None else env
     lighthouse = env.get('TORCHFT_LIGHTHOUSE')
     if not lighthouse: raise ValueError(
-        "strategy='torchft': TORCHFT_LIGHTHOUSE is not set: start torchft's lighthouse (torchft_lighthouse --min_replicas 1) "
-        "and set TORCHFT_LIGHTHOUSE=http://HOST:29510 in each replica group's environment (launch_replicas does it)")
+        "strategy='torchft': TORCHFT_LIGHTHOUSE is not set: start torchft's lighthouse "
+        "(torchft_lighthouse --min_replicas 1) and set TORCHFT_LIGHTHOUSE=http://HOST:29510 in each replica "
+        "group's environment (launch_replicas does it)")
     ids = {}
     for k in ('REPLICA_GROUP_ID', 'NUM_REPLICA_GROUPS'):
         v = env.get(k)
         if v is None or not v.isdigit(): raise ValueError(
-            f"strategy='torchft': {k}={v!r}: set it to a number in each replica group's environment (REPLICA_GROUP_ID: "
-            f"0, 1, ... one per group; NUM_REPLICA_GROUPS: how many groups the run has)")
+            f"strategy='torchft': {k}={v!r}: set it to a number in each replica group's environment "
+            f"(REPLICA_GROUP_ID: 0, 1, ... one per group; NUM_REPLICA_GROUPS: how many groups the run has)")
         ids[k] = int(v)
     if ids['REPLICA_GROUP_ID'] >= ids['NUM_REPLICA_GROUPS']: raise ValueError(
         f"strategy='torchft': REPLICA_GROUP_ID={ids['REPLICA_GROUP_ID']} is not below NUM_REPLICA_GROUPS="
@@ -68,13 +73,15 @@ def check_lighthouse(address, timeout=5.0):
         with socket.create_connection((url.hostname, url.port or 29510), timeout=timeout): return
     except OSError as e: raise ConnectionError(
         f"strategy='torchft': no lighthouse answers at TORCHFT_LIGHTHOUSE={address!r} ({e}): start it first "
-        f"(torchft_lighthouse --min_replicas 1 --bind {url.hostname}:{url.port or 29510}) or fix the address") from None
+        f"(torchft_lighthouse --min_replicas 1 --bind {url.hostname}:{url.port or 29510}) or fix the "
+        f"address") from None
 
 # %% ../../nbs/23f_replicas.ipynb #a1f0e006
 class Lighthouse:
-    "torchft's lighthouse (`torchft_lighthouse`) as a local process: `address` for `TORCHFT_LIGHTHOUSE`; a context manager"
+    """torchft's lighthouse (`torchft_lighthouse`) as a local process: `address` for `TORCHFT_LIGHTHOUSE`;
+    a context manager"""
     def __init__(self, min_replicas=1, join_timeout=10.0, heartbeat_timeout=5.0, port=None):
-        "Timeouts in seconds: `join_timeout`, how long a quorum waits for a live replica that has not joined yet"
+        "Timeouts in seconds: `join_timeout`, how long a quorum waits for a live replica not joined yet"
         import_torchft(allow_untested=True)
         self.port = port or free_port()
         self.address = f'http://127.0.0.1:{self.port}'
@@ -102,9 +109,11 @@ class Lighthouse:
     def __exit__(self, *exc): self.stop()
 
 def replica_env(lighthouse, replica, n_replicas):
-    "The environment variables of replica group `replica` of `n_replicas` under `lighthouse` (a `Lighthouse` or an address)"
+    """The environment variables of replica group `replica` of `n_replicas` under `lighthouse`
+    (a `Lighthouse` or an address)"""
     address = getattr(lighthouse, 'address', lighthouse)
-    return {'TORCHFT_LIGHTHOUSE': address, 'REPLICA_GROUP_ID': str(replica), 'NUM_REPLICA_GROUPS': str(n_replicas)}
+    return {'TORCHFT_LIGHTHOUSE': address, 'REPLICA_GROUP_ID': str(replica),
+            'NUM_REPLICA_GROUPS': str(n_replicas)}
 
 def group_env(rank, ranks, port):
     "The variables torchrun gives rank `rank` of a group of `ranks` on this machine, whose store is at `port`"
