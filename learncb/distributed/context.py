@@ -24,6 +24,7 @@ from .strategy import *
 from .ddp import *
 from .fsdp import *
 from .ft import *
+from .replicas import group_env
 from ..sampler import resumable_sampler
 from ..internals import free_dtensor_caches
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
@@ -165,8 +166,7 @@ def _to_rank_device(self:Learner, move=True):
 
 # %% ../../nbs/23c_distributed.ipynb #91d82938
 def _launched(rank, fn, args, nprocs, port):
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs))
+    os.environ.update(group_env(rank, nprocs, port))
     torch.set_num_threads(1)      # a forked child that enters the parent's OpenMP thread pool can hang
     fn(*args)
 

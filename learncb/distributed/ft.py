@@ -1,4 +1,4 @@
-"""`TorchFT`, fault tolerance per step on torchft: replica groups of one process or of many ranks (DDP or FSDP within a group), the global batch shared among the groups present, a lost group's work done again by the others, a group that joins healed from a live peer, exactly.
+"""`TorchFT`: fault tolerance per step on torchft, exact, for replica groups of one process or many ranks.
 
 Docs: https://learncb.github.io/learncb/ft.html.md"""
 
@@ -62,7 +62,7 @@ class TorchFT(Strategy):
         self.timeout,self.quorum_timeout,self.connect_timeout = timeout,quorum_timeout,connect_timeout
         self.allow_untested,self.manager,self.learn = allow_untested,None,None
         self._ready,self._received,self._rng,self._first_fit,self.rank = False,None,None,True,0
-        self._buffer,self._views = None,None       # the gradients' flat buffer (`grads_in_buffer`)
+        self._buffer,self._views,self._views_of = None,None,None   # the gradients' (`grads_in_buffer`)
 
     @property
     def needs_group(self):
@@ -248,12 +248,13 @@ class TorchFT(Strategy):
         if self.group_world > 1:   # summed in the group first: the gradients (FSDP's are), the loss, the asks
             dist.all_reduce(flat[:n + 2] if self.inner is None else flat[n:n + 2])
         self._sum_over_quorum(flat)
-        if m.errored() is None: self._check_agreement(flat[-4:].tolist(), learn, own)
+        asks,*sums = flat[n + 1:].tolist()                # one read of the sums on the host
+        if m.errored() is None: self._check_agreement(sums, learn, own)
         self._quorum_due = True          # the next step forms a quorum unless this one commits, none asking
         if not m.should_commit():
             for p in params: p.grad = None
             return None
-        self._quorum_due = bool(flat[n + 1] > 0)      # the same sum on every rank of every group: they agree
+        self._quorum_due = asks > 0      # the same sum on every rank of every group: they agree
         if not in_place:
             for p,g in zip(params, flat[:n].split([t.numel() for t in parts])): p.grad = grad_like(p, g)
         return flat[n].to(loss.dtype)
@@ -275,12 +276,12 @@ class TorchFT(Strategy):
         (gradients kept from before the batch may be views of it). Under FSDP, which makes its own gradients,
         nothing"""
         if self.inner is not None or not params: return
-        n = sum(p.numel() for p in params)
-        buf = self._buffer
-        if fresh or buf is None or buf.numel() != n + 6 or buf.dtype != params[0].dtype:
-            buf = self._buffer = params[0].new_zeros(n + 6)
-        else: buf.zero_()
-        self._views = [g.view_as(p) for p,g in zip(params, buf[:n].split([p.numel() for p in params]))]
+        if fresh or self._views_of is not params:         # once a fit (the step's list of parameters)
+            sizes = [p.numel() for p in params]
+            self._buffer = params[0].new_zeros(sum(sizes) + 6)
+            self._views = [g.view_as(p) for p,g in zip(params, self._buffer.split(sizes + [6]))]
+            self._views_of = params
+        else: self._buffer.zero_()
         for p,g in zip(params, self._views): p.grad = g
 
     def _flat(self, params, parts, tail):
