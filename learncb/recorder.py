@@ -157,7 +157,7 @@ class Recorder(Callback):
         if not self._pending: return
         raw,self._loss_device = batch_losses(self._pending),self._pending[0].device
         beta,smooth,count,total,n = self.beta,self._smooth,self._count,self._train_sum,self._train_n
-        for v,bs in zip(raw, self._pending_bs):
+        for v,bs in zip(raw, items_numbers(self._pending_bs)):
             count += 1
             smooth = beta * smooth + (1 - beta) * v
             self._losses.append(smooth / (1 - beta ** count))
@@ -201,7 +201,7 @@ class Recorder(Callback):
             loss = learn.loss if learn.turn is None else self._turns_loss()
             if loss is None: return                     # a turn before the last: its loss goes to the batch's
             self._pending.append(loss)
-            self._pending_bs.append(learn.stepper.loss_items or find_bs(learn.yb or learn.xb))   # targets, or a model's inputs
+            self._pending_bs.append(learn.stepper.items)        # what the loss is a mean of: rows, or tokens
             self.lrs.append(hyper_number(learn.opt.param_groups[0]['lr']))
             if self._metrics_unchecked: self._try_metrics()
             if self._train_metrics:
@@ -210,7 +210,7 @@ class Recorder(Callback):
             if len(self._pending) >= self.flush_every: self._flush()
         else:
             if learn.loss is None: raise ValueError(_no_targets)
-            self._valid_bs.append(find_bs(learn.yb or learn.xb))
+            self._valid_bs.append(learn.stepper.items)
             self._valid_cols[0].append(learn.loss)
             if self._valid_metrics: self._compute_metrics(self._valid_metrics, self._valid_cols[1:])
 

@@ -12,7 +12,8 @@ from .core import *
 from .utils import *
 from .diagnose import note_failure, note_where, why_no_grad, check_target_shape
 from .optim import opt_step, clear_grads, needs_closure, opt_names
-from .ranks import refuse, rank_distrib
+from .ranks import refuse, num_distrib
+from .items import items_counter, count_items
 from .sampler import rows_kept
 
 # %% ../nbs/02e_step.ipynb #34880ef0
@@ -24,13 +25,15 @@ def _hook(learn, name):
         f"the step's {name.removeprefix('step_')} in a fit; fit with one of them")
     return cbs[0] if cbs else None
 
+_unset = object()
 _stage_cancels = {'backward': CancelBackwardException, 'step': CancelStepException}
 _cancels = tuple(_stage_cancels.values())
 
 class Step:
     "A learner's step: the model, the loss, and in training backward, the optimizer step and zero_grad, with their events"
-    loss_items = None
-    "How many items `learn.loss` is the mean of when not the batch's (`None`): a fault-tolerant step's global batch"
+    items = None
+    """How many items `learn.loss` is the mean of (an int, or a tensor on the device): the batch's rows, or what its
+    loss counts (`items_counter`: the tokens that count for a language model)"""
     stage_now = None
     "The stage under way (`'backward'`, `'step'`), whose cancel ends it; `None` outside them"
     turns = None
@@ -42,6 +45,8 @@ class Step:
         self.learn,self.forward_hook,self.backward_hook = learn,None,None
         self._opt,self._closure,self._first_call = None,False,False     # the last one stepped; a closure?
         self._targets_checked = False                                   # the first batch's shapes, once a fit
+        self._counter,self._counter_of,self._batch_items = None,_unset,None       # see `counter`, `batch_items`
+        self.cut = num_distrib() > 1          # whether each process computes a part of the run's batch
         if hooks: self.find_hooks()
 
     def check_fit(self):
@@ -154,14 +159,22 @@ class Step:
             except Exception as e: note_failure(learn, e, 'loss'); raise
             try: learn.loss = learn.loss_grad.detach()
             except Exception as e: note_where(e, 'loss value'); raise
+            self.items,self._batch_items = count_items(self.counter(), learn.yb, learn.xb),None
         return lf
+
+    def counter(self):
+        "The function that counts a batch's items (`items_counter`), found again when `learn.loss_func` changes"
+        learn = self.learn
+        if self._counter_of is not learn.loss_func:
+            self._counter,self._counter_of = items_counter(learn.loss_func, learn.model),learn.loss_func
+        return self._counter
 
     def backward(self):
         """The backward of the loss with the reduction of the gradients (`Strategy.backward`); the reason when
         the user's loss cannot have one"""
         learn = self.learn
-        w = self._rows_weight() if learn.skipped_items else 1.
-        try: learn.strategy.backward(learn.loss_grad if w == 1. else learn.loss_grad * w)
+        w = self.piece_weight() if self.cut or learn.skipped_items else None
+        try: learn.strategy.backward(learn.loss_grad if w is None else learn.loss_grad * w)
         except Exception as e:
             note_where(e, 'backward')
             if not isinstance(e, RuntimeError): raise
@@ -208,18 +221,39 @@ class Step:
         "Clear the gradients, after a step the optimizer took"
         clear_grads(self.learn.opt)
 
-    def batch_items(self):
-        """How many items the run's batch holds, of which this process computes this batch
-        (`Strategy.global_items`)"""
+    def batch_rows(self):
+        """How many rows the run's batch holds (every process's, without the rows left out): what
+        `GradientAccumulation(n_acc)` counts"""
         learn = self.learn
         kept = rows_kept(learn.dls.train, learn.iter, learn.skipped_items) if learn.skipped_items else None
         return sum(kept) if kept else learn.strategy.global_items(find_bs(learn.yb or learn.xb))
 
-    def _rows_weight(self):
-        """This rank's weight in the mean over the ranks, its part of the batch's rows when some were left out
-        (`learn.skipped_items`): each rank's mean counts for its rows, as the one-process batch's mean"""
-        learn = self.learn
-        kept = rows_kept(learn.dls.train, learn.iter, learn.skipped_items)
-        return 1. if not kept or len(kept) == 1 else kept[rank_distrib()] * len(kept) / sum(kept)
+    def batch_items(self):
+        """How many items the run's batch holds (every process's part, without the rows left out), of which this
+        process's holds `items`: the step's loss is their mean. Counted once a batch (over the processes: one
+        collective for items counted on the device)"""
+        if self._batch_items is None: self._batch_items = self._run_items()
+        return self._batch_items
+
+    def _run_items(self):
+        learn,n = self.learn,self.items
+        if learn.skipped_items and isinstance(n, int): return self.batch_rows()
+        return learn.strategy.batch_items(n)
+
+    def share(self):
+        "This process's part of the run's batch: `items` over `batch_items()` (`None`: all of it)"
+        n,total = self.items,self.batch_items()
+        if total is n: return None
+        w = n / total
+        return None if isinstance(w, float) and w == 1. else w
+
+    def piece_weight(self):
+        """The one weighing of a step cut into pieces: the weight of this process's mean loss in its backward, its
+        `share` of the batch's items times the processes the gradients are averaged over (`Strategy.averages_over`);
+        `None` when nothing needs weighing. So the reduced gradient is the run's batch's mean over its items"""
+        share,over = self.share(),self.learn.strategy.averages_over()
+        if share is None: return None if over == 1 else float(over)
+        w = share * over
+        return None if isinstance(w, float) and w == 1. else w
 
     def __repr__(self): return f'{type(self).__name__}()'

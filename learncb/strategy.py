@@ -95,6 +95,16 @@ class Strategy:
         every rank reads as many (DDP, FSDP)"""
         return n * num_distrib()
 
+    def batch_items(self, n):
+        """How many items the run's batch holds when this process's part holds `n`, an int or a tensor on the device
+        (`Step.items`): rows as `global_items` counts them; items counted on the device summed over the processes"""
+        return self.global_items(n) if isinstance(n, int) else self.reduce(n)
+
+    def averages_over(self):
+        """How many processes the reduction of the gradients averages over (DDP's mean, FSDP's): the step weighs each
+        process's loss by it and by its part of the batch's items (`Step.piece_weight`); 1 where it sums them"""
+        return num_distrib()
+
     reads_whole_batch = False
     """Whether every process reads the whole batch of the run and computes its share of it in the step (a
     fault-tolerant step): then `distrib_ctx(global_batch=n)` gives each process batches of `n`, not `n /
@@ -182,6 +192,9 @@ class SingleProcess(Strategy):
     def global_items(self, n):
         "`n`: the run's batch is this process's"
         return n
+
+    def batch_items(self, n): return n
+    def averages_over(self): return 1
 
 # %% ../nbs/02f_strategy.ipynb #bf171b56
 def turns_not_yet(name):

@@ -12,7 +12,7 @@ PKG = Path(learncb.__file__).parent
 # the layers above: schedules, checkpoints, distributed strategies, inference, integrations.
 loop_layer = {f'learncb.{m}' for m in ('core', 'utils', 'files', 'checks', 'diagnose', 'dispatch', 'optim', 'weights',
                                        'metrics', 'recorder', 'progress', 'preds', 'learner', 'ranks', 'sampler',
-                                       'state', 'resume', 'step', 'strategy', 'internals')}
+                                       'state', 'resume', 'step', 'strategy', 'internals', 'items')}
 # Imports made inside a function, when the feature is asked for: these alone run against the layers
 lazy_allowed = {('learncb.resume', 'learncb.checkpoint.callback'),        # fit(resume=...): the CheckpointCallback, the store
                 ('learncb.resume', 'learncb.checkpoint.store'),

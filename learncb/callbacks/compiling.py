@@ -19,6 +19,7 @@ from ..utils import *
 from ..ranks import *
 from ..learner import *
 from ..step import Step
+from ..items import count_items
 from ..diagnose import is_oom
 from ..optim import clear_grads, hyper_number, bare_step, needs_closure
 from ..internals import *
@@ -145,8 +146,8 @@ class TracedStep(Step):
         return learn.loss_func
 
     def backward(self):
-        learn = self.learn
-        learn.loss_grad.backward()
+        learn,w = self.learn,self.learn.stepper.weight        # the step's `piece_weight`, found before the graph
+        (learn.loss_grad if w is None else learn.loss_grad * w).backward()
         learn.pred,learn.loss_grad = detached(learn.pred),learn.loss_grad.detach()   # their graph is spent
 
     @torch.compiler.disable(recursive=False)
@@ -239,6 +240,10 @@ class CompiledStep(Step):
         "Run the current batch's step compiled, then the deferred handlers; a cancelled stage goes on as the eager step's"
         learn = self.learn
         if self.cuda_graphs: torch.compiler.cudagraph_mark_step_begin()   # the last step's outputs may be overwritten now
+        self.items,self._batch_items,self.weight = count_items(self.counter(), learn.yb, learn.xb),None,None
+        if learn.training:                  # eagerly: handlers inside the graph read them
+            self.batch_items()
+            if self.cut or learn.skipped_items: self.weight = self.piece_weight()
         self._traced.prepare(learn.xb, learn.yb, compiled)
         try:
             self._train() if learn.training else self._valid()

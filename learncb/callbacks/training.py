@@ -31,35 +31,40 @@ def _is_last_batch(learn):
     return learn.n_iter is not None and learn.iter == learn.n_iter - 1
 
 class GradientAccumulation(Callback):
-    """Step the optimizer once every `n_acc` samples of the run (all ranks'), with the gradient of a batch of
-    `n_acc`"""
-    order,run_valid,_state_attrs,_sync = Order.ACCUMULATE,False,('count',),None
+    """Step the optimizer once every `n_acc` samples of the run (all ranks'), with the gradient of the step's mean loss
+    over its items (the tokens that count for a language model: `Step.items`)"""
+    order,run_valid,_state_attrs,_sync = Order.ACCUMULATE,False,('count', 'items'),None
     takes_turns = False                  # it counts the items of a batch's one step
     compiled_events = ('before_backward', 'before_step')
     def __init__(self, n_acc=32):
-        self.n_acc,self.count = check_int(n_acc, 'n_acc (a number of samples)', ge=1, who='GradientAccumulation'),0
+        self.n_acc = check_int(n_acc, 'n_acc (a number of samples)', ge=1, who='GradientAccumulation')
+        self.count,self.items = 0,0             # the rows and the items of the batches since the last step
 
     def before_fit(self):
-        self.count = 0
+        self.count,self.items = 0,0
         self._sync = self.learn.strategy.grad_sync_switch(self.learn.model)
 
     def before_batch(self):
         "Under DDP or FSDP, reduce the gradients over the ranks only in the backward of a batch that steps"
         if self._sync is not None:
             learn = self.learn
-            self._sync(self.count + learn.stepper.batch_items() >= self.n_acc or _is_last_batch(learn))
+            self._sync(self.count + learn.stepper.batch_rows() >= self.n_acc or _is_last_batch(learn))
 
     def before_backward(self):
-        learn = self.learn
-        bs = learn.stepper.batch_items()      # the run's batch: every rank's items (the strategy's count)
-        self.count += bs
-        learn.loss_grad = learn.loss_grad * (bs / self.n_acc)
+        "Weigh the batch's mean loss by its items (every rank's: the step's count) over `n_acc`"
+        learn,step = self.learn,self.learn.stepper
+        n = step.batch_items()
+        self.count += step.batch_rows()
+        self.items = self.items + n
+        learn.loss_grad = learn.loss_grad * (n / self.n_acc)
 
     def before_step(self):
-        learn,count = self.learn,self.count
-        if count < self.n_acc and not _is_last_batch(learn): raise CancelStepException()
-        if count and count != self.n_acc: _scale_grads(learn, self.n_acc / count)
-        self.count = 0
+        "Cancel the step before `n_acc` rows; else make the gradients the mean over the items of the batches summed"
+        learn,items = self.learn,self.items
+        if self.count < self.n_acc and not _is_last_batch(learn): raise CancelStepException()
+        if not isinstance(items, int): _scale_grads(learn, self.n_acc / items)      # counted on the device
+        elif items and items != self.n_acc: _scale_grads(learn, self.n_acc / items)
+        self.count,self.items = 0,0
 
     def steps_in(self, dl):
         "The optimizer steps an epoch over `dl` takes: one every `n_acc` samples, and one for the rest at the epoch's end"
@@ -72,7 +77,7 @@ class GradientAccumulation(Callback):
         "Drop the gradients of samples that never got their step"
         if self.count and self.learn.opt is not None: self.learn.opt.zero_grad()
         if self._sync is not None: self._sync(True)
-        self.count = 0
+        self.count,self.items = 0,0
 
 # %% ../../nbs/13_training.ipynb #c7eace64
 class GradientClip(Callback):

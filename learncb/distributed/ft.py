@@ -16,6 +16,7 @@ from ..core import *
 from ..utils import *
 from ..learner import *
 from ..step import Step
+from ..items import count_items
 from ..resume import ResumeCallback, check_same_run
 from ..ranks import *
 from ..strategy import *
@@ -229,10 +230,9 @@ class TorchFT(Strategy):
         if self._rng is not None: state['rng'] = self._rng      # as before this batch was read
         return state
 
-    def backward(self, loss):
-        """The backward of this rank's share of the loss, weighted by its part of the global batch (times the
-        group's ranks under FSDP, which averages over them)"""
-        (loss * (self.weight * (1 if self.inner is None else self.group_world))).backward()
+    def averages_over(self):
+        "Summed over the quorum and in a group over its ranks; FSDP within a group averages over its ranks"
+        return 1 if self.inner is None else self.group_world
 
     def sum_and_commit(self, learn, params, loss):
         "Sum the gradients and `loss` over the quorum (one all-reduce); the global batch's loss if the quorum commits, else `None`"
@@ -321,27 +321,29 @@ def _no_items(*args):
 class FaultTolerantStep(Step):
     """The step of a replica group: the quorum and this replica's share of the batch before the forward, the
     sum over the quorum in the backward, again until a quorum commits"""
-    loss_items = None
     def __init__(self, learn, strategy):
         super().__init__(learn)
-        self.strategy,self.tries,self._total = strategy,0,None
+        self.strategy,self.tries,self._total,self.cut = strategy,0,None,True
         self.params = [p for g in learn.opt.param_groups for p in g['params']]     # a frozen one's gradient: zeros
         self._before_backward = [cb for cb in learn.ordered_cbs('before_backward')
                                  if cb.takes_part('before_backward', True)]
 
     def run(self):
-        """The batch's step as `Step` runs it;
-        in training on this replica's share of the global batch (`loss_items`)"""
+        """The batch's step as `Step` runs it; in training on this replica's share of the global batch, whose rows
+        and items every replica counts (it reads all of it)"""
         learn = self.learn
         if learn.training:
-            self._batch,self.loss_items = (learn.xb, learn.yb),find_bs(learn.yb or learn.xb)
+            xb,yb = learn.xb,learn.yb
+            self._batch,self._rows,self._whole = (xb, yb),find_bs(yb or xb),count_items(self.counter(), yb, xb)
             self._states = [(cb, copy.deepcopy(cb.state_dict())) for cb in self._before_backward]
             self._seen_loss = None
         super().run()
 
-    def batch_items(self):
-        "The global batch: every replica reads all of it, and computes its share"
-        return self.loss_items if self.learn.training else super().batch_items()
+    def batch_rows(self):
+        "The global batch's rows: every replica reads all of it, and computes its share"
+        return self._rows if self.learn.training else super().batch_rows()
+
+    def _run_items(self): return self._whole if self.learn.training else super()._run_items()
 
     def predict(self):
         """In training, the step's quorum, then the forward of this replica's share of the batch
@@ -352,9 +354,9 @@ class FaultTolerantStep(Step):
     def _share(self):
         "A quorum, and this replica's share of the batch in `learn.xb`, `learn.yb`: whether it has an item"
         learn,ft = self.learn,self.strategy
-        lo,hi = ft.quorum_share(self.loss_items)
-        ft.weight = (hi - lo) / self.loss_items
-        if hi == lo and ft.inner is not None: lo,hi = 0,min(1, self.loss_items)   # FSDP: every rank computes
+        lo,hi = ft.quorum_share(self._rows)
+        self._empty = hi == lo
+        if hi == lo and ft.inner is not None: lo,hi = 0,min(1, self._rows)   # FSDP: every rank computes, weighs 0
         xb,yb = self._batch
         learn.xb,learn.yb = _sliced(xb, lo, hi),_sliced(yb, lo, hi)
         return hi > lo
@@ -366,9 +368,11 @@ class FaultTolerantStep(Step):
         if not learn.training: return super().compute_loss()
         if learn.pred is None:
             learn.loss_grad = learn.loss = torch.zeros(())
+            self.items,self._batch_items = 0,None
             return _no_items
         lf = super().compute_loss()
         learn.loss = learn.loss.clone()
+        if self._empty: self.items = 0
         return lf
 
     def backward(self):
@@ -380,8 +384,9 @@ class FaultTolerantStep(Step):
         for p in self.params: p.grad = None
         ft.grads_in_buffer(self.params, fresh=any(g is not None for g in kept))
         try:
-            if ft.weight or ft.inner is not None: super().backward()     # FSDP's backward is a collective
-            self._total = ft.sum_and_commit(learn, self.params, learn.loss * ft.weight)
+            share = self.share()
+            if not self._empty or ft.inner is not None: super().backward()     # FSDP's backward is a collective
+            self._total = ft.sum_and_commit(learn, self.params, learn.loss if share is None else learn.loss * share)
         finally:
             for p,g in zip(self.params, kept):
                 if self._total is None: p.grad = g             # not committed, or failed: as before the try
@@ -389,6 +394,7 @@ class FaultTolerantStep(Step):
         if self._total is None: return
         loss = learn.loss if self._seen_loss is None else self._seen_loss     # what `after_loss` handlers saw
         learn.loss = loss.copy_(self._total)                 # the global batch's loss from here on
+        self.items = self._whole
 
     def committed(self):
         "Whether the quorum committed this try"
