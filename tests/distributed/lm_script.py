@@ -1,0 +1,57 @@
+"""A padded language model's fit with its step cut into pieces over processes (tests/distributed/test_lm_items.py):
+each piece weighed by the tokens its loss counts, so that every way trains as the whole batch in one process.
+
+python tests/distributed/lm_script.py OUT --way one|ddp|fsdp|ddp_accumulation|ddp_microbatch|torchft|torchft_ranks
+'one': this process, the whole global batch of 16 a step; the others: two processes (DDP, FSDP, `launch`), or two
+replica groups of one process or of two ranks (torchft). Rank 0 (of group 0) saves OUT/<way>.pt: the weights."""
+import argparse, os, sys
+from pathlib import Path
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from learncb.all import *
+from learncb.test_utils import TinyLM, padded_tokens
+
+N_ROWS,GLOBAL_BATCH = 32,16
+
+class TooBig(nn.Module):
+    "The tiny LM, out of memory on more than 4 rows in training"
+    def __init__(self): super().__init__(); self.lm = TinyLM()
+    def forward(self, x):
+        if torch.is_grad_enabled() and len(x) > 4: raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return self.lm(x)
+
+def ways():
+    "`{way: (strategy, global batch, callbacks, model)}`"
+    ft = lambda **kw: TorchFT(timeout=30, **kw)
+    return {'one': (None, GLOBAL_BATCH, [], TinyLM), 'ddp': ('ddp', GLOBAL_BATCH, [], TinyLM),
+            'fsdp': ('fsdp', GLOBAL_BATCH, [], TinyLM),
+            'ddp_accumulation': ('ddp', GLOBAL_BATCH // 4, [GradientAccumulation(GLOBAL_BATCH)], TinyLM),
+            'ddp_microbatch': ('ddp', GLOBAL_BATCH, [AutoMicrobatch()], TooBig),
+            'torchft': (ft(), GLOBAL_BATCH, [], TinyLM), 'torchft_ranks': (ft(), GLOBAL_BATCH, [], TinyLM)}
+
+def fit(out, way):
+    torch.set_num_threads(1)
+    strategy,bs,cbs,model = ways()[way]
+    torch.manual_seed(0)
+    dls = DataLoaders(DataLoader(padded_tokens(N_ROWS, lengths=(2, 24)), batch_size=bs), None)
+    learn = Learner(dls, model(), CrossEntropyLossFlat(), opt_func=torch.optim.SGD, lr=1.0, device='cpu')
+    learn.remove_cb(ProgressCallback)
+    ctx = learn.distrib_ctx(global_batch=bs) if strategy is None else learn.distrib_ctx(
+        strategy=strategy, global_batch=bs)
+    with learn.no_logging(), ctx: learn.fit(1, cbs=cbs)
+    weights = getattr(learn.model, 'lm', learn.model).state_dict()
+    first = os.environ.get('RANK', '0') == '0' and os.environ.get('REPLICA_GROUP_ID', '0') == '0'
+    if first: torch.save({'weights': weights, 'train_iter': learn.train_iter}, Path(out)/f'{way}.pt')
+
+if __name__ == '__main__':
+    p = argparse.ArgumentParser()
+    p.add_argument('out'); p.add_argument('--way', default='one')
+    args = p.parse_args()
+    out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
+    if args.way == 'one': fit(out, 'one')
+    elif args.way.startswith('torchft'):
+        with Lighthouse(min_replicas=2) as lh:
+            launch_replicas(fit, out, args.way, n=2, ranks=2 if args.way == 'torchft_ranks' else 1, lighthouse=lh,
+                            timeout=600)
+    else: launch(fit, out, args.way, nprocs=2)
