@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from learncb.all import *
+from learncb.test_utils import TinyLM, padded_tokens
 
 N_ITEMS,GLOBAL_BATCH,EPOCHS = 512,64,2
 
@@ -53,6 +54,7 @@ capabilities = {       # name: the callbacks of the fit, given its checkpoint fo
     'several_optimizers': lambda folder: [],       # Adam for the body, SGD for the head: one step of both a batch
     'turns': lambda folder: [],                    # the body's optimizer, then the head's, each on a forward of its own
     'closure': lambda folder: [],                  # LBFGS: the step computes the batch again in a closure
+    'padded_lm': lambda folder: [GradientAccumulation(128)],   # a language model's rows of unequal length, by tokens
 }
 
 class AlternatingStep(Step):
@@ -64,15 +66,17 @@ class AlternatingLearner(Learner): step_class = AlternatingStep
 body_and_head = {'splitter': lambda m: {'body': m[0].parameters(), 'head': m[2].parameters()},
                  'opt_func': {'body': torch.optim.Adam, 'head': partial(torch.optim.SGD, momentum=0.9)}}
 learner_kwargs = {'several_optimizers': body_and_head, 'turns': {**body_and_head, 'cls': AlternatingLearner},
-                  'closure': {'opt_func': partial(torch.optim.LBFGS, max_iter=4, history_size=4), 'lr': 0.5}}
+                  'closure': {'opt_func': partial(torch.optim.LBFGS, max_iter=4, history_size=4), 'lr': 0.5},
+                  'padded_lm': {'lm': True}}
 
-def learner(cls=Learner, **kwargs):
+def learner(cls=Learner, lm=False, **kwargs):
+    "The regression learner, or (`lm`) a tiny language model on padded rows of 2 to 24 tokens, its loss over tokens"
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1), nn.Flatten(0))
-    dls = DataLoaders(DataLoader(data(N_ITEMS, 1), batch_size=GLOBAL_BATCH, shuffle=True),
-                      DataLoader(data(128, 2), batch_size=64))
-    return cls(dls, model, loss_func=nn.MSELoss(), default_cbs=False, cbs=[TrainEvalCallback(), Recorder()],
-               **{'opt_func': torch.optim.Adam, 'lr': 3e-3, **kwargs})
+    model = TinyLM(dim=16) if lm else nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1), nn.Flatten(0))
+    train,valid = (padded_tokens(N_ITEMS, seed=1),padded_tokens(128, seed=2)) if lm else (data(N_ITEMS, 1),data(128, 2))
+    dls = DataLoaders(DataLoader(train, batch_size=GLOBAL_BATCH, shuffle=True), DataLoader(valid, batch_size=64))
+    return cls(dls, model, loss_func=CrossEntropyLossFlat() if lm else nn.MSELoss(), default_cbs=False,
+               cbs=[TrainEvalCallback(), Recorder()], **{'opt_func': torch.optim.Adam, 'lr': 3e-3, **kwargs})
 
 def fit(cap, strategy, out, rank):
     "One fit with capability `cap`: what it computed, or why it was refused"
