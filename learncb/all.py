@@ -7,7 +7,7 @@ from .files import *
 from .checks import *
 from .diagnose import *
 from .dispatch import *
-from .items import items_counter, count_items, shifts_labels, CrossEntropyLossFlat
+from .items import items_counter, shifts_labels, CrossEntropyLossFlat
 from .step import *
 from .optim import *
 from .weights import *

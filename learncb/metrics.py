@@ -76,7 +76,8 @@ def weighted_means(cols, bss, names=None):
 def items_tensor(items, dtype=None, device=None):
     "The items of each batch (ints, or tensors counted on the device) in one tensor, with no host sync"
     if all(isinstance(n, int) for n in items): return torch.tensor(items, dtype=dtype, device=device)
-    return torch.stack([torch.as_tensor(n).to(device=device, dtype=dtype).reshape(()) for n in items])
+    try: return torch.stack(items).to(device=device, dtype=dtype)
+    except TypeError: return torch.stack([torch.as_tensor(n, device=device) for n in items]).to(dtype)   # ints too
 
 def items_numbers(items):
     "The items of each batch as Python numbers, in one host sync when some were counted on the device"

@@ -13,7 +13,7 @@ from .utils import *
 from .diagnose import note_failure, note_where, why_no_grad, check_target_shape
 from .optim import opt_step, clear_grads, needs_closure, opt_names
 from .ranks import refuse, num_distrib
-from .items import items_counter, count_items
+from .items import items_counter
 from .sampler import rows_kept
 
 # %% ../nbs/02e_step.ipynb #34880ef0
@@ -159,15 +159,16 @@ class Step:
             except Exception as e: note_failure(learn, e, 'loss'); raise
             try: learn.loss = learn.loss_grad.detach()
             except Exception as e: note_where(e, 'loss value'); raise
-            self.items,self._batch_items = count_items(self.counter(), learn.yb, learn.xb),None
+            self.items,self._batch_items = self.items_of(learn.yb, learn.xb),None
         return lf
 
-    def counter(self):
-        "The function that counts a batch's items (`items_counter`), found again when `learn.loss_func` changes"
+    def items_of(self, yb, xb):
+        """The items of a batch of targets `yb` and inputs `xb`, what its loss is a mean of (`items_counter`, found
+        again when `learn.loss_func` changes)"""
         learn = self.learn
         if self._counter_of is not learn.loss_func:
             self._counter,self._counter_of = items_counter(learn.loss_func, learn.model),learn.loss_func
-        return self._counter
+        return self._counter(yb, xb)
 
     def backward(self):
         """The backward of the loss with the reduction of the gradients (`Strategy.backward`); the reason when

@@ -19,7 +19,6 @@ from ..utils import *
 from ..ranks import *
 from ..learner import *
 from ..step import Step
-from ..items import count_items
 from ..diagnose import is_oom
 from ..optim import clear_grads, hyper_number, bare_step, needs_closure
 from ..internals import *
@@ -240,7 +239,7 @@ class CompiledStep(Step):
         "Run the current batch's step compiled, then the deferred handlers; a cancelled stage goes on as the eager step's"
         learn = self.learn
         if self.cuda_graphs: torch.compiler.cudagraph_mark_step_begin()   # the last step's outputs may be overwritten now
-        self.items,self._batch_items,self.weight = count_items(self.counter(), learn.yb, learn.xb),None,None
+        self.items,self._batch_items,self.weight = self.items_of(learn.yb, learn.xb),None,None
         if learn.training:                  # eagerly: handlers inside the graph read them
             self.batch_items()
             if self.cut or learn.skipped_items: self.weight = self.piece_weight()

@@ -16,7 +16,6 @@ from ..core import *
 from ..utils import *
 from ..learner import *
 from ..step import Step
-from ..items import count_items
 from ..resume import ResumeCallback, check_same_run
 from ..ranks import *
 from ..strategy import *
@@ -334,7 +333,7 @@ class FaultTolerantStep(Step):
         learn = self.learn
         if learn.training:
             xb,yb = learn.xb,learn.yb
-            self._batch,self._rows,self._whole = (xb, yb),find_bs(yb or xb),count_items(self.counter(), yb, xb)
+            self._batch,self._rows,self._whole = (xb, yb),find_bs(yb or xb),self.items_of(yb, xb)
             self._states = [(cb, copy.deepcopy(cb.state_dict())) for cb in self._before_backward]
             self._seen_loss = None
         super().run()
