@@ -367,12 +367,16 @@ class FaultTolerantStep(Step):
         if not learn.training: return super().compute_loss()
         if learn.pred is None:
             learn.loss_grad = learn.loss = torch.zeros(())
-            self.items,self._batch_items = 0,None
+            self._own,self.items = 0,self._whole
             return _no_items
         lf = super().compute_loss()
         learn.loss = learn.loss.clone()
-        if self._empty: self.items = 0
+        self._own,self.items = 0 if self._empty else self.items,self._whole   # the sum over the quorum's loss
         return lf
+
+    def share(self):
+        "This replica's part of the global batch: the items of its share over the batch's"
+        return self._own / self._whole
 
     def backward(self):
         """This replica's share of the backward, weighted by its part of the global batch, then the sum over
@@ -393,7 +397,6 @@ class FaultTolerantStep(Step):
         if self._total is None: return
         loss = learn.loss if self._seen_loss is None else self._seen_loss     # what `after_loss` handlers saw
         learn.loss = loss.copy_(self._total)                 # the global batch's loss from here on
-        self.items = self._whole
 
     def committed(self):
         "Whether the quorum committed this try"
