@@ -22,6 +22,7 @@ from .utils import *
 from .ranks import *
 from .diagnose import *
 from .recorder import *
+from .items import row_means, own_loss_rows, shifts_labels
 
 # %% ../nbs/05_preds.ipynb #4198e615
 def n_samples(dl):
@@ -267,22 +268,40 @@ class PredsHost:
         what its step would draw (its dropout: the random state is put back after) but its normalization
         layers reading their running statistics (so that no row changes another's loss, and no statistic
         changes); `(None, why)` if `loss_func` gives no loss per row"""
-        if self.loss_func is None: return None,"the model computes its own loss, one for the batch"
         self.take_batch(b)
+        if self.loss_func is None: return self._own_row_losses()
         n = len(self.yb[0]) if self.yb else 0
+        with self._quiet_forward() as forward:
+            pred = forward()
+            try:
+                with self.loss_not_reduced(): losses = self.loss_func(pred, *self.yb)
+            except TypeError as e: return None,f"loss_func takes no reduction argument ({e})"
+        if not isinstance(losses, torch.Tensor) or losses.ndim == 0 or losses.numel() % max(n, 1):
+            return None,f"loss_func gave {describe_value(losses)} for {n} rows with reduction='none'"
+        ignore = getattr(self.loss_func, 'ignore_index', None)
+        return row_means(losses, n, self.yb[0], ignore if isinstance(ignore, int) else None).tolist(),None
+
+    @contextmanager
+    def _quiet_forward(self):
+        """Context manager giving the forward of the current batch without gradients, its random draws put back,
+        normalization layers reading their running statistics"""
         norms = [m for m in self.model.modules() if m.training and getattr(m, 'track_running_stats', False)]
         try:
             with torch.no_grad(), rng_kept():
                 for m in norms: m.eval()
-                pred = self.forward_batch()
-                try:
-                    with self.loss_not_reduced(): losses = self.loss_func(pred, *self.yb)
-                except TypeError as e: return None,f"loss_func takes no reduction argument ({e})"
+                yield self.forward_batch
         finally:
             for m in norms: m.train()
-        if not isinstance(losses, torch.Tensor) or losses.ndim == 0 or len(losses) != n:
-            return None,f"loss_func gave {describe_value(losses)} for {n} rows with reduction='none'"
-        return losses.detach().double().reshape(n, -1).mean(1).tolist(),None
+
+    def _own_row_losses(self):
+        """`row_losses` of a model that computes its own loss: each row's cross-entropy over its labels (after a
+        causal LM's shift), from the model's outputs on the current batch"""
+        if not self.yb: return None,"the model computes its own loss, and the batch has no labels"
+        with self._quiet_forward() as forward: pred = forward()
+        self._out_loss = None
+        losses = own_loss_rows(pred, self.yb[0], shifts_labels(self.model))
+        if losses is None: return None,"the model computes its own loss, one for the batch, not a cross-entropy"
+        return losses.tolist(),None
 
 # %% ../nbs/05_preds.ipynb #10969ed5
 @contextmanager

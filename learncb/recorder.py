@@ -10,6 +10,7 @@ __all__ = ['Recorder', 'tell', 'has_output', 'skipped_summary', 'batch_losses']
 # %% ../nbs/04_recorder.ipynb #3a37d33f
 import copy, itertools, math, warnings
 from fastcore.basics import noop
+from fastcore.imports import IN_NOTEBOOK
 import torch
 from torch import nn
 from fastprogress.fastprogress import format_time
@@ -375,11 +376,13 @@ class Recorder(Callback):
 # %% ../nbs/04_recorder.ipynb #bc55d3be
 def tell(learn, line, warn=True):
     """Say `line` through the learner's output, on the process that speaks for the run (rank 0; under torchft
-    the first replica of the quorum): under the bars when they are drawn, else on stdout; when logging is off
-    (`learn.no_logging()`), as a warning (`warn`) or not at all"""
+    the first replica of the quorum): under the bars when they are drawn in a terminal, else on stdout (in Jupyter,
+    where the bars' table would write over it, below them); when logging is off (`learn.no_logging()`), as a
+    warning (`warn`) or not at all"""
     if not learn.strategy.speaks(): return
     bar = _bar(learn)
-    if bar is not None: bar.write(line)
+    if bar is not None and not IN_NOTEBOOK: bar.write(line)
+    elif bar is not None: print(line, flush=True)
     elif learn.logger is not noop: print(line, flush=True)
     elif warn: warn_user(line, RuntimeWarning)
 

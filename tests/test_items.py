@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from learncb.all import *
 from learncb.test_utils import TinyLM, padded_tokens
+from lm_models import gpt2, hf_tokens
 
 def rel_dist(a, b):
     "The largest distance between two models' weights, relative to the largest weight of `b`, over the tensors"
@@ -102,22 +103,8 @@ def segmentation(bs, cbs=()):
 def test_accumulated_segmentation_masks_with_an_ignored_label_train_as_the_whole_batch():
     assert rel_dist(segmentation(4, [GradientAccumulation(16)]).model, segmentation(16).model) < 1e-6
 
-def gpt2():
-    transformers = pytest.importorskip('transformers')
-    cfg = transformers.GPT2Config(vocab_size=24, n_positions=32, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
-                                  eos_token_id=0, pad_token_id=0,
-                                  resid_pdrop=0., embd_pdrop=0., attn_pdrop=0.)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg)
-
-def hf_batches(ds):
-    "Dict batches as a transformers model takes them: `input_ids`, `attention_mask`, `labels` (-100 on the padding)"
-    x, y = ds.tensors
-    labels = torch.where(y == -100, -100, x)          # the model shifts the labels itself
-    return [{'input_ids': x[i], 'attention_mask': (y[i] != -100).long(), 'labels': labels[i]} for i in range(len(x))]
-
 def fit_gpt2(bs, cbs=()):
-    dls = DataLoaders(DataLoader(hf_batches(padded_tokens(32, lengths=(2, 24))), batch_size=bs), None)
+    dls = DataLoaders(DataLoader(hf_tokens(32), batch_size=bs), None)
     learn = Learner(dls, gpt2(), loss_func=None, opt_func=torch.optim.SGD, lr=1.0)
     with learn.no_bar(), learn.no_logging(): learn.fit(1, cbs=list(cbs))
     return learn

@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 from learncb.all import *
 from guard_script import regression_learner
+from learncb.test_utils import padded_tokens
 
 N, BS = 480, 16
 
@@ -189,3 +190,29 @@ def test_the_rows_one_rank_finds_are_skipped_by_every_rank(tmp_path, strategy):
     assert two['skipped'] == one['skipped'] and two['train_iter'] == one['train_iter']
     rel = max(((two['model'][k] - w).abs().max() / w.abs().max()).item() for k, w in one['model'].items())
     assert rel <= 1e-5, rel            # each rank's mean weighed by its rows: the one-process batch's mean
+
+def gpt2_learner(dl):
+    "A GPT-2 computing its own loss, on dict rows; its embedding of token 23 is NaN (no other row uses that token)"
+    from lm_models import gpt2
+    model = gpt2(tie=False)                     # tied, the NaN embedding would be every row's output weights
+    with torch.no_grad(): model.transformer.wte.weight[23] = torch.nan
+    learn = Learner(DataLoaders(dl), model, loss_func=None, lr=1e-2, device='cpu', opt_func=torch.optim.Adam)
+    learn.remove_cb(ProgressCallback)
+    learn.logger = lambda row: None
+    return learn
+
+def test_a_causal_lm_with_its_own_loss_skips_only_its_poisoned_rows():
+    "The rows of a model's own loss told apart (each row's cross-entropy over its shifted labels): exact"
+    from lm_models import hf_rows
+    x, y = padded_tokens(160, vocab=23, lengths=(2, 24)).tensors
+    bad = sorted(random.Random(7).sample(range(160), 3))
+    x[bad, 1] = 23                               # a token whose embedding is NaN: those rows' losses are NaN
+    rows = hf_rows(x, y)
+    learn = gpt2_learner(shuffled(rows, 7))
+    guard, found, said = guarded_fit(learn, epochs=2)
+    assert learn.skipped_items == bad and guard.rollbacks <= 3, said
+    assert 'cannot be told apart' not in said and 'made it spike' in said
+    without = gpt2_learner(shuffled(rows, 7, out=bad))
+    without.fit(2)
+    ours, theirs = (dict(l.model.named_parameters()) for l in (learn, without))     # NaN where both are
+    assert all(torch.allclose(ours[k], theirs[k], rtol=0, atol=1e-6, equal_nan=True) for k in theirs)
