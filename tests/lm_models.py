@@ -20,3 +20,8 @@ def hf_rows(x, y):
 def hf_tokens(n=32, lengths=(2, 24), seed=0, vocab=24):
     "`padded_tokens` as dict rows (`hf_rows`)"
     return hf_rows(*padded_tokens(n, vocab=vocab, lengths=lengths, seed=seed).tensors)
+
+def hf_collate(rows):
+    "Dict rows cut to the longest of the batch (its attention mask), as a padding collator does; labels if they have"
+    n = max(int(r['attention_mask'].sum()) for r in rows)
+    return {k: torch.stack([r[k][:n] for r in rows]) for k in rows[0]}

@@ -21,6 +21,7 @@ from ..core import *
 from ..utils import *
 from ..learner import *
 from ..optim import opt_names
+from ..items import shifts_labels
 
 # %% ../../nbs/21_summary.ipynb #de12a6e8
 def shape_str(o):
@@ -151,7 +152,10 @@ def _one_opt_lines(title, opt, indent):
 def _loss_line(learn):
     "The loss function's line of the summary"
     lf = learn.loss_func
-    return f"Loss function: {'none (pass loss_func to the Learner)' if lf is None else name_of(lf, detail=True)}"
+    if lf is not None: return f"Loss function: {name_of(lf, detail=True)}"
+    shift = ', its labels shifted by one (a causal LM)' if shifts_labels(learn.model) else ''
+    return (f"Loss function: the model's own (loss_func=None: the {learn.loss_key!r} of its output, from "
+            f"batch[{learn.label_key!r}]{shift})")
 
 def _cb_lines(learn):
     "The callbacks, by class name, in the order they run"
