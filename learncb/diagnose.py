@@ -6,11 +6,11 @@ Docs: https://learncb.github.io/learncb/diagnose.html.md"""
 
 # %% auto #0
 __all__ = ['describe_value', 'FailedBatch', 'failed_batch', 'note_where', 'note_batch', 'is_oom', 'check_target_shape',
-           'explain_batch_error', 'batch_notes', 'why_no_grad', 'device_note', 'note_failure', 'no_targets_message',
-           'no_model_loss_message']
+           'check_lm_labels', 'explain_batch_error', 'batch_notes', 'why_no_grad', 'device_note', 'note_failure',
+           'missing_labels', 'no_targets_message', 'no_model_loss_message']
 
 # %% ../nbs/02d_diagnose.ipynb #33b2b2e0
-import re
+import difflib, re
 from collections.abc import Mapping
 import torch
 from torch import nn
@@ -111,6 +111,23 @@ def check_target_shape(pred, yb):
               f"item by item (nn.BCELoss, nn.MSELoss, nn.L1Loss) broadcasts them to ({n}, {n}), or refuses "
               f"them. Make the output flat (nn.Flatten(0) as the model's last layer, or loss_func=lambda "
               f"out, y: f(out.squeeze(1), y)), or give the targets the shape ({n}, 1)")
+
+def check_lm_labels(b, labels, shifts):
+    """Warn (once a fit, on its first batch) of labels that a language model's loss counts wrongly, in dict batch
+    `b`: labels counted where the attention mask says padding (-100 missing there), or, for a model that shifts its
+    labels itself (`shifts`), labels that are its `input_ids` shifted by one already"""
+    if not isinstance(b, Mapping) or not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point: return
+    mask,ids,counted = b.get('attention_mask'),b.get('input_ids'),labels != -100
+    if isinstance(mask, torch.Tensor) and mask.shape == labels.shape and (counted & (mask == 0)).any(): warn_user(
+        f"{int((counted & (mask == 0)).sum())} labels of this batch count positions its attention_mask marks as "
+        f"padding, so the loss counts the padding too: set the labels to -100 where attention_mask is 0 (a "
+        f"collate_fn: labels.masked_fill(attention_mask == 0, -100))")
+    if not shifts or not isinstance(ids, torch.Tensor) or ids.shape != labels.shape or ids.shape[-1] < 3: return
+    head = counted[..., :-1]
+    if head.any() and (labels[..., :-1] == ids[..., 1:])[head].all() and not (labels == ids)[counted].all(): warn_user(
+        "the labels of this batch are its input_ids shifted by one, and the model shifts its labels itself (a "
+        "causal LM), so it learns to predict the token after next: pass the labels unshifted, labels = input_ids "
+        "(with -100 on the padding)")
 
 def _loss_inputs_note(learn, b):
     "What loss_func got (pred, the targets, where each came from), and the ways to give it what it needs"
@@ -220,8 +237,21 @@ def note_failure(learn, e, where):
     if isinstance(e, RuntimeError) and 'device' in str(e) and where in _what: add_note(e, device_note(learn, _what[where]))
 
 # %% ../nbs/02d_diagnose.ipynb #68dce2ea
-def no_targets_message(b, n_inp):
+def missing_labels(b, label_key, own_loss=False):
+    """Why dict batch `b` gives no labels: it has no `label_key` entry (its keys, the closest one); `''` for another
+    batch. `own_loss`: the model computes its loss from the batch (`model(**batch)`), so the entry's name is its"""
+    if not isinstance(b, Mapping) or label_key in b: return ''
+    keys = [str(k) for k in b]
+    close = (difflib.get_close_matches(label_key, keys, n=1, cutoff=0.6) or ['...'])[0]
+    fix = (f"name that entry {label_key!r}, the model's argument (model(**batch)): batch[{label_key!r}] = "
+           f"batch.pop({close!r}) in the collate_fn" if own_loss else
+           f"tell the learner which entry the targets are: Learner(..., label_key={close!r})")
+    return (f"the dict batch has no {label_key!r} entry (learn.label_key), so there are no labels; its keys: "
+            f"{keys}: {fix}")
+
+def no_targets_message(b, n_inp, label_key='labels'):
     "Why training batch `b` has no loss, though the learner has a `loss_func`: nothing of it is left for targets"
+    if missing := missing_labels(b, label_key): return f"this training batch has no targets for loss_func: {missing}"
     n = len(b) if isinstance(b, (tuple, list)) else None
     got = (f"the batch has {n} elements and n_inp={n_inp}, so all of them are the model's inputs" if n is not None else
            f"the batch is {describe_value(b)}, which goes whole to the model as its one input")
@@ -232,8 +262,10 @@ def no_targets_message(b, n_inp):
             f"own loss, leave loss_func out (Learner(dls, model, n_inp={n_inp}) without loss_func): learncb then "
             f"reads the loss from the model's output")
 
-def no_model_loss_message(out, loss_key='loss'):
+def no_model_loss_message(out, loss_key='loss', b=None, label_key='labels'):
     "Why a learner without `loss_func` has no loss for this training batch: the model's output holds none"
+    if missing := missing_labels(b, label_key, own_loss=True):
+        return f"this Learner has no loss_func, and the model computed no loss for this training batch: {missing}"
     return (f"this Learner has no loss_func, so the loss must come from the model's output, and the model's output "
             f"(its prediction: {describe_value(out)}) holds no loss (learncb reads a dict's {loss_key!r} entry, an object's "
             f".{loss_key}, or the one 0-dim tensor of a tuple such as (logits, loss)). Pass a loss_func, e.g. "

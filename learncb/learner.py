@@ -331,9 +331,9 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         "The loss of this batch: `loss_func` with targets, the model's own loss, or none (predictions only, not in training)"
         if self.loss_func is not None:
             if self.yb or not self.training: return self.loss_func if self.yb else None
-            raise ValueError(no_targets_message(self.batch, self.n_inp))
+            raise ValueError(no_targets_message(self.batch, self.n_inp, self.label_key))
         if self._out_loss is not None: return self._output_loss
-        if self.training: raise ValueError(no_model_loss_message(self.pred, self.loss_key))
+        if self.training: raise ValueError(no_model_loss_message(self.pred, self.loss_key, self.batch, self.label_key))
         return None
 
     def _output_loss(self, pred, *yb):

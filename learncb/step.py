@@ -10,10 +10,10 @@ __all__ = ['Step']
 # %% ../nbs/02e_step.ipynb #292ef426
 from .core import *
 from .utils import *
-from .diagnose import note_failure, note_where, why_no_grad, check_target_shape
+from .diagnose import note_failure, note_where, why_no_grad, check_target_shape, check_lm_labels
 from .optim import opt_step, clear_grads, needs_closure, opt_names
 from .ranks import refuse, num_distrib
-from .items import items_counter
+from .items import items_counter, shifts_labels
 from .sampler import rows_kept
 
 # %% ../nbs/02e_step.ipynb #34880ef0
@@ -154,6 +154,7 @@ class Step:
         else:
             if not self._targets_checked:             # once a fit: no cost per batch
                 check_target_shape(learn.pred, learn.yb)
+                if learn.yb: check_lm_labels(learn.batch, learn.yb[0], learn.loss_func is None and shifts_labels(learn.model))
                 self._targets_checked = True
             try: learn.loss_grad = lf(learn.pred, *learn.yb)
             except Exception as e: note_failure(learn, e, 'loss'); raise

@@ -97,3 +97,36 @@ def test_the_summary_tells_a_models_own_loss():
     learn = Learner(DataLoaders(DataLoader(hf_tokens(4), batch_size=4), None), gpt2(), loss_func=None)
     line = next(l for l in learn.summary().splitlines() if l.startswith('Loss function'))
     assert "the model's own" in line and "batch['labels']" in line and 'causal LM' in line
+
+def fit_rows(rows, **kwargs):
+    learn = Learner(DataLoaders(DataLoader(rows, batch_size=4), None), gpt2(), loss_func=None, **kwargs)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    return learn
+
+def test_labels_that_count_the_padding_are_told_once_a_fit():
+    rows = hf_tokens(8)
+    for r in rows: r['labels'] = r['input_ids'].clone()            # the padding's token, not -100
+    with pytest.warns(UserWarning, match=r'labels of this batch count positions its attention_mask marks as padding') as w:
+        fit_rows(rows)
+    assert sum('attention_mask marks as padding' in str(m.message) for m in w) == 1        # once, not per batch
+    assert "labels.masked_fill(attention_mask == 0, -100)" in str(w[0].message)
+
+def test_labels_shifted_by_hand_for_a_model_that_shifts_them_are_told():
+    rows = hf_tokens(8)
+    for r in rows: r['labels'] = torch.cat([r['labels'][1:], torch.tensor([-100])])   # shifted by hand
+    with pytest.warns(UserWarning, match='the model shifts its labels itself'): fit_rows(rows)
+
+def test_right_labels_are_not_warned_of(recwarn):
+    fit_rows(hf_tokens(8))
+    assert not [w for w in recwarn if 'labels' in str(w.message)]
+
+def test_a_batch_without_the_label_key_lists_its_keys_and_names_label_key():
+    rows = hf_tokens(8)
+    for r in rows: r['label'] = r.pop('labels')
+    with pytest.raises(ValueError) as e: fit_rows(rows)
+    msg = str(e.value)
+    assert "no 'labels' entry (learn.label_key)" in msg and "'input_ids', 'attention_mask', 'label'" in msg
+    assert "batch['labels'] = batch.pop('label')" in msg and 'nn.CrossEntropyLoss' not in msg
+    loss_given = Learner(DataLoaders(DataLoader(rows, batch_size=4), None), gpt2(),
+                         loss_func=CrossEntropyLossFlat())
+    with pytest.raises(ValueError, match=r"targets are: Learner\(\.\.\., label_key='label'\)"): loss_given.fit(1)
