@@ -156,9 +156,9 @@ class Recorder(Callback):
     def _flush(self):
         "Turn pending device losses into floats (one host sync), extending the smoothed history and the epoch sum"
         if not self._pending: return
-        raw,self._loss_device = batch_losses(self._pending),self._pending[0].device
+        (raw,items),self._loss_device = batch_losses(self._pending, self._pending_bs),self._pending[0].device
         beta,smooth,count,total,n = self.beta,self._smooth,self._count,self._train_sum,self._train_n
-        for v,bs in zip(raw, items_numbers(self._pending_bs)):
+        for v,bs in zip(raw, items):
             count += 1
             smooth = beta * smooth + (1 - beta) * v
             self._losses.append(smooth / (1 - beta ** count))
@@ -416,12 +416,17 @@ def _phase_values(metrics, cols, bss):
     return [next(means) if k == 'column' else metric_value(m) for (_,m),k in zip(metrics, kinds)]
 
 # %% ../nbs/04_recorder.ipynb #44022341
-def batch_losses(pending):
-    "The training losses waiting on the device, as floats, in one host sync: each must hold a single value"
+def batch_losses(pending, items=None):
+    """The training losses waiting on the device, as floats, in one host sync: each must hold a single value.
+    With their `items` (ints, or tensors counted on the device): `(losses, items)`, read in the same sync"""
     try:
         stacked = torch.stack(pending)
         if stacked[0].numel() == 1:      # a float64 model's losses stay float64, a half's become float32
-            return stacked.to(torch.promote_types(stacked.dtype, torch.float32)).reshape(-1).tolist()
+            losses = stacked.to(torch.promote_types(stacked.dtype, torch.float32)).reshape(-1)
+            if items is None: return losses.tolist()
+            if all(isinstance(n, int) for n in items): return losses.tolist(),items
+            both = torch.stack([losses.double(), items_tensor(items, torch.float64, losses.device)]).tolist()
+            return both[0],both[1]
     except RuntimeError:
         if all(l.numel() == 1 for l in pending): raise
     bad = next(l for l in pending if l.numel() != 1)
