@@ -113,21 +113,25 @@ def check_target_shape(pred, yb):
               f"out, y: f(out.squeeze(1), y)), or give the targets the shape ({n}, 1)")
 
 def check_lm_labels(b, labels, shifts):
-    """Warn (once a fit, on its first batch) of labels that a language model's loss counts wrongly, in dict batch
-    `b`: labels counted where the attention mask says padding (-100 missing there), or, for a model that shifts its
-    labels itself (`shifts`), labels that are its `input_ids` shifted by one already"""
-    if not isinstance(b, Mapping) or not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point: return
+    """Warn (once a fit, on its first batch) of labels that a language model's loss counts wrongly, in dict
+    batch `b`: labels counted where the attention mask says padding (-100 missing there), or, for a model
+    that shifts its labels itself (`shifts`), labels that are its `input_ids` shifted by one already"""
+    if not isinstance(b, Mapping) or not isinstance(labels, torch.Tensor): return
+    if labels.dtype.is_floating_point: return
     mask,ids,counted = b.get('attention_mask'),b.get('input_ids'),labels != -100
-    if isinstance(mask, torch.Tensor) and mask.shape == labels.shape and (counted & (mask == 0)).any(): warn_user(
-        f"{int((counted & (mask == 0)).sum())} labels of this batch count positions its attention_mask marks as "
+    padded = counted & (mask == 0) if isinstance(mask, torch.Tensor) and mask.shape == labels.shape else None
+    if padded is not None and padded.any(): warn_user(
+        f"{int(padded.sum())} labels of this batch count positions its attention_mask marks as "
         f"padding, so the loss counts the padding too: set the labels to -100 where attention_mask is 0 (a "
         f"collate_fn: labels.masked_fill(attention_mask == 0, -100))")
-    if not shifts or not isinstance(ids, torch.Tensor) or ids.shape != labels.shape or ids.shape[-1] < 3: return
+    if not shifts or not isinstance(ids, torch.Tensor) or ids.shape != labels.shape: return
+    if ids.shape[-1] < 3: return
     head = counted[..., :-1]
-    if head.any() and (labels[..., :-1] == ids[..., 1:])[head].all() and not (labels == ids)[counted].all(): warn_user(
-        "the labels of this batch are its input_ids shifted by one, and the model shifts its labels itself (a "
-        "causal LM), so it learns to predict the token after next: pass the labels unshifted, labels = input_ids "
-        "(with -100 on the padding)")
+    by_hand = head.any() and (labels[..., :-1] == ids[..., 1:])[head].all()
+    if by_hand and not (labels == ids)[counted].all(): warn_user(
+        "the labels of this batch are its input_ids shifted by one, and the model shifts its labels itself "
+        "(a causal LM), so it learns to predict the token after next: pass the labels unshifted, labels = "
+        "input_ids (with -100 on the padding)")
 
 def _loss_inputs_note(learn, b):
     "What loss_func got (pred, the targets, where each came from), and the ways to give it what it needs"
@@ -238,8 +242,9 @@ def note_failure(learn, e, where):
 
 # %% ../nbs/02d_diagnose.ipynb #68dce2ea
 def missing_labels(b, label_key, own_loss=False):
-    """Why dict batch `b` gives no labels: it has no `label_key` entry (its keys, the closest one); `''` for another
-    batch. `own_loss`: the model computes its loss from the batch (`model(**batch)`), so the entry's name is its"""
+    """Why dict batch `b` gives no labels: it has no `label_key` entry (its keys, the closest one); `''` for
+    another batch. `own_loss`: the model computes its loss from the batch (`model(**batch)`), so the
+    entry's name is its"""
     if not isinstance(b, Mapping) or label_key in b: return ''
     keys = [str(k) for k in b]
     close = (difflib.get_close_matches(label_key, keys, n=1, cutoff=0.6) or ['...'])[0]
@@ -251,7 +256,8 @@ def missing_labels(b, label_key, own_loss=False):
 
 def no_targets_message(b, n_inp, label_key='labels'):
     "Why training batch `b` has no loss, though the learner has a `loss_func`: nothing of it is left for targets"
-    if missing := missing_labels(b, label_key): return f"this training batch has no targets for loss_func: {missing}"
+    missing = missing_labels(b, label_key)
+    if missing: return "this training batch has no targets for loss_func: " + missing
     n = len(b) if isinstance(b, (tuple, list)) else None
     got = (f"the batch has {n} elements and n_inp={n_inp}, so all of them are the model's inputs" if n is not None else
            f"the batch is {describe_value(b)}, which goes whole to the model as its one input")
@@ -265,7 +271,8 @@ def no_targets_message(b, n_inp, label_key='labels'):
 def no_model_loss_message(out, loss_key='loss', b=None, label_key='labels'):
     "Why a learner without `loss_func` has no loss for this training batch: the model's output holds none"
     if missing := missing_labels(b, label_key, own_loss=True):
-        return f"this Learner has no loss_func, and the model computed no loss for this training batch: {missing}"
+        return "this Learner has no loss_func, and the model computed no loss for this training batch: " + \
+               missing
     return (f"this Learner has no loss_func, so the loss must come from the model's output, and the model's output "
             f"(its prediction: {describe_value(out)}) holds no loss (learncb reads a dict's {loss_key!r} entry, an object's "
             f".{loss_key}, or the one 0-dim tensor of a tuple such as (logits, loss)). Pass a loss_func, e.g. "

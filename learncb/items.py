@@ -1,4 +1,4 @@
-"""What a batch's loss is a mean of: rows for most losses, the tokens, pixels or positions that count for others.
+"""What a batch's loss is a mean of: its rows, or the tokens, pixels or positions that count.
 
 Docs: https://learncb.github.io/learncb/items.html.md"""
 
@@ -16,15 +16,17 @@ from .utils import find_bs
 
 # %% ../nbs/01e_items.ipynb #a031c02f
 ignore_index = -100
-"The target that counts for nothing: torch's `CrossEntropyLoss` default, and the label of padding in transformers"
+"""The target that counts for nothing: torch's `CrossEntropyLoss` default, and the label of padding in
+transformers"""
 
 def rows(yb, xb):
     "The rows of a batch: of its targets `yb`, else of its inputs `xb` (most losses are a mean over them)"
     return find_bs(yb or xb)
 
 def not_ignored(ignore, weight, yb, xb):
-    """How many of the targets `yb[0]` count in a loss that leaves out `ignore` (each by its class's `weight` when the
-    loss has class weights, as torch's mean does), a tensor on the device; rows for class probabilities"""
+    """How many of the targets `yb[0]` count in a loss that leaves out `ignore` (each by its class's `weight`
+    when the loss has class weights, as torch's mean does), a tensor on the device; rows for class
+    probabilities"""
     target = yb[0]
     if target.dtype.is_floating_point: return find_bs(target)
     counts = target != ignore
@@ -32,7 +34,8 @@ def not_ignored(ignore, weight, yb, xb):
     return (weight[target.masked_fill(~counts, 0)] * counts).sum()
 
 def labels_counted(shift, yb, xb):
-    "How many labels `yb[0]` a model's own loss counts: those not -100, after the shift of a causal LM (`shift`)"
+    """How many labels `yb[0]` a model's own loss counts: those not -100, after the shift of a causal LM
+    (`shift`)"""
     if not yb: return rows(yb, xb)
     return ((yb[0][..., 1:] if shift else yb[0]) != ignore_index).sum()
 
@@ -51,10 +54,11 @@ def shifts_labels(model):
     return getattr(model, 'loss_type', None) == 'ForCausalLM' or name.endswith(('ForCausalLM', 'LMHeadModel'))
 
 def items_counter(loss_func, model=None):
-    """The function of a batch's targets and inputs, `f(yb, xb)`, that counts the items its loss is a mean of: the
-    loss's own `count_items(*yb)`; the targets not `ignore_index` for a loss that has one with `reduction='mean'`
-    (`CrossEntropyLoss`, `NLLLoss`: tokens, pixels of a mask, masked positions); the labels a model's own loss counts
-    (`loss_func=None`: not -100, after a causal LM's shift); else `rows`. Chosen once for a loss function"""
+    """The function of a batch's targets and inputs, `f(yb, xb)`, that counts the items its loss is a mean of:
+    the loss's own `count_items(*yb)`; the targets not `ignore_index` for a loss that has one with
+    `reduction='mean'` (`CrossEntropyLoss`, `NLLLoss`: tokens, pixels of a mask, masked positions); the
+    labels a model's own loss counts (`loss_func=None`: not -100, after a causal LM's shift); else `rows`.
+    Chosen once for a loss function"""
     if loss_func is None: return rows if model is None else partial(labels_counted, shifts_labels(model))
     if callable(own := getattr(loss_func, 'count_items', None)): return partial(counted_by, own)
     ignore = getattr(loss_func, 'ignore_index', None)
@@ -63,23 +67,28 @@ def items_counter(loss_func, model=None):
     return rows
 
 def row_means(losses, n, target=None, ignore=None):
-    """The mean loss of each of the `n` rows of `losses` (a loss per position, `reduction='none'`) over the positions
-    it counts: those whose `target` is not `ignore`, when the loss leaves some out (`ignore_index`)"""
+    """The mean loss of each of the `n` rows of `losses` (a loss per position, `reduction='none'`) over the
+    positions it counts: those whose `target` is not `ignore`, when the loss leaves some out
+    (`ignore_index`)"""
     losses = losses.detach().double().reshape(n, -1)
     if ignore is None or target is None or target.dtype.is_floating_point: return losses.mean(1)
     counts = (target != ignore).reshape(n, -1)
     return (losses * counts).sum(1) / counts.sum(1).clamp(min=1)
 
 def own_loss_rows(pred, labels, shift):
-    """The loss of each row of a model that computes its own cross-entropy loss from `labels` (a transformers LM's,
-    or a token or sequence classifier's): each row's mean over the labels not -100, after the shift of a causal LM
-    (`shift`); `None` for a loss that is not a cross-entropy over classes (float labels, outputs of another shape)"""
-    if not isinstance(pred, torch.Tensor) or labels.dtype.is_floating_point or pred.ndim != labels.ndim + 1: return None
+    """The loss of each row of a model that computes its own cross-entropy loss from `labels` (a transformers
+    LM's, or a token or sequence classifier's): each row's mean over the labels not -100, after the shift
+    of a causal LM (`shift`); `None` for a loss that is not a cross-entropy over classes (float labels,
+    outputs of another shape)"""
+    if not isinstance(pred, torch.Tensor) or labels.dtype.is_floating_point: return None
+    if pred.ndim != labels.ndim + 1: return None
     if shift: pred,labels = pred[..., :-1, :],labels[..., 1:]
-    losses = nn.functional.cross_entropy(pred.detach().flatten(0, -2).float(), labels.flatten(), reduction='none')
+    logits = pred.detach().flatten(0, -2).float()
+    losses = nn.functional.cross_entropy(logits, labels.flatten(), reduction='none')
     return row_means(losses, len(labels), labels, ignore_index)
 
 class CrossEntropyLossFlat(nn.CrossEntropyLoss):
-    """`nn.CrossEntropyLoss` on predictions with the classes last, `(..., n_classes)` (a language model's logits), and
-    targets of their leading shape; a mean over the targets not `ignore_index` (-100), which are its items"""
+    """`nn.CrossEntropyLoss` on predictions with the classes last, `(..., n_classes)` (a language model's
+    logits), and targets of their leading shape; a mean over the targets not `ignore_index` (-100), which
+    are its items"""
     def forward(self, input, target): return super().forward(input.flatten(0, -2), target.flatten())

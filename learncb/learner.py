@@ -203,8 +203,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         "Make `b` the current batch: `batch` on the model's device, split into `xb` and `yb`"
         dev = self._batch_device                   # `None`: batches are where the model is
         if dev is not None: b = to_device(b, dev) if isinstance(dev, torch.device) else self._first_move(b)
-        self.batch = b
-        n = self.n_inp
+        self.batch,n = b,self.n_inp
         if isinstance(b, (tuple, list)): self.xb,self.yb,self._kw = tuple(b[:n]),tuple(b[n:]),False
         elif isinstance(b, Mapping): self.xb,self.yb,self._kw = (b,),self._labels(b),True
         else: self.xb,self.yb,self._kw = (b,),(),False
@@ -333,7 +332,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             if self.yb or not self.training: return self.loss_func if self.yb else None
             raise ValueError(no_targets_message(self.batch, self.n_inp, self.label_key))
         if self._out_loss is not None: return self._output_loss
-        if self.training: raise ValueError(no_model_loss_message(self.pred, self.loss_key, self.batch, self.label_key))
+        if self.training: raise ValueError(no_model_loss_message(self.pred, self.loss_key, self.batch,
+                                                                 self.label_key))
         return None
 
     def _output_loss(self, pred, *yb):

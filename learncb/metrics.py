@@ -25,8 +25,8 @@ def error_rate(pred, targ, axis=-1):
     return 1 - accuracy(pred, targ, axis=axis)
 
 class Perplexity:
-    """A language model's perplexity: `exp` of the phase's mean loss over its items (the tokens that count, as the
-    `Recorder`'s loss is), over every rank of a run; fastai's metric protocol"""
+    """A language model's perplexity: `exp` of the phase's mean loss over its items (the tokens that count, as
+    the `Recorder`'s loss is), over every rank of a run; fastai's metric protocol"""
     name = 'perplexity'
     def reset(self): self.total,self.n = 0.,0
 
@@ -38,7 +38,8 @@ class Perplexity:
     @property
     def value(self):
         "`exp(total / n)` over every rank, one host sync; `None` before a batch"
-        sums = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()).cpu() for v in (self.total, self.n)])
+        sums = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()).cpu()
+                            for v in (self.total, self.n)])
         total,n = sum_across_ranks(sums).tolist()
         return math.exp(total / n) if n else None
 
@@ -77,7 +78,8 @@ def items_tensor(items, dtype=None, device=None):
     "The items of each batch (ints, or tensors counted on the device) in one tensor, with no host sync"
     if all(isinstance(n, int) for n in items): return torch.tensor(items, dtype=dtype, device=device)
     try: return torch.stack(items).to(device=device, dtype=dtype)
-    except TypeError: return torch.stack([torch.as_tensor(n, device=device) for n in items]).to(dtype)   # ints too
+    except TypeError: pass                                   # ints among them
+    return torch.stack([torch.as_tensor(n, device=device) for n in items]).to(dtype)
 
 def items_numbers(items):
     "The items of each batch as Python numbers, in one host sync when some were counted on the device"

@@ -54,18 +54,21 @@ def model_loss(out, loss_key='loss', pred_key='logits'):
     return getattr(out, pred_key, out) if loss is not None else out,loss
 
 def model_pred(out, pred_key='logits', kw=False):
-    """The prediction in output `out` of a model with a `loss_func`: the `pred_key` entry of a dict output to a dict
-    batch (`kw`), the `pred_key` attribute of an output object (a transformers `ModelOutput`'s `logits`), else `out`"""
+    """The prediction in output `out` of a model with a `loss_func`: the `pred_key` entry of a dict output to
+    a dict batch (`kw`), the `pred_key` attribute of an output object (a transformers `ModelOutput`'s
+    `logits`), else `out`"""
     if kw and isinstance(out, Mapping) and pred_key in out: return out[pred_key]
     plain = isinstance(out, (torch.Tensor, tuple, list)) or type(out) is dict
     return out if plain or not hasattr(out, pred_key) else getattr(out, pred_key)
 
 # %% ../nbs/05_preds.ipynb #5a3f8792
 class Gatherer:
-    """Collects per-batch tensors (or tuples of them) along `dim` on the CPU, into preallocated memory when `n` is
-    known; batches longer in another dimension (sequences of unequal length) padded to the longest with `pad`"""
+    """Collects per-batch tensors (or tuples of them) along `dim` on the CPU, into preallocated memory when
+    `n` is known; batches longer in another dimension (sequences of unequal length) padded to the longest
+    with `pad`"""
     def __init__(self, n=None, dim=0, pad=0):
-        self.n,self.dim,self.pad,self.kids,self.buf,self.parts,self.pos,self.cuda = n,dim,pad,None,None,[],0,False
+        self.n,self.dim,self.pad = n,dim,pad
+        self.kids,self.buf,self.parts,self.pos,self.cuda = None,None,[],0,False
 
     def add(self, o):
         "Append one batch: a tensor, or a tuple/list of tensors"
@@ -81,12 +84,12 @@ class Gatherer:
         if self.buf is None: self.buf = self._alloc(t)
         k = t.shape[self.dim]
         if t.ndim != self.buf.ndim: raise ValueError(
-            f"cannot gather a batch of shape {tuple(t.shape)} after batches of shape "
-            f"{tuple(self.buf.shape[:self.dim])} + (items,) + {tuple(self.buf.shape[self.dim+1:])}: every batch "
-            f"must have as many dimensions")
+            f"cannot gather a batch of shape {tuple(t.shape)} after batches of {self.buf.ndim} dimensions "
+            f"(the items along dimension {self.dim}): every batch must have as many")
         if self.pos + k > self.n: raise ValueError(
-            f"cannot gather {k} more items along dimension {self.dim} (concat_dim) after {self.pos}: the dataloader "
-            f"holds {self.n} items. concat_dim must be the dimension of the items (0 for batches of rows)")
+            f"cannot gather {k} more items along dimension {self.dim} (concat_dim) after {self.pos}: the "
+            f"dataloader holds {self.n} items. concat_dim must be the dimension of the items (0 for batches of "
+            f"rows)")
         if any(a > b for a,b in zip(t.shape, self.buf.shape)): self._grow(t.shape)
         slot = self.buf.narrow(self.dim, self.pos, k)
         if slot.shape != t.shape:                      # a shorter batch: padded
@@ -142,7 +145,8 @@ class GatherPredsCallback(Callback):
         self._new_gatherers(None)
 
     def _new_gatherers(self, n):
-        "Predictions, inputs and losses padded with 0, targets with -100 (`ignore_index`), when their lengths differ"
+        """Predictions, inputs and losses padded with 0, targets with -100 (`ignore_index`), when their
+        lengths differ"""
         self.inputs,self.preds,self.targets,self.losses = (Gatherer(n, self.concat_dim, pad)
                                                            for pad in (0, 0, ignore_index, 0))
         self._cancelled = False
@@ -171,7 +175,8 @@ class GatherPredsCallback(Callback):
         if self.save_targs is not None: self._save(learn.yb, self.save_targs)
 
     def _item_losses(self):
-        "Each row's loss: its mean over the items it counts (its tokens); a model's own loss's, from its outputs"
+        """Each row's loss: its mean over the items it counts (its tokens); a model's own loss's, from its
+        outputs"""
         learn = self.learn
         if learn.loss_func is None: return _own_losses(learn)
         loss,bs = learn.loss,find_bs(learn.yb)
@@ -209,12 +214,14 @@ class GatherPredsCallback(Callback):
         return notes
 
 def _own_losses(learn):
-    "Each row's loss of a model that computes its own (a cross-entropy: `own_loss_rows`), or an error that says so"
+    """Each row's loss of a model that computes its own (a cross-entropy: `own_loss_rows`), or an error that
+    says so"""
     losses = own_loss_rows(learn.pred, learn.yb[0], shifts_labels(learn.model))
     if losses is None: raise ValueError(
-        f"get_preds(with_loss=True): the model computes its own loss, one for the batch, and learncb can tell the loss "
-        f"of each row only of a cross-entropy over classes (outputs {describe_value(learn.pred)}, labels "
-        f"{describe_value(learn.yb[0])}): pass the learner a loss_func, or leave with_loss out")
+        f"get_preds(with_loss=True): the model computes its own loss, one for the batch, and learncb can "
+        f"tell the loss of each row only of a cross-entropy over classes (outputs "
+        f"{describe_value(learn.pred)}, labels {describe_value(learn.yb[0])}): pass the learner a loss_func, "
+        f"or leave with_loss out")
     return losses.float()
 
 # %% ../nbs/05_preds.ipynb #ab349933
@@ -227,7 +234,8 @@ def loss_kind(loss_func):
 
 def head_loss(learn):
     """The loss function whose activation and decoding predictions get (`activation_of`, `decodes_of`):
-    `learn.loss_func`, or for a model that computes its own loss as a causal LM (`shifts_labels`), a cross-entropy"""
+    `learn.loss_func`, or for a model that computes its own loss as a causal LM (`shifts_labels`), a
+    cross-entropy"""
     lf = learn.loss_func
     return nn.CrossEntropyLoss() if lf is None and shifts_labels(learn.model) else lf
 
@@ -343,8 +351,8 @@ class PredsHost:
 
     @contextmanager
     def _quiet_forward(self):
-        """Context manager giving the forward of the current batch without gradients, its random draws put back,
-        normalization layers reading their running statistics"""
+        """Context manager giving the forward of the current batch without gradients, its random draws put
+        back, normalization layers reading their running statistics"""
         norms = [m for m in self.model.modules() if m.training and getattr(m, 'track_running_stats', False)]
         try:
             with torch.no_grad(), rng_kept():
@@ -354,13 +362,13 @@ class PredsHost:
             for m in norms: m.train()
 
     def _own_row_losses(self):
-        """`row_losses` of a model that computes its own loss: each row's cross-entropy over its labels (after a
-        causal LM's shift), from the model's outputs on the current batch"""
+        """`row_losses` of a model that computes its own loss: each row's cross-entropy over its labels (after
+        a causal LM's shift), from the model's outputs on the current batch"""
         if not self.yb: return None,"the model computes its own loss, and the batch has no labels"
         with self._quiet_forward() as forward: pred = forward()
         self._out_loss = None
         losses = own_loss_rows(pred, self.yb[0], shifts_labels(self.model))
-        if losses is None: return None,"the model computes its own loss, one for the batch, not a cross-entropy"
+        if losses is None: return None,"the model computes its own loss, one for the batch, not cross-entropy"
         return losses.tolist(),None
 
 # %% ../nbs/05_preds.ipynb #10969ed5

@@ -376,9 +376,9 @@ class Recorder(Callback):
 # %% ../nbs/04_recorder.ipynb #bc55d3be
 def tell(learn, line, warn=True):
     """Say `line` through the learner's output, on the process that speaks for the run (rank 0; under torchft
-    the first replica of the quorum): under the bars when they are drawn in a terminal, else on stdout (in Jupyter,
-    where the bars' table would write over it, below them); when logging is off (`learn.no_logging()`), as a
-    warning (`warn`) or not at all"""
+    the first replica of the quorum): under the bars when they are drawn in a terminal, else on stdout (in
+    Jupyter, where the bars' table would write over it, below them); when logging is off
+    (`learn.no_logging()`), as a warning (`warn`) or not at all"""
     if not learn.strategy.speaks(): return
     bar = _bar(learn)
     if bar is not None and not IN_NOTEBOOK: bar.write(line)

@@ -32,8 +32,8 @@ _cancels = tuple(_stage_cancels.values())
 class Step:
     "A learner's step: the model, the loss, and in training backward, the optimizer step and zero_grad, with their events"
     items = None
-    """How many items `learn.loss` is the mean of (an int, or a tensor on the device): the batch's rows, or what its
-    loss counts (`items_counter`: the tokens that count for a language model)"""
+    """How many items `learn.loss` is the mean of (an int, or a tensor on the device): the batch's rows, or
+    what its loss counts (`items_counter`: the tokens that count for a language model)"""
     stage_now = None
     "The stage under way (`'backward'`, `'step'`), whose cancel ends it; `None` outside them"
     turns = None
@@ -45,7 +45,7 @@ class Step:
         self.learn,self.forward_hook,self.backward_hook = learn,None,None
         self._opt,self._closure,self._first_call = None,False,False     # the last one stepped; a closure?
         self._targets_checked = False                                   # the first batch's shapes, once a fit
-        self._counter,self._counter_of,self._batch_items = None,_unset,None       # see `counter`, `batch_items`
+        self._counter,self._counter_of,self._batch_items = None,_unset,None    # see `items_of`, `batch_items`
         self.cut = num_distrib() > 1          # whether each process computes a part of the run's batch
         if hooks: self.find_hooks()
 
@@ -154,7 +154,8 @@ class Step:
         else:
             if not self._targets_checked:             # once a fit: no cost per batch
                 check_target_shape(learn.pred, learn.yb)
-                if learn.yb: check_lm_labels(learn.batch, learn.yb[0], learn.loss_func is None and shifts_labels(learn.model))
+                own = learn.loss_func is None
+                if learn.yb: check_lm_labels(learn.batch, learn.yb[0], own and shifts_labels(learn.model))
                 self._targets_checked = True
             try: learn.loss_grad = lf(learn.pred, *learn.yb)
             except Exception as e: note_failure(learn, e, 'loss'); raise
@@ -164,8 +165,8 @@ class Step:
         return lf
 
     def items_of(self, yb, xb):
-        """The items of a batch of targets `yb` and inputs `xb`, what its loss is a mean of (`items_counter`, found
-        again when `learn.loss_func` changes)"""
+        """The items of a batch of targets `yb` and inputs `xb`, what its loss is a mean of (`items_counter`,
+        found again when `learn.loss_func` changes)"""
         learn = self.learn
         if self._counter_of is not learn.loss_func:
             self._counter,self._counter_of = items_counter(learn.loss_func, learn.model),learn.loss_func
@@ -231,9 +232,9 @@ class Step:
         return sum(kept) if kept else learn.strategy.global_items(find_bs(learn.yb or learn.xb))
 
     def batch_items(self):
-        """How many items the run's batch holds (every process's part, without the rows left out), of which this
-        process's holds `items`: the step's loss is their mean. Counted once a batch (over the processes: one
-        collective for items counted on the device)"""
+        """How many items the run's batch holds (every process's part, without the rows left out), of which
+        this process's holds `items`: the step's loss is their mean. Counted once a batch (over the
+        processes: one collective for items counted on the device)"""
         if self._batch_items is None: self._batch_items = self._run_items()
         return self._batch_items
 
@@ -250,9 +251,10 @@ class Step:
         return None if isinstance(w, float) and w == 1. else w
 
     def piece_weight(self):
-        """The one weighing of a step cut into pieces: the weight of this process's mean loss in its backward, its
-        `share` of the batch's items times the processes the gradients are averaged over (`Strategy.averages_over`);
-        `None` when nothing needs weighing. So the reduced gradient is the run's batch's mean over its items"""
+        """The one weighing of a step cut into pieces: the weight of this process's mean loss in its backward,
+        its `share` of the batch's items times the processes the gradients are averaged over
+        (`Strategy.averages_over`); `None` when nothing needs weighing. So the reduced gradient is the
+        run's batch's mean over its items"""
         share,over = self.share(),self.learn.strategy.averages_over()
         if share is None: return None if over == 1 else float(over)
         w = share * over

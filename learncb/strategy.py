@@ -96,13 +96,15 @@ class Strategy:
         return n * num_distrib()
 
     def batch_items(self, n):
-        """How many items the run's batch holds when this process's part holds `n`, an int or a tensor on the device
-        (`Step.items`): rows as `global_items` counts them; items counted on the device summed over the processes"""
+        """How many items the run's batch holds when this process's part holds `n`, an int or a tensor on the
+        device (`Step.items`): rows as `global_items` counts them; items counted on the device summed over
+        the processes"""
         return self.global_items(n) if isinstance(n, int) else self.reduce(n)
 
     def averages_over(self):
-        """How many processes the reduction of the gradients averages over (DDP's mean, FSDP's): the step weighs each
-        process's loss by it and by its part of the batch's items (`Step.piece_weight`); 1 where it sums them"""
+        """How many processes the reduction of the gradients averages over (DDP's mean, FSDP's): the step
+        weighs each process's loss by it and by its part of the batch's items (`Step.piece_weight`); 1
+        where it sums them"""
         return num_distrib()
 
     reads_whole_batch = False

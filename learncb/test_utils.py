@@ -87,7 +87,7 @@ def _regression(seed, n=512, bs=16):
                    lr=1e-2, device='cpu')
 
 class TinyLM(nn.Module):
-    "A language model that trains in a blink: embeddings, a GRU, the next token's logits `(rows, tokens, vocab)`"
+    "A language model that trains in a blink: embeddings, a GRU, next-token logits `(rows, tokens, vocab)`"
     def __init__(self, vocab=24, dim=32):
         super().__init__()
         self.emb,self.rnn,self.head = nn.Embedding(vocab, dim),nn.GRU(dim, dim, batch_first=True),nn.Linear(dim, vocab)
@@ -104,8 +104,9 @@ def _markov_tokens(n, seq, vocab, g):
     return toks
 
 def padded_tokens(n=32, vocab=24, lengths=(4, 24), seed=0):
-    """A `TensorDataset` of `n` rows of a random Markov chain's tokens, of lengths drawn in `lengths` (`None`: all
-    the longest), padded to the longest: inputs padded with 0, targets (the next tokens) with -100, not counted"""
+    """A `TensorDataset` of `n` rows of a random Markov chain's tokens, of lengths drawn in `lengths` (`None`:
+    all the longest), padded to the longest: inputs padded with 0, targets (the next tokens) with -100, not
+    counted"""
     g = torch.Generator().manual_seed(seed)
     lo,hi = lengths or (None, None)
     toks = _markov_tokens(n, hi or 24, vocab, g)

@@ -1,6 +1,6 @@
-"""Everything around a language model's fit (issue 62): predictions on rows of unequal length, the loss of each row
-of a model's own loss, export and prediction of a transformers model in a new process, and the mistakes an LM fit
-trains on silently unless told."""
+"""Everything around a language model's fit (issue 62): predictions on rows of unequal length, the loss of
+each row of a model's own loss, export and prediction of a transformers model in a new process, and the
+mistakes an LM fit trains on silently unless told."""
 import subprocess, sys
 from pathlib import Path
 import pytest, torch
@@ -11,13 +11,15 @@ from learncb.test_utils import TinyLM, padded_tokens
 from lm_models import gpt2, hf_tokens
 
 def pad_collate(rows):
-    "Rows `(x, y)` cut to their own length, padded to the longest of the batch: inputs with 0, targets with -100"
+    """Rows `(x, y)` cut to their own length, padded to the longest of the batch: inputs with 0, targets with
+    -100"""
     n = max(int((y != -100).sum()) for _,y in rows)
     return torch.stack([x[:n] for x,_ in rows]), torch.stack([y[:n] for _,y in rows])
 
 def lm_learner(valid_bs=4):
     ds = padded_tokens(16, lengths=(2, 24))
-    dls = DataLoaders(DataLoader(ds, batch_size=8), DataLoader(ds, batch_size=valid_bs, collate_fn=pad_collate))
+    valid = DataLoader(ds, batch_size=valid_bs, collate_fn=pad_collate)
+    dls = DataLoaders(DataLoader(ds, batch_size=8), valid)
     torch.manual_seed(0)
     return Learner(dls, TinyLM(), CrossEntropyLossFlat())
 
@@ -34,10 +36,10 @@ def test_get_preds_on_batches_of_unequal_length_pads_to_the_longest():
         with torch.no_grad(): p = torch.softmax(learn.model(x), -1)
         assert torch.allclose(preds[start:start + n, :k], p, atol=1e-6)
         assert (targs[start:start + n, k:] == -100).all()            # the padding: targets -100, outputs 0
-        assert torch.allclose(preds[start:start + n, k:], torch.tensor(1 / 24))  # (softmax of 0 after gathering)
+        assert torch.allclose(preds[start:start + n, k:], torch.tensor(1 / 24))   # softmax of 0, gathered
         rows = nn.functional.cross_entropy(learn.model(x).transpose(1, 2), y, reduction='none').detach()
         expect = (rows * (y != -100)).sum(1) / (y != -100).sum(1)
-        assert torch.allclose(losses[start:start + n], expect, atol=1e-6)     # each row's mean over its tokens
+        assert torch.allclose(losses[start:start + n], expect, atol=1e-6)    # each row's mean over its tokens
         start += n
 
 def test_get_preds_along_the_wrong_dimension_says_which():
@@ -48,14 +50,15 @@ def test_get_preds_along_the_wrong_dimension_says_which():
 
 def test_get_preds_with_loss_of_a_model_that_computes_its_own_gives_each_rows_loss():
     rows = hf_tokens(12)
-    learn = Learner(DataLoaders(DataLoader(rows, batch_size=4), DataLoader(rows, batch_size=4)), gpt2(), loss_func=None)
+    dls = DataLoaders(DataLoader(rows, batch_size=4), DataLoader(rows, batch_size=4))
+    learn = Learner(dls, gpt2(), loss_func=None)
     _, _, losses = learn.get_preds(with_loss=True)
     assert losses.shape == (12,)
     for i, row in enumerate(rows):
         n = int(row['attention_mask'].sum())
         with torch.no_grad():
             out = learn.model(input_ids=row['input_ids'][None, :n], labels=row['labels'][None, :n])
-        assert losses[i].item() == pytest.approx(out.loss.item(), rel=1e-5)       # its own loss on that row alone
+        assert losses[i].item() == pytest.approx(out.loss.item(), rel=1e-5)    # its own loss on the row alone
 
 PREDICT = """
 import sys, torch
@@ -77,7 +80,8 @@ def test_a_gpt2_exported_loads_and_predicts_in_a_new_process(tmp_path):
                       DataLoader(rows, batch_size=3, collate_fn=hf_collate))
     learn = Learner(dls, gpt2(), loss_func=None, lr=1e-2)
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
-    with pytest.warns(UserWarning, match=r'dict batches \(model\(\*\*batch\)\)'): path = learn.export(tmp_path/'lm.pt')
+    with pytest.warns(UserWarning, match=r'dict batches \(model\(\*\*batch\)\)'):
+        path = learn.export(tmp_path/'lm.pt')
     n = int(rows[0]['attention_mask'].sum())
     item = {k: rows[0][k][:n] for k in ('input_ids', 'attention_mask')}
     dec, probs = learn.predict({**item, 'labels': rows[0]['labels'][:n]})        # labels are left out
@@ -106,9 +110,10 @@ def fit_rows(rows, **kwargs):
 def test_labels_that_count_the_padding_are_told_once_a_fit():
     rows = hf_tokens(8)
     for r in rows: r['labels'] = r['input_ids'].clone()            # the padding's token, not -100
-    with pytest.warns(UserWarning, match=r'labels of this batch count positions its attention_mask marks as padding') as w:
+    told = r'labels of this batch count positions its attention_mask marks as padding'
+    with pytest.warns(UserWarning, match=told) as w:
         fit_rows(rows)
-    assert sum('attention_mask marks as padding' in str(m.message) for m in w) == 1        # once, not per batch
+    assert sum('attention_mask marks as padding' in str(m.message) for m in w) == 1     # once, not per batch
     assert "labels.masked_fill(attention_mask == 0, -100)" in str(w[0].message)
 
 def test_labels_shifted_by_hand_for_a_model_that_shifts_them_are_told():
@@ -129,4 +134,5 @@ def test_a_batch_without_the_label_key_lists_its_keys_and_names_label_key():
     assert "batch['labels'] = batch.pop('label')" in msg and 'nn.CrossEntropyLoss' not in msg
     loss_given = Learner(DataLoaders(DataLoader(rows, batch_size=4), None), gpt2(),
                          loss_func=CrossEntropyLossFlat())
-    with pytest.raises(ValueError, match=r"targets are: Learner\(\.\.\., label_key='label'\)"): loss_given.fit(1)
+    with pytest.raises(ValueError, match=r"targets are: Learner\(\.\.\., label_key='label'\)"):
+        loss_given.fit(1)

@@ -1,5 +1,6 @@
-"""In a real Jupyter kernel, with the progress bars on: a GPT-2 fit whose batch spikes on a few poisoned rows skips only
-those rows, and SpikeGuard's line stays in the notebook's saved output (the bars' table does not write over it)."""
+"""In a real Jupyter kernel, with the progress bars on: a GPT-2 fit whose batch spikes on a few poisoned rows
+skips only those rows, and SpikeGuard's line stays in the notebook's saved output (the bars' table does not
+write over it)."""
 from pathlib import Path
 import pytest
 
@@ -26,7 +27,8 @@ assert learn.skipped_items == bad, (learn.skipped_items, bad)
 
 @pytest.mark.slow
 def test_a_spiking_gpt2_batch_skips_its_poisoned_rows_and_the_line_stays_in_the_saved_notebook(tmp_path):
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(FIT.format(tests=str(Path(__file__).parent)))])
+    cell = nbformat.v4.new_code_cell(FIT.format(tests=str(Path(__file__).parent)))
+    nb = nbformat.v4.new_notebook(cells=[cell])
     nbclient.NotebookClient(nb, timeout=300, kernel_name='python3').execute()
     nbformat.write(nb, tmp_path/'saved.ipynb')
     saved = nbformat.read(tmp_path/'saved.ipynb', as_version=4).cells[0].outputs

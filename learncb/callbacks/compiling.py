@@ -145,7 +145,7 @@ class TracedStep(Step):
         return learn.loss_func
 
     def backward(self):
-        learn,w = self.learn,self.learn.stepper.weight        # the step's `piece_weight`, found before the graph
+        learn,w = self.learn,self.learn.stepper.weight        # the step's `piece_weight`, found eagerly
         (learn.loss_grad if w is None else learn.loss_grad * w).backward()
         learn.pred,learn.loss_grad = detached(learn.pred),learn.loss_grad.detach()   # their graph is spent
 

@@ -31,8 +31,8 @@ def _is_last_batch(learn):
     return learn.n_iter is not None and learn.iter == learn.n_iter - 1
 
 class GradientAccumulation(Callback):
-    """Step the optimizer once every `n_acc` samples of the run (all ranks'), with the gradient of the step's mean loss
-    over its items (the tokens that count for a language model: `Step.items`)"""
+    """Step the optimizer once every `n_acc` samples of the run (all ranks'), with the gradient of the step's
+    mean loss over its items (the tokens that count for a language model: `Step.items`)"""
     order,run_valid,_state_attrs,_sync = Order.ACCUMULATE,False,('count', 'items'),None
     takes_turns = False                  # it counts the items of a batch's one step
     compiled_events = ('before_backward', 'before_step')
@@ -59,7 +59,7 @@ class GradientAccumulation(Callback):
         learn.loss_grad = learn.loss_grad * (n / self.n_acc)
 
     def before_step(self):
-        "Cancel the step before `n_acc` rows; else make the gradients the mean over the items of the batches summed"
+        "Cancel the step before `n_acc` rows; else make the gradients the mean over the items they sum"
         learn,items = self.learn,self.items
         if self.count < self.n_acc and not _is_last_batch(learn): raise CancelStepException()
         if not isinstance(items, int): _scale_grads(learn, self.n_acc / items)      # counted on the device

@@ -328,8 +328,8 @@ class FaultTolerantStep(Step):
                                  if cb.takes_part('before_backward', True)]
 
     def run(self):
-        """The batch's step as `Step` runs it; in training on this replica's share of the global batch, whose rows
-        and items every replica counts (it reads all of it)"""
+        """The batch's step as `Step` runs it; in training on this replica's share of the global batch, whose
+        rows and items every replica counts (it reads all of it)"""
         learn = self.learn
         if learn.training:
             xb,yb = learn.xb,learn.yb
@@ -355,7 +355,7 @@ class FaultTolerantStep(Step):
         learn,ft = self.learn,self.strategy
         lo,hi = ft.quorum_share(self._rows)
         self._empty = hi == lo
-        if hi == lo and ft.inner is not None: lo,hi = 0,min(1, self._rows)   # FSDP: every rank computes, weighs 0
+        if hi == lo and ft.inner is not None: lo,hi = 0,min(1, self._rows)   # FSDP: every rank computes
         xb,yb = self._batch
         learn.xb,learn.yb = _sliced(xb, lo, hi),_sliced(yb, lo, hi)
         return hi > lo
@@ -387,9 +387,8 @@ class FaultTolerantStep(Step):
         for p in self.params: p.grad = None
         ft.grads_in_buffer(self.params, fresh=any(g is not None for g in kept))
         try:
-            share = self.share()
-            if not self._empty or ft.inner is not None: super().backward()     # FSDP's backward is a collective
-            self._total = ft.sum_and_commit(learn, self.params, learn.loss if share is None else learn.loss * share)
+            if not self._empty or ft.inner is not None: super().backward()   # FSDP's backward: a collective
+            self._total = ft.sum_and_commit(learn, self.params, learn.loss * self.share())
         finally:
             for p,g in zip(self.params, kept):
                 if self._total is None: p.grad = g             # not committed, or failed: as before the try

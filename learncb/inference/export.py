@@ -36,7 +36,8 @@ def _inputs_of(item, n_inp, where='the item'):
                      f"a tuple of (at least) {n_inp} tensors, its inputs first")
 
 class _Inputs(Dataset):
-    "The items of `items` (a dataset or a list), each as it is (a tuple of at least `n_inp`, a tensor, a dict)"
+    """The items of `items` (a dataset or a list), each as it is (a tuple of at least `n_inp`, a tensor, a
+    dict)"""
     def __init__(self, items, n_inp): self.items,self.n_inp = items,n_inp
     def __len__(self): return len(self.items)
     def __getitem__(self, i):
@@ -50,8 +51,8 @@ def batch_inputs(b, n_inp, label_key='labels'):
     return tuple(b[:n_inp]) if isinstance(b, (tuple, list)) else b
 
 class InputsCollate:
-    """A dataloader's `collate_fn` that batches items as `collate` does (the data's own, or torch's), then keeps
-    the inputs (`batch_inputs`): what `test_dl` batches with"""
+    """A dataloader's `collate_fn` that batches items as `collate` does (the data's own, or torch's), then
+    keeps the inputs (`batch_inputs`): what `test_dl` batches with"""
     def __init__(self, collate=None, n_inp=1, label_key='labels'):
         self.collate,self.n_inp,self.label_key = collate or default_collate,n_inp,label_key
     def __call__(self, items): return batch_inputs(self.collate(items), self.n_inp, self.label_key)
@@ -77,8 +78,9 @@ def _test_ds(items, n_inp):
 
 @patch
 def test_dl(self:Learner, items, bs=None, collate_fn=None, **kwargs):
-    """A `DataLoader` of the inputs of `items` (a tensor, a list of items or of dicts, a dataset), in order: batched
-    by `collate_fn` (torch's by default) from the items as they are, then without their targets (`InputsCollate`)"""
+    """A `DataLoader` of the inputs of `items` (a tensor, a list of items or of dicts, a dataset), in order:
+    batched by `collate_fn` (torch's by default) from the items as they are, then without their targets
+    (`InputsCollate`)"""
     bs = check_int(bs, 'bs', ge=1, allow_none=True, who='test_dl')
     if bs is None: bs = getattr(getattr(self.dls, 'valid', None), 'batch_size', None) or 64
     return DataLoader(_test_ds(items, self.n_inp), batch_size=bs, shuffle=False, drop_last=False,
@@ -87,7 +89,8 @@ def test_dl(self:Learner, items, bs=None, collate_fn=None, **kwargs):
 # %% ../../nbs/19_inference.ipynb #af18a872
 @patch
 def _indexed_datasets(self:Learner, with_collate=False):
-    "The datasets of the learner's data that can be indexed, the validation set first (`with_collate`: and its collate)"
+    """The datasets of the learner's data that can be indexed, the validation set first (`with_collate`: and
+    its collate)"""
     dls = self.dls
     for dl in (getattr(dls, 'valid', None), getattr(dls, 'train', None)):
         ds = getattr(dl, 'dataset', None)
@@ -105,7 +108,8 @@ def _item_shapes(self:Learner):
 
 @patch
 def _one_item(self:Learner, item):
-    "`item` as a tuple of `n_inp` tensors (a dict of them, without its labels), checked to be one item, not a batch"
+    """`item` as a tuple of `n_inp` tensors (a dict of them, without its labels), checked to be one item, not
+    a batch"""
     if isinstance(item, Mapping): return self._one_dict_item(item)
     xs = tuple(item) if isinstance(item, (tuple, list)) else (item,)
     if len(xs) != self.n_inp: raise ValueError(
@@ -124,7 +128,8 @@ def _one_item(self:Learner, item):
 def _one_dict_item(self:Learner, item):
     "A dict item (`model(**item)`, a transformers model's), its values tensors, without `label_key`"
     if not all(isinstance(v, torch.Tensor) for v in item.values()): raise TypeError(
-        f"predict takes a dict of tensors, not {describe_value(item)}: convert its values with torch.as_tensor")
+        f"predict takes a dict of tensors, not {describe_value(item)}: convert its values with "
+        f"torch.as_tensor")
     return batch_inputs(item, self.n_inp, self.label_key)
 
 def _row(o, i):
@@ -175,7 +180,8 @@ def _reason(e):
     return f"{type(e).__name__}: {first[:300]}"
 
 def _as_sample(sample, n_inp):
-    "`sample` (inputs of a batch: a tensor, a tuple of `n_inp`, a dict of tensors) as a tuple of CPU tensors (or a dict)"
+    """`sample` (inputs of a batch: a tensor, a tuple of `n_inp`, a dict of tensors) as a tuple of CPU tensors
+    (or a dict)"""
     if isinstance(sample, Mapping) and all(isinstance(v, torch.Tensor) for v in sample.values()):
         return to_device(dict(sample), 'cpu')
     xb = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
@@ -186,8 +192,8 @@ def _as_sample(sample, n_inp):
 
 @patch
 def _data_sample(self:Learner):
-    """`(inputs, None)`: the inputs of two items of the data (validation set, else training set), batched by its
-    dataloader's `collate_fn`, on the CPU; or `(None, why not)`"""
+    """`(inputs, None)`: the inputs of two items of the data (validation set, else training set), batched by
+    its dataloader's `collate_fn`, on the CPU; or `(None, why not)`"""
     for ds,collate in self._indexed_datasets(with_collate=True):
         try:
             n = len(ds)

@@ -192,7 +192,8 @@ def test_the_rows_one_rank_finds_are_skipped_by_every_rank(tmp_path, strategy):
     assert rel <= 1e-5, rel            # each rank's mean weighed by its rows: the one-process batch's mean
 
 def gpt2_learner(dl):
-    "A GPT-2 computing its own loss, on dict rows; its embedding of token 23 is NaN (no other row uses that token)"
+    """A GPT-2 computing its own loss, on dict rows; its embedding of token 23 is NaN (no other row uses that
+    token)"""
     from lm_models import gpt2
     model = gpt2(tie=False)                     # tied, the NaN embedding would be every row's output weights
     with torch.no_grad(): model.transformer.wte.weight[23] = torch.nan

@@ -124,7 +124,8 @@ def test_accumulation_then_clipping_clips_the_whole_gradient():
     assert not torch.allclose(weights(wrong), weights(large), rtol=1e-5, atol=1e-7)
 
 def test_a_run_resumed_inside_a_group_finishes_it(tmp_path):
-    "`count` and `items` are checkpointed with the gradients: a run stopped after 3 of 4 batches of a group resumes exactly"
+    """`count` and `items` are checkpointed with the gradients: a run stopped after 3 of 4 batches of a group
+    resumes exactly"""
     class Crash(Exception): pass
     def save_then_crash(self):
         if self.train_iter == 7:                             # 7 batches of 8 done: the second group of 32 is 3/4 full

@@ -1,9 +1,9 @@
-"""A padded language model's fit with its step cut into pieces over processes (tests/distributed/test_lm_items.py):
-each piece weighed by the tokens its loss counts, so that every way trains as the whole batch in one process.
-
-python tests/distributed/lm_script.py OUT --way one|ddp|fsdp|ddp_accumulation|ddp_microbatch|torchft|torchft_ranks
-'one': this process, the whole global batch of 16 a step; the others: two processes (DDP, FSDP, `launch`), or two
-replica groups of one process or of two ranks (torchft). Rank 0 (of group 0) saves OUT/<way>.pt: the weights."""
+"""A padded language model's fit with its step cut into pieces over processes
+(tests/distributed/test_lm_items.py): each piece weighed by the tokens its loss counts, so that every way
+trains as the whole batch in one process. python tests/distributed/lm_script.py OUT --way
+one|ddp|fsdp|ddp_accumulation|ddp_microbatch|torchft|torchft_ranks 'one': this process, the whole global
+batch of 16 a step; the others: two processes (DDP, FSDP, `launch`), or two replica groups of one process
+or of two ranks (torchft). Rank 0 (of group 0) saves OUT/<way>.pt: the weights."""
 import argparse, os, sys
 from pathlib import Path
 import torch
@@ -18,7 +18,7 @@ class TooBig(nn.Module):
     "The tiny LM, out of memory on more than 4 rows in training"
     def __init__(self): super().__init__(); self.lm = TinyLM()
     def forward(self, x):
-        if torch.is_grad_enabled() and len(x) > 4: raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        if torch.is_grad_enabled() and len(x) > 4: raise torch.OutOfMemoryError("out of memory (simulated)")
         return self.lm(x)
 
 def ways():
@@ -52,6 +52,6 @@ if __name__ == '__main__':
     if args.way == 'one': fit(out, 'one')
     elif args.way.startswith('torchft'):
         with Lighthouse(min_replicas=2) as lh:
-            launch_replicas(fit, out, args.way, n=2, ranks=2 if args.way == 'torchft_ranks' else 1, lighthouse=lh,
-                            timeout=600)
+            ranks = 2 if args.way == 'torchft_ranks' else 1
+            launch_replicas(fit, out, args.way, n=2, ranks=ranks, lighthouse=lh, timeout=600)
     else: launch(fit, out, args.way, nprocs=2)

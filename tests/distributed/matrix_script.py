@@ -54,7 +54,7 @@ capabilities = {       # name: the callbacks of the fit, given its checkpoint fo
     'several_optimizers': lambda folder: [],       # Adam for the body, SGD for the head: one step of both a batch
     'turns': lambda folder: [],                    # the body's optimizer, then the head's, each on a forward of its own
     'closure': lambda folder: [],                  # LBFGS: the step computes the batch again in a closure
-    'padded_lm': lambda folder: [GradientAccumulation(128)],   # a language model's rows of unequal length, by tokens
+    'padded_lm': lambda folder: [GradientAccumulation(128)],   # an LM's rows of unequal length, by tokens
 }
 
 class AlternatingStep(Step):
@@ -70,11 +70,15 @@ learner_kwargs = {'several_optimizers': body_and_head, 'turns': {**body_and_head
                   'padded_lm': {'lm': True}}
 
 def learner(cls=Learner, lm=False, **kwargs):
-    "The regression learner, or (`lm`) a tiny language model on padded rows of 2 to 24 tokens, its loss over tokens"
+    """The regression learner, or (`lm`) a tiny language model on padded rows of 2 to 24 tokens, its loss over
+    tokens"""
     torch.manual_seed(0)
-    model = TinyLM(dim=16) if lm else nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1), nn.Flatten(0))
-    train,valid = (padded_tokens(N_ITEMS, seed=1),padded_tokens(128, seed=2)) if lm else (data(N_ITEMS, 1),data(128, 2))
-    dls = DataLoaders(DataLoader(train, batch_size=GLOBAL_BATCH, shuffle=True), DataLoader(valid, batch_size=64))
+    model = TinyLM(dim=16) if lm else nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1),
+                                                    nn.Flatten(0))
+    make = padded_tokens if lm else data
+    train,valid = make(N_ITEMS, seed=1),make(128, seed=2)
+    dls = DataLoaders(DataLoader(train, batch_size=GLOBAL_BATCH, shuffle=True),
+                      DataLoader(valid, batch_size=64))
     return cls(dls, model, loss_func=CrossEntropyLossFlat() if lm else nn.MSELoss(), default_cbs=False,
                cbs=[TrainEvalCallback(), Recorder()], **{'opt_func': torch.optim.Adam, 'lr': 3e-3, **kwargs})
 

@@ -1,6 +1,7 @@
-"""The distributed rows of issue 62's table: a padded language model's batch cut over ranks (DDP, FSDP), over ranks and
-accumulation, over ranks and micro-batches, over replica groups of one process or of two ranks (torchft), each within
-1e-6 of the whole batch in one process: every rank's mean weighed by the tokens it counts, over the run's."""
+"""The distributed rows of issue 62's table: a padded language model's batch cut over ranks (DDP, FSDP), over
+ranks and accumulation, over ranks and micro-batches, over replica groups of one process or of two ranks
+(torchft), each within 1e-6 of the whole batch in one process: every rank's mean weighed by the tokens it
+counts, over the run's."""
 from pathlib import Path
 import pytest, torch
 from conftest import run_forked
@@ -18,7 +19,9 @@ def whole(tmp_path_factory): return run(tmp_path_factory.mktemp('one'), 'one')
 
 def rel_dist(a, b): return max(((a[k] - w).abs().max() / w.abs().max()).item() for k,w in b.items())
 
-@pytest.mark.parametrize('way', ['ddp', 'fsdp', 'ddp_accumulation', 'ddp_microbatch', 'torchft', 'torchft_ranks'])
+ways = ['ddp', 'fsdp', 'ddp_accumulation', 'ddp_microbatch', 'torchft', 'torchft_ranks']
+
+@pytest.mark.parametrize('way', ways)
 def test_a_padded_batch_cut_over_processes_trains_as_the_whole_batch(way, whole, tmp_path):
     got = run(tmp_path, way)
     assert got['train_iter'] == (8 if way == 'ddp_accumulation' else 2)
