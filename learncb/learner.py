@@ -324,7 +324,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         if self.loss_func is None:
             out,self._out_loss = model_loss(out, self.loss_key, self.pred_key)
             return out
-        return model_pred(out, self.pred_key, self._kw)
+        return out if type(out) is torch.Tensor else model_pred(out, self.pred_key, self._kw)
 
     def _batch_loss_func(self):
         "The loss of this batch: `loss_func` with targets, the model's own loss, or none (predictions only, not in training)"
