@@ -1,7 +1,8 @@
 """A transformers GPT-2 from a small config and the dict batches it takes, for the tests of a language model's
 fit (no download: the model is built from its config)."""
 import pytest, torch
-from learncb.test_utils import padded_tokens
+from torch import nn
+from learncb.test_utils import TinyLM, padded_tokens
 
 def gpt2(vocab=24, tie=True):
     "A one-layer GPT-2 of width 16, no dropout (fits are compared to each other), from seed 0"
@@ -28,3 +29,10 @@ def hf_collate(rows):
     they have"""
     n = max(int(r['attention_mask'].sum()) for r in rows)
     return {k: torch.stack([r[k][:n] for r in rows]) for k in rows[0]}
+
+class TooBig(nn.Module):
+    "The tiny LM (`TinyLM`), out of memory on more than 4 rows in training: what `AutoMicrobatch` splits"
+    def __init__(self): super().__init__(); self.lm = TinyLM()
+    def forward(self, x):
+        if torch.is_grad_enabled() and len(x) > 4: raise torch.OutOfMemoryError("out of memory (simulated)")
+        return self.lm(x)

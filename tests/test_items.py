@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from learncb.all import *
 from learncb.test_utils import TinyLM, padded_tokens
-from lm_models import gpt2, hf_tokens
+from lm_models import TooBig, gpt2, hf_tokens
 
 def rel_dist(a, b):
     """The largest distance between two models' weights, relative to the largest weight of `b`, over the
@@ -51,13 +51,6 @@ def test_the_control_rows_of_equal_length_are_equal_by_rows_or_by_tokens():
     assert rel_dist(fit_lm(4, [GradientAccumulation(16)], lengths=None).model, whole.model) < 1e-6
     assert rel_dist(fit_lm(4, [GradientAccumulation(16)], lengths=None, loss_func=rows_loss).model,
                     whole.model) < 1e-6
-
-class TooBig(nn.Module):
-    "A model that runs out of memory on more than 4 rows in training"
-    def __init__(self): super().__init__(); self.lm = TinyLM()
-    def forward(self, x):
-        if torch.is_grad_enabled() and len(x) > 4: raise torch.OutOfMemoryError("out of memory (simulated)")
-        return self.lm(x)
 
 def test_micro_batches_of_a_padded_batch_train_as_the_whole_batch():
     whole = fit_lm(16)
