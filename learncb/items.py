@@ -35,8 +35,8 @@ def not_ignored(ignore, weight, yb, xb):
 
 def labels_counted(shift, yb, xb):
     """How many labels `yb[0]` a model's own loss counts: those not -100, after the shift of a causal LM
-    (`shift`)"""
-    if not yb: return rows(yb, xb)
+    (`shift`); rows for float labels (a regression's)"""
+    if not yb or yb[0].dtype.is_floating_point: return rows(yb, xb)
     return ((yb[0][..., 1:] if shift else yb[0]) != ignore_index).sum()
 
 def counted_by(count, yb, xb):
