@@ -1,4 +1,4 @@
-"""What a metric is, `accuracy` and `error_rate`, and the batch-size weighted mean of per-batch values.
+"""What a metric is, `accuracy` and `error_rate`, `Perplexity`, and the mean of per-batch values by their items.
 
 Docs: https://learncb.github.io/learncb/metrics.html.md"""
 
@@ -65,7 +65,7 @@ def metric_value(m):
 
 # %% ../nbs/03_metrics.ipynb #de19ecfc
 def weighted_means(cols, bss, names=None):
-    "Batch-size weighted mean of each column of per-batch scalars, as Python floats, with one host sync"
+    "The mean of each column of per-batch scalars weighed by the batches' items, as floats, in one host sync"
     device = next((v.device for c in cols for v in c if isinstance(v, torch.Tensor)), None)
     names = names or ['the loss', *(f'metric #{i}' for i in range(1, len(cols)))]
     stacked = torch.stack([_stack_scalars(c, n, device) for c,n in zip(cols, names)])
