@@ -65,7 +65,7 @@ def metric_value(m):
 
 # %% ../nbs/03_metrics.ipynb #de19ecfc
 def weighted_means(cols, bss, names=None):
-    "The mean of each column of per-batch scalars weighed by the batches' items, as floats, in one host sync"
+    "The mean of each column of per-batch scalars by the batches' items, as floats, in one host sync"
     device = next((v.device for c in cols for v in c if isinstance(v, torch.Tensor)), None)
     names = names or ['the loss', *(f'metric #{i}' for i in range(1, len(cols)))]
     stacked = torch.stack([_stack_scalars(c, n, device) for c,n in zip(cols, names)])
