@@ -1,4 +1,4 @@
-"""What a metric is, `accuracy` and `error_rate`, `Perplexity`, and the mean of per-batch values by their items.
+"""What a metric is, `accuracy`, `error_rate`, `Perplexity`, and the mean of per-batch values by items.
 
 Docs: https://learncb.github.io/learncb/metrics.html.md"""
 
