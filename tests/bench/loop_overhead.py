@@ -26,10 +26,10 @@ def make_model(seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
 
-def raw_loop(train, valid, n_epoch, with_metric=False, fused=None):
+def raw_loop(train, valid, n_epoch, with_metric=False, fused=None, opt_func=None):
     "The reference: what a careful hand-written loop does (losses kept on the device, read once per epoch)"
     model, loss_func = make_model(), nn.CrossEntropyLoss()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused)
+    opt = (opt_func or partial(torch.optim.Adam, fused=fused))(model.parameters(), lr=1e-3)
     for epoch in range(n_epoch):
         model.train(); losses = []
         for xb, yb in train:
@@ -113,10 +113,10 @@ def python_calls(fn):
     prof.enable(); fn(); prof.disable()
     return pstats.Stats(prof).total_calls
 
-def calls_per_step(train, valid, n_epoch, n_steps):
+def calls_per_step(train, valid, n_epoch, n_steps, opt_func=torch.optim.Adam):
     "Python calls per step of the raw loop, and how many more learncb's loop (default callbacks) makes"
-    raw = python_calls(lambda: raw_loop(train, valid, n_epoch)) / n_steps
-    ours = python_calls(lambda: learncb_loop(train, valid, n_epoch)) / n_steps
+    raw = python_calls(lambda: raw_loop(train, valid, n_epoch, opt_func=opt_func)) / n_steps
+    ours = python_calls(lambda: learncb_loop(train, valid, n_epoch, opt_func=opt_func)) / n_steps
     return raw, ours - raw
 
 def ddp_raw_loop(train_ds, valid_ds, n_epoch, bs=32):
@@ -291,6 +291,8 @@ def main(short=False):
         print(f"{name}: {us[key]:7.1f} us/step, overhead {us[key] - us[ref]:+6.1f} us/step, {us[key] / us[ref]:.3f}x raw")
     raw_calls, extra_calls = calls_per_step(train, valid, n_epoch, n_steps)
     print(f"python calls per step                 : raw loop {raw_calls:.1f}, learncb default cbs {extra_calls:+.1f} over it")
+    raw_calls, extra_calls = calls_per_step(train, valid, n_epoch, n_steps, torch.optim.SGD)
+    print(f"python calls per step, SGD            : raw loop {raw_calls:.1f}, learncb default cbs {extra_calls:+.1f} over it")
     n_calls = 20_000 if short else 200_000
     d1, d50 = dispatch_us(1, n_calls), dispatch_us(50, n_calls)
     print(f"dispatch, unhandled event             : {d1:.3f} us with 1 callback, {d50:.3f} us with 50 ({d50 / d1:.2f}x)")
