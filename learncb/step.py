@@ -12,7 +12,7 @@ from .core import *
 from .utils import *
 from .diagnose import note_failure, note_where, why_no_grad, check_target_shape, check_lm_labels
 from .optim import opt_step, clear_grads, needs_closure, opt_names
-from .ranks import refuse, num_distrib
+from .ranks import refuse, num_distrib, PendingSum
 from .items import items_counter, shifts_labels
 from .sampler import rows_kept
 
@@ -46,7 +46,7 @@ class Step:
         self._opt,self._closure,self._first_call = None,False,False     # the last one stepped; a closure?
         self._targets_checked = False                                   # the first batch's shapes, once a fit
         self._counter,self._counter_of,self._batch_items = None,_unset,None    # see `items_of`, `batch_items`
-        self.cut = num_distrib() > 1          # whether each process computes a part of the run's batch
+        self.cut,self._ahead = num_distrib() > 1,False     # each process computes a part of the run's batch?
         if hooks: self.find_hooks()
 
     def check_fit(self):
@@ -143,6 +143,7 @@ class Step:
     def predict(self):
         "`learn.pred`, the model's output on the batch (through a callback's `step_forward` if one has it)"
         learn,hook = self.learn,self.forward_hook
+        if self.cut and learn.training: self.count_ahead()
         try: learn.pred = learn.forward_batch() if hook is None else hook.step_forward(learn.forward_batch)
         except Exception as e: note_failure(learn, e, 'model'); raise
 
@@ -161,8 +162,16 @@ class Step:
             except Exception as e: note_failure(learn, e, 'loss'); raise
             try: learn.loss = learn.loss_grad.detach()
             except Exception as e: note_where(e, 'loss value'); raise
-            self.items,self._batch_items = self.items_of(learn.yb, learn.xb),None
+            if self._ahead: self._ahead = False             # counted before the forward
+            else: self.items,self._batch_items = self.items_of(learn.yb, learn.xb),None
         return lf
+
+    def count_ahead(self):
+        """Count a training batch's items before its forward, and start their sum over the processes: a
+        data-parallel step's collective of one number runs while the forward does"""
+        learn = self.learn
+        self.items,self._ahead = self.items_of(learn.yb, learn.xb),True
+        self._batch_items = self._run_items()
 
     def items_of(self, yb, xb):
         """The items of a batch of targets `yb` and inputs `xb`, what its loss is a mean of (`items_counter`,
@@ -235,8 +244,10 @@ class Step:
         """How many items the run's batch holds (every process's part, without the rows left out), of which
         this process's holds `items`: the step's loss is their mean. Counted once a batch (over the
         processes: one collective for items counted on the device)"""
-        if self._batch_items is None: self._batch_items = self._run_items()
-        return self._batch_items
+        total = self._batch_items
+        if total is None: total = self._batch_items = self._run_items()
+        if isinstance(total, PendingSum): total = self._batch_items = total.wait()
+        return total
 
     def _run_items(self):
         learn,n = self.learn,self.items
