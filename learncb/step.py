@@ -144,6 +144,7 @@ class Step:
         "`learn.pred`, the model's output on the batch (through a callback's `step_forward` if one has it)"
         learn,hook = self.learn,self.forward_hook
         if self.cut and learn.training: self.count_ahead()
+        else: self._ahead = False
         try: learn.pred = learn.forward_batch() if hook is None else hook.step_forward(learn.forward_batch)
         except Exception as e: note_failure(learn, e, 'model'); raise
 

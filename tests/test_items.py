@@ -110,3 +110,18 @@ def test_a_transformers_causal_lm_own_loss_accumulated_trains_as_the_whole_batch
     whole = fit_gpt2(16)
     assert shifts_labels(whole.model)
     assert rel_dist(fit_gpt2(4, [GradientAccumulation(16)]).model, whole.model) < 1e-6
+
+def test_items_counted_ahead_of_a_cancelled_batch_are_not_the_next_validation_batchs():
+    "A data-parallel step counts a batch's items before its forward: a batch cancelled after it leaves no count behind"
+    class Cut(Callback):
+        "The step of a batch cut over processes (as under DDP), in one process; the last training batch cancelled"
+        def before_train(self): self.learn.stepper.cut = True
+        def after_pred(self):
+            if self.training and self.iter == self.n_iter - 1: raise CancelBatchException()
+    learn = fit_lm(4, [Cut()], lr=0.1)
+    valid_loss = learn.recorder.values[-1][1]
+    lf, model = nn.CrossEntropyLoss(reduction='sum'), learn.model.eval()
+    with torch.no_grad():
+        total = sum(lf(model(x).transpose(1, 2), y).item() for x,y in learn.dls.valid)
+    tokens = sum((y != -100).sum().item() for _,y in learn.dls.valid)
+    assert valid_loss == pytest.approx(total / tokens, rel=1e-6)
