@@ -72,8 +72,8 @@ class PendingSum:
         return self.out.to(self.device)
 
 def sum_across_ranks(t, wait=True):
-    """`t` summed over all ranks (a new tensor on `t`'s device; `t` itself without a process group); `wait=False`:
-    the collective started, a `PendingSum`, so that work goes on while it runs"""
+    """`t` summed over all ranks (a new tensor on `t`'s device; `t` itself without a process group);
+    `wait=False`: the collective started, a `PendingSum`, so that work goes on while it runs"""
     if num_distrib() == 1: return t
     import torch.distributed as dist
     out = t.detach().to(_collective_device(), copy=True)

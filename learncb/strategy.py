@@ -99,7 +99,7 @@ class Strategy:
         """How many items the run's batch holds when this process's part holds `n`, an int or a tensor on the
         device (`Step.items`): rows as `global_items` counts them; items counted on the device summed over
         the processes"""
-        return self.global_items(n) if isinstance(n, int) else sum_across_ranks(n, wait=False)   # a PendingSum
+        return self.global_items(n) if isinstance(n, int) else sum_across_ranks(n, wait=False)   # PendingSum
 
     def averages_over(self):
         """How many processes the reduction of the gradients averages over (DDP's mean, FSDP's): the step

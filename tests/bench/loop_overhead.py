@@ -292,7 +292,8 @@ def main(short=False):
     raw_calls, extra_calls = calls_per_step(train, valid, n_epoch, n_steps)
     print(f"python calls per step                 : raw loop {raw_calls:.1f}, learncb default cbs {extra_calls:+.1f} over it")
     raw_calls, extra_calls = calls_per_step(train, valid, n_epoch, n_steps, torch.optim.SGD)
-    print(f"python calls per step, SGD            : raw loop {raw_calls:.1f}, learncb default cbs {extra_calls:+.1f} over it")
+    print(f"python calls per step, SGD            : raw loop {raw_calls:.1f}, learncb default cbs "
+          f"{extra_calls:+.1f} over it")
     n_calls = 20_000 if short else 200_000
     d1, d50 = dispatch_us(1, n_calls), dispatch_us(50, n_calls)
     print(f"dispatch, unhandled event             : {d1:.3f} us with 1 callback, {d50:.3f} us with 50 ({d50 / d1:.2f}x)")
