@@ -6,7 +6,7 @@ Docs: https://learncb.github.io/learncb/diagnose.html.md"""
 
 # %% auto #0
 __all__ = ['describe_value', 'FailedBatch', 'failed_batch', 'note_where', 'note_batch', 'is_oom', 'check_target_shape',
-           'check_lm_labels', 'explain_batch_error', 'batch_notes', 'why_no_grad', 'device_note', 'note_failure',
+           'check_labels', 'explain_batch_error', 'batch_notes', 'why_no_grad', 'device_note', 'note_failure',
            'missing_labels', 'no_targets_message', 'no_model_loss_message']
 
 # %% ../nbs/02d_diagnose.ipynb #33b2b2e0
@@ -112,7 +112,7 @@ def check_target_shape(pred, yb):
               f"them. Make the output flat (nn.Flatten(0) as the model's last layer, or loss_func=lambda "
               f"out, y: f(out.squeeze(1), y)), or give the targets the shape ({n}, 1)")
 
-def check_lm_labels(b, labels, shifts):
+def check_labels(b, labels, shifts):
     """Warn (once a fit, on its first batch) of labels that a language model's loss counts wrongly, in dict
     batch `b`: labels counted where the attention mask says padding (-100 missing there), or, for a model
     that shifts its labels itself (`shifts`), labels that are its `input_ids` shifted by one already"""

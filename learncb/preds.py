@@ -88,8 +88,8 @@ class Gatherer:
             f"(the items along dimension {self.dim}): every batch must have as many")
         if self.pos + k > self.n: raise ValueError(
             f"cannot gather {k} more items along dimension {self.dim} (concat_dim) after {self.pos}: the "
-            f"dataloader holds {self.n} items. concat_dim must be the dimension of the items (0 for batches of "
-            f"rows)")
+            f"dataloader holds {self.n} items. concat_dim must be the dimension of the items (0 for "
+            f"batches of rows)")
         if any(a > b for a,b in zip(t.shape, self.buf.shape)): self._grow(t.shape)
         slot = self.buf.narrow(self.dim, self.pos, k)
         if slot.shape != t.shape:                      # a shorter batch: padded

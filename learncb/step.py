@@ -10,7 +10,7 @@ __all__ = ['Step']
 # %% ../nbs/02e_step.ipynb #292ef426
 from .core import *
 from .utils import *
-from .diagnose import note_failure, note_where, why_no_grad, check_target_shape, check_lm_labels
+from .diagnose import note_failure, note_where, why_no_grad, check_target_shape, check_labels
 from .optim import opt_step, clear_grads, needs_closure, opt_names
 from .ranks import refuse, num_distrib, PendingSum
 from .items import items_counter, shifts_labels
@@ -157,7 +157,7 @@ class Step:
             if not self._targets_checked:             # once a fit: no cost per batch
                 check_target_shape(learn.pred, learn.yb)
                 own = learn.loss_func is None
-                if learn.yb: check_lm_labels(learn.batch, learn.yb[0], own and shifts_labels(learn.model))
+                if learn.yb: check_labels(learn.batch, learn.yb[0], own and shifts_labels(learn.model))
                 self._targets_checked = True
             try: learn.loss_grad = lf(learn.pred, *learn.yb)
             except Exception as e: note_failure(learn, e, 'loss'); raise

@@ -8,8 +8,8 @@ def gpt2(vocab=24, tie=True):
     "A one-layer GPT-2 of width 16, no dropout (fits are compared to each other), from seed 0"
     transformers = pytest.importorskip('transformers')
     cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=32, n_embd=16, n_layer=1, n_head=2,
-                                  bos_token_id=0, eos_token_id=0, pad_token_id=0, resid_pdrop=0., embd_pdrop=0., attn_pdrop=0.,
-                                  tie_word_embeddings=tie)
+                                  bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=tie,
+                                  resid_pdrop=0., embd_pdrop=0., attn_pdrop=0.)
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(cfg)
 

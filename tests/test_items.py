@@ -112,9 +112,9 @@ def test_a_transformers_causal_lm_own_loss_accumulated_trains_as_the_whole_batch
     assert rel_dist(fit_gpt2(4, [GradientAccumulation(16)]).model, whole.model) < 1e-6
 
 def test_items_counted_ahead_of_a_cancelled_batch_are_not_the_next_validation_batchs():
-    "A data-parallel step counts a batch's items before its forward: a batch cancelled then leaves no count behind"
+    "A data-parallel step counts a batch's items before its forward: a batch cancelled then leaves no count"
     class Cut(Callback):
-        "The step of a batch cut over processes (as under DDP), in one process; the last training batch cut short"
+        "A step cut over processes (as under DDP), in one process; the last training batch cut short"
         def before_train(self): self.learn.stepper.cut = True
         def after_pred(self):
             if self.training and self.iter == self.n_iter - 1: raise CancelBatchException()
