@@ -6,7 +6,7 @@ Docs: https://learncb.github.io/learncb/metrics.html.md"""
 
 # %% auto #0
 __all__ = ['accuracy', 'error_rate', 'Perplexity', 'metric_name', 'is_stateful_metric', 'is_fastai_metric', 'metric_value',
-           'weighted_means', 'items_tensor', 'items_numbers', 'check_metric_value']
+           'weighted_means', 'items_tensor', 'check_metric_value']
 
 # %% ../nbs/03_metrics.ipynb #80cddedf
 import math
@@ -80,10 +80,6 @@ def items_tensor(items, dtype=None, device=None):
     try: return torch.stack(items).to(device=device, dtype=dtype)
     except TypeError: pass                                   # ints among them
     return torch.stack([torch.as_tensor(n, device=device) for n in items]).to(dtype)
-
-def items_numbers(items):
-    "The items of each batch as Python numbers, in one host sync when some were counted on the device"
-    return items if all(isinstance(n, int) for n in items) else items_tensor(items, torch.float64).tolist()
 
 def _stack_scalars(col, name, device):
     if all(isinstance(v, torch.Tensor) and v.ndim == 0 for v in col): return torch.stack(col).to(device)

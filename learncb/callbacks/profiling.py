@@ -25,7 +25,8 @@ _data_fix = ("give the DataLoader workers (num_workers=4 or more: the batches ar
              "pin_memory=True; or make the dataset's __getitem__ cheaper (decode or resize once, ahead of training)")
 
 class ThroughputCallback(Callback):
-    "Per epoch: training samples/s, batches/s and the share of time spent waiting for the dataloader (`data_wait`)"
+    """Per epoch: training samples/s, items/s (what the loss counts: a language model's tokens), batches/s
+    and the share of time spent waiting for the dataloader (`data_wait`)"""
     order,run_valid = Order.WARMUP,False                # the training phase is measured; validation is left as it is
     def __init__(self, warn_at=0.2, columns=True):
         self.warn_at = check_fraction(warn_at, 'warn_at', who='ThroughputCallback')
@@ -33,18 +34,21 @@ class ThroughputCallback(Callback):
 
     def before_fit(self): self.history,self._warned = [],False
 
-    def before_train(self): self._wait,self._items,self._n_batches,self._start = 0.,0,0,clock.now()
+    def before_train(self):
+        self._wait,self._items,self._counted,self._n_batches,self._start = 0.,0,0,0,clock.now()
     def before_fetch(self): self._fetch = clock.now()
     def after_fetch(self): self._wait += clock.now() - self._fetch
 
     def after_batch(self):
         self._n_batches += 1
         self._items += find_bs(self.learn.yb or self.learn.xb)    # shapes only: no wait for the device
+        if (n := self.learn.stepper.items) is not None: self._counted = self._counted + n   # on the device
 
     def after_train(self):
         wall = max(clock.now() - self._start, 1e-9)
-        row = {'epoch': self.learn.epoch, 'samples_per_s': self._items / wall, 'batches_per_s': self._n_batches / wall,
-               'data_wait': self._wait / wall}
+        row = {'epoch': self.learn.epoch, 'samples_per_s': self._items / wall,
+               'items_per_s': float(self._counted) / wall,          # one read of the device's count an epoch
+               'batches_per_s': self._n_batches / wall, 'data_wait': self._wait / wall}
         self.history.append(row)
         rec = getattr(self.learn, 'recorder', None)
         if self.columns and isinstance(rec, Recorder):
