@@ -368,12 +368,11 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             f"{', '.join(type(cb).__name__ for cb,_ in made)} each make the step of this fit: one callback at most may "
             f"(make_step); fit with one of them")
         step = made[0][1] if made else self.step_class(self)
+        step.check_fit()
         if made and self.step_class.turns is not None:
-            refuse(self.step_class.__name__, self.strategy.cannot_take_turns())
             raise ValueError(f"{type(made[0][0]).__name__} makes the step of this fit, so "
                              f"{self.step_class.__name__}'s turns {self.step_class.turns} would not run: "
                              f"several optimizers in turn run in their own step, without it")
-        step.check_fit()
         return step
 
     def _batches(self, start):

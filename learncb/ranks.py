@@ -6,8 +6,8 @@ Docs: https://learncb.github.io/learncb/ranks.html.md"""
 
 # %% auto #0
 __all__ = ['num_distrib', 'rank_distrib', 'is_rank0', 'refuse', 'on_group_end', 'group_ended', 'local_model', 'PendingSum',
-           'sum_across_ranks', 'gather_objects', 'free_port', 'is_sharded', 'whole_state', 'shard_like',
-           'opt_state_like', 'local_part', 'grad_like', 'local_shards', 'shards_like', 'ShardSampler',
+           'sum_across_ranks', 'mean_across_ranks', 'gather_objects', 'free_port', 'is_sharded', 'whole_state',
+           'shard_like', 'opt_state_like', 'local_part', 'grad_like', 'local_shards', 'shards_like', 'ShardSampler',
            'check_shardable', 'shard_in_order', 'gather_in_order']
 
 # %% ../nbs/01c_ranks.ipynb #14980140
@@ -38,9 +38,8 @@ def is_rank0():
     return rank_distrib() == 0
 
 def refuse(who, why):
-    """Stop a fit before its first batch when `why`, the strategy's answer to what `who` needs (one of its
-    `cannot_*` methods), is a reason: `ValueError('<who>: <why>')`, `who` a callback (its class named) or a
-    name"""
+    """Stop a fit before its first batch when `why`, what `who` found it cannot run under the fit's strategy, is a
+    reason: `ValueError('<who>: <why>')`, `who` a callback (its class named) or a name"""
     if why is not None: raise ValueError(f"{who if isinstance(who, str) else type(who).__name__}: {why}")
 
 _group_end_hooks = []
@@ -80,6 +79,20 @@ def sum_across_ranks(t, wait=True):
     if not wait: return PendingSum(out, dist.all_reduce(out, async_op=True), t.device)
     dist.all_reduce(out)
     return out.to(t.device)
+
+@torch.compiler.disable
+def mean_across_ranks(ts):
+    """Make each tensor of `ts` its mean over the ranks, in place: one all-reduce per dtype and device, of their
+    values flattened together, each divided by the ranks before the sum (as DDP's reduction is)"""
+    import torch.distributed as dist
+    world,groups = dist.get_world_size(),{}
+    for t in ts: groups.setdefault((t.device, t.dtype), []).append(t)
+    for group in groups.values():
+        flat = torch.cat([t.reshape(-1) for t in group]).div_(world)
+        on = flat.to(_collective_device())
+        dist.all_reduce(on)
+        if on is not flat: flat.copy_(on)
+        for t,f in zip(group, flat.split([t.numel() for t in group])): t.copy_(f.view_as(t))
 
 def gather_objects(o):
     "The list of every rank's `o`, in rank order (`[o]` without a process group)"

@@ -12,7 +12,7 @@ from .core import *
 from .utils import *
 from .diagnose import note_failure, note_where, why_no_grad, check_target_shape, check_labels
 from .optim import opt_step, clear_grads, needs_closure, opt_names
-from .ranks import refuse, num_distrib, PendingSum
+from .ranks import num_distrib, PendingSum
 from .items import items_counter, shifts_labels
 from .sampler import rows_kept
 
@@ -46,22 +46,20 @@ class Step:
         self._opt,self._closure,self._first_call = None,False,False     # the last one stepped; a closure?
         self._targets_checked = False                                   # the first batch's shapes, once a fit
         self._counter,self._counter_of,self._batch_items = None,_unset,None    # see `items_of`, `batch_items`
+        self._params = {}                                               # `params_stepped`, by optimizer
         self.cut,self._ahead = num_distrib() > 1,False     # each process computes a part of the run's batch?
         if hooks: self.find_hooks()
 
     def check_fit(self):
         """Refuse, before the first batch, a fit this step cannot run: `turns` of optimizers the learner
-        lacks, or what the strategy or a callback cannot do with turns or with a closure optimizer"""
-        learn = self.learn
-        if needs_closure(learn.opt):
-            refuse(type(learn.opt).__name__, learn.strategy.cannot_step_with_closure())
+        lacks, or callbacks that act on a batch's one step"""
+        learn,self._params = self.learn,{}
         if self.turns is None: return
         names = opt_names(learn.opt)
         if missing := [t for t in self.turns if t not in names]: raise ValueError(
             f"{type(self).__name__} takes turns {self.turns}, but learn.opt has no optimizer {missing} (its "
             f"optimizers: {names or type(learn.opt).__name__}): give the splitter a dict with those names, "
             f"splitter=lambda m: {{{', '.join(f'{t!r}: m.{t}.parameters()' for t in self.turns)}}}")
-        refuse(type(self).__name__, learn.strategy.cannot_take_turns())
         if cbs := [type(cb).__name__ for cb in learn.cbs if not cb.takes_turns]: raise ValueError(
             f"{', '.join(cbs)}: {'acts' if len(cbs) == 1 else 'act'} on the one optimizer step of a batch, "
             f"and {type(self).__name__} steps {len(self.turns)} optimizers in turn "
@@ -187,7 +185,7 @@ class Step:
         the user's loss cannot have one"""
         learn = self.learn
         w = self.piece_weight() if self.cut or learn.skipped_items else None
-        try: learn.strategy.backward(learn.loss_grad if w is None else learn.loss_grad * w)
+        try: learn.strategy.backward(learn.loss_grad if w is None else learn.loss_grad * w, self.params_stepped())
         except Exception as e:
             note_where(e, 'backward')
             if not isinstance(e, RuntimeError): raise
@@ -196,6 +194,15 @@ class Step:
                 f"reduce it (e.g. .mean()) or use a loss with reduction='mean'") from e
             if not learn.loss_grad.requires_grad: add_note(e, f"learncb: {why_no_grad(learn)}")
             raise
+
+    def params_stepped(self):
+        """The parameters the optimizer steps next, whose gradients the strategy reduces: with `turns` the
+        turn's optimizer's, else all of `learn.opt`'s (found once a fit for each optimizer)"""
+        learn = self.learn
+        opt = learn.opt if learn.turn is None else learn.opt[learn.turn]
+        params = self._params.get(id(opt))
+        if params is None: params = self._params[id(opt)] = [p for g in opt.param_groups for p in g['params']]
+        return params
 
     def committed(self):
         "Whether the gradients of this try of the batch are kept (`True`); a variant that can lose a try says"
@@ -228,7 +235,15 @@ class Step:
             self.predict()
             self.compute_loss()
             self.backward() if self.backward_hook is None else self.backward_hook.step_backward(self)
-        return learn.loss
+        return self.run_loss()
+
+    def run_loss(self):
+        """The mean loss of the run's batch: `learn.loss` in one process; the processes' losses weighed by
+        their `share` and summed (a collective) when each computes a part (what a closure optimizer reads)"""
+        learn = self.learn
+        if not self.cut: return learn.loss
+        share = self.share()
+        return learn.strategy.reduce(learn.loss if share is None else learn.loss * share)
 
     def zero_grad(self):
         "Clear the gradients, after a step the optimizer took"

@@ -87,7 +87,7 @@ def hypers_as_numbers(opt):
 
 def backward_traceable(learn):
     "Whether torch.compile may trace the backward of `learn.model` into the step's graph: no reduction in it (DDP's), no hooks on its parameters"
-    if learn.strategy.reduces_in_backward: return False        # its hooks average the gradients
+    if learn.strategy.reduces is not None: return False        # a collective reduces the gradients
     return not param_hooks(learn.model)
 
 def _own_code(method):
@@ -146,7 +146,7 @@ class TracedStep(Step):
 
     def backward(self):
         learn,w = self.learn,self.learn.stepper.weight        # the step's `piece_weight`, found eagerly
-        (learn.loss_grad if w is None else learn.loss_grad * w).backward()
+        learn.strategy.backward(learn.loss_grad if w is None else learn.loss_grad * w, self.params_stepped())
         learn.pred,learn.loss_grad = detached(learn.pred),learn.loss_grad.detach()   # their graph is spent
 
     @torch.compiler.disable(recursive=False)
@@ -313,7 +313,14 @@ class CompileCallback(Callback):
 
     def _prepare_step(self):
         learn = self.learn
-        refuse('learn.compile(step=True)', learn.strategy.cannot_compile_step())
+        strategy = learn.strategy
+        if strategy.sharded: raise ValueError(
+            f"learn.compile(step=True): strategy={strategy.name!r} does not run a compiled step: FSDP gathers "
+            f"and frees the shards around each layer in hooks the compiled step would have to trace; use "
+            f"learn.compile() (the model compiled) with it")
+        if strategy.reads_whole_batch: raise ValueError(
+            f"learn.compile(step=True): strategy={strategy.name!r} does not run a compiled step yet (its step "
+            f"computes this process's share of the whole batch): fit without it, or with strategy='ddp'")
         if needs_closure(learn.opt): raise ValueError(
             f"learn.compile(step=True): {type(learn.opt).__name__}'s step takes a closure that computes the "
             f"loss again, which the compiled step cannot trace: use learn.compile() (the model compiled) "

@@ -69,7 +69,14 @@ class AutoMicrobatch(Callback):
 
     def before_fit(self):
         "Find the model the micro-batches call; refuse FSDP"
-        refuse(self, self.learn.strategy.cannot_microbatch())
+        strategy = self.learn.strategy
+        if strategy.sharded: raise ValueError(
+            f"AutoMicrobatch: strategy={strategy.name!r} does not split a batch into micro-batches yet (the "
+            f"ranks gather each shard in the forward, so they would have to split alike before it): fit with "
+            f"DDP, or with a smaller batch")
+        if strategy.reads_whole_batch: raise ValueError(
+            f"AutoMicrobatch: strategy={strategy.name!r} does not split a batch into micro-batches yet (its "
+            f"step computes this process's share of the whole batch): fit without it, or with strategy='ddp'")
         self._world = num_distrib()
         # under DDP, the plain model: the gradients are averaged here, after the ranks agree on the split
         self._inner = local_model(self.learn)

@@ -138,7 +138,10 @@ class WeightAveraging(Callback):
     def _start(self, **kwargs):
         "Make this fit's average of the learner's model (refused under FSDP, whose ranks hold shards)"
         model = plain_model(self.learn.model)
-        refuse(self, self.learn.strategy.cannot_average_weights())
+        strategy = self.learn.strategy
+        if strategy.sharded: raise ValueError(
+            f"{type(self).__name__}: strategy={strategy.name!r} does not average sharded weights yet (each rank "
+            f"holds shards of the weights, and the average is of whole weights): use it with DDP or one process")
         self.average,self._model,self._swapped = AveragedModel(model, **kwargs),model,False
 
     @property

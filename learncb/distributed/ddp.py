@@ -8,28 +8,43 @@ Docs: https://learncb.github.io/learncb/ddp.html.md"""
 __all__ = ['DDP']
 
 # %% ../../nbs/23a_ddp.ipynb #e15a1a64
+import torch
 from torch.nn.parallel import DistributedDataParallel
 from ..strategy import *
 from .strategy import *
 
 # %% ../../nbs/23a_ddp.ipynb #3300b2dc
+def _same_weights(model, buffers_only=False):
+    "Give every rank rank 0's weights (`buffers_only`: its buffers, BatchNorm's statistics), as DDP does"
+    import torch.distributed as dist
+    with torch.no_grad():
+        for t in (*([] if buffers_only else model.parameters()), *model.buffers()): dist.broadcast(t, src=0)
+
 class DDP(Strategy):
     "Data-parallel training: the whole model on every rank in `DistributedDataParallel`, the data sharded"
     def __init__(self, device_ids='auto', find_unused_parameters=False):
         super().__init__()
-        self.device_ids,self.find_unused_parameters = device_ids,find_unused_parameters
+        self.device_ids,self.find_unused_parameters,self._wrapped = device_ids,find_unused_parameters,False
 
     def wrap(self, learn):
-        "Put the model in `DistributedDataParallel` (on this rank's GPU, with `device_ids='auto'`)"
+        """Put the model in `DistributedDataParallel` (on this rank's GPU, with `device_ids='auto'`); for a step
+        that takes turns (`Step.turns`), keep the plain model, with rank 0's weights: each turn's gradients are
+        then averaged after its backward, those of its own optimizer, whatever parts of the model it called"""
+        if learn.step_class.turns is not None: return _same_weights(learn.model)
         ids = self.device_ids
         if ids == 'auto': ids = [learn.device.index] if learn.device.type == 'cuda' else None
         learn.model = DistributedDataParallel(learn.model, device_ids=ids,
                                               find_unused_parameters=self.find_unused_parameters)
+        self._wrapped = True
 
-    reduces_in_backward = True
+    @property
+    def reduces(self):
+        "In the backward, by DDP's hooks; after it, in the step, for a plain model (a step that takes turns)"
+        return 'backward' if self._wrapped else 'step'
 
-    def cannot_take_turns(self): return turns_not_yet('ddp')
-    def cannot_step_with_closure(self): return closure_not_yet('ddp')
+    def before_validate(self, learn):
+        "The plain model validates with rank 0's buffers, as DDP's forward would broadcast them"
+        if not self._wrapped: _same_weights(learn.model, buffers_only=True)
 
     def local_model(self, model):
         "The plain model inside `DistributedDataParallel`: a call of it does not reduce the gradients"
@@ -37,12 +52,14 @@ class DDP(Strategy):
 
     def grad_sync_switch(self, model):
         "DDP's switch (what `no_sync` turns): whether the next backwards reduce the gradients over the ranks"
-        if not isinstance(model, DistributedDataParallel): return None
+        if not isinstance(model, DistributedDataParallel): return super().grad_sync_switch(model)
         return lambda on: setattr(model, 'require_backward_grad_sync', on)
 
     def unwrap(self, learn):
         "Put the plain model back in `learn.model`, trained"
         if isinstance(learn.model, DistributedDataParallel): learn.model = learn.model.module
+        elif learn.exception is None: _same_weights(learn.model, buffers_only=True)
+        self._wrapped = False
 
     def __repr__(self): return f'DDP(find_unused_parameters={self.find_unused_parameters})'
 

@@ -91,25 +91,7 @@ class FSDP(Strategy):
         self.shard,self._plain,self._mp = shard,None,None
         if shard is not None: _shard_rule(shard)              # a bad `shard` fails now, not in the fit
 
-    def cannot_microbatch(self):
-        "The ranks gather each shard in the forward: they would have to split alike before it"
-        return ("strategy='fsdp' does not split a batch into micro-batches yet (the ranks gather each "
-                "shard in the forward, so they would have to split alike before it): fit with DDP, or with a "
-                "smaller batch")
-
-    def cannot_compile_step(self):
-        "FSDP's hooks gather and free the shards around each layer: a compiled step would have to trace them"
-        return ("strategy='fsdp' does not run a compiled step: FSDP gathers and frees the shards around "
-                "each layer in hooks the compiled step would have to trace; use learn.compile() (the model "
-                "compiled) with FSDP")
-
-    def cannot_take_turns(self): return turns_not_yet('fsdp')
-    def cannot_step_with_closure(self): return closure_not_yet('fsdp')
-
-    def cannot_average_weights(self):
-        "Each rank holds shards of the weights, and the average is of whole weights"
-        return ("strategy='fsdp' does not average weights yet (each rank holds shards of the weights, and "
-                "the average is of whole weights): use it with DDP or one process")
+    reduces = 'backward'          # FSDP's hooks reduce-scatter each unit's gradients in its backward
 
     def wrap(self, learn):
         "Shard a copy of the model over the ranks and make its optimizer, carrying over the state the optimizer had"

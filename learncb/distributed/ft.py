@@ -16,6 +16,7 @@ from ..core import *
 from ..utils import *
 from ..learner import *
 from ..step import Step
+from ..optim import needs_closure
 from ..resume import ResumeCallback, check_same_run
 from ..ranks import *
 from ..strategy import *
@@ -33,7 +34,7 @@ def _sliced(b, lo, hi):
     return map_tensors(lambda t: t[lo:hi], b)
 
 def _not_yet(what):
-    "Why torchft does not run `what` yet"
+    "Why torchft's step does not run `what` yet"
     return (f"strategy='torchft' does not run {what} yet (its step shares each batch among the replicas "
             f"of each quorum): fit without it, or with strategy='ddp'")
 
@@ -75,21 +76,13 @@ class TorchFT(Strategy):
         "Whether each rank of a group holds a shard of the model (`within='fsdp'` in a group of many ranks)"
         return self.inner is not None
 
-    def cannot_microbatch(self):
-        "Not yet: the step shares each batch among the replicas of the quorum"
-        return _not_yet('micro-batches (AutoMicrobatch)')
+    @property
+    def reduces(self):
+        "In the step, at its quorum's vote (`sum_and_commit`); within a group under FSDP also in the backward"
+        return 'step' if self.inner is None else 'backward'
 
-    def cannot_average_weights(self):
-        "Not with FSDP within a group: each rank holds shards of the weights, the average is of whole weights"
-        return None if self.inner is None else (
-            "strategy='torchft' with within='fsdp' does not average weights yet (each rank of a replica "
-            "group holds shards of the weights, and the average is of whole weights): use within='ddp'")
-    def cannot_take_turns(self): return turns_not_yet('torchft')
-    def cannot_step_with_closure(self): return closure_not_yet('torchft')
-
-    def cannot_compile_step(self):
-        "Not yet: the step shares each batch among the replicas of the quorum"
-        return _not_yet('a compiled step')
+    def reduce_grads(self, params):
+        "Nothing: the fault-tolerant step sums the gradients over the quorum at its vote (`sum_and_commit`)"
 
     def shard_train(self, dl):
         "Every replica reads the whole training order: each step it computes its share of the global batch"
@@ -326,6 +319,14 @@ class FaultTolerantStep(Step):
         self.params = [p for g in learn.opt.param_groups for p in g['params']]     # a frozen one's gradient: zeros
         self._before_backward = [cb for cb in learn.ordered_cbs('before_backward')
                                  if cb.takes_part('before_backward', True)]
+
+    def check_fit(self):
+        "Refuse what this step does not run yet: several optimizers in turn, a closure optimizer"
+        learn = self.learn
+        if learn.step_class.turns is not None:
+            refuse(learn.step_class.__name__, _not_yet('several optimizers in turn'))
+        if needs_closure(learn.opt): refuse(type(learn.opt).__name__, _not_yet('a closure optimizer'))
+        super().check_fit()
 
     def run(self):
         """The batch's step as `Step` runs it; in training on this replica's share of the global batch, whose

@@ -29,6 +29,7 @@ def register_strategy(name, make=None):
     if not callable(make): raise TypeError(
         f"register_strategy({name!r}, {make!r}): give a Strategy subclass or a function that returns a Strategy")
     strategies[name] = make
+    if isinstance(make, type): strategy_names.setdefault(make, name)
     return make
 
 def _takes(make):

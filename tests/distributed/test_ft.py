@@ -281,7 +281,7 @@ def test_what_the_step_does_not_do_yet_is_refused_before_the_first_batch(monkeyp
         learn = tiny_learner()
         monkeypatch.setenv('RUST_LOG', 'warn')
         for k,v in replica_env(lh, 0, 1).items(): monkeypatch.setenv(k, v)
-        with pytest.raises(ValueError, match="AutoMicrobatch: strategy='torchft' does not run micro-batches"):
+        with pytest.raises(ValueError, match="AutoMicrobatch: strategy='torchft' does not split a batch into micro-batches"):
             with learn.distrib_ctx(strategy='torchft'): learn.fit(1, cbs=AutoMicrobatch())
         assert isinstance(learn.model, nn.Linear) and learn.train_iter == 0
 
