@@ -52,8 +52,12 @@ class Step:
 
     def check_fit(self):
         """Refuse, before the first batch, a fit this step cannot run: `turns` of optimizers the learner
-        lacks, or callbacks that act on a batch's one step"""
+        lacks, callbacks that act on a batch's one step, a closure optimizer over sharded parameters"""
         learn,self._params = self.learn,{}
+        if needs_closure(learn.opt) and learn.strategy.sharded: raise ValueError(
+            f"{type(learn.opt).__name__}: strategy={learn.strategy.name!r} shards the parameters, and torch's "
+            f"closure optimizers flatten each gradient whole (LBFGS's view(-1)), which a shard cannot: fit "
+            f"with strategy='ddp', whose ranks each hold the whole model")
         if self.turns is None: return
         names = opt_names(learn.opt)
         if missing := [t for t in self.turns if t not in names]: raise ValueError(

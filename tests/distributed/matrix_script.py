@@ -66,17 +66,20 @@ class AlternatingLearner(Learner): step_class = AlternatingStep
 body_and_head = {'splitter': lambda m: {'body': m[0].parameters(), 'head': m[2].parameters()},
                  'opt_func': {'body': torch.optim.Adam, 'head': partial(torch.optim.SGD, momentum=0.9)}}
 learner_kwargs = {'several_optimizers': body_and_head, 'turns': {**body_and_head, 'cls': AlternatingLearner},
-                  'closure': {'opt_func': partial(torch.optim.LBFGS, max_iter=4, history_size=4), 'lr': 0.5},
+                  'closure': {'opt_func': partial(torch.optim.LBFGS, max_iter=4, history_size=4), 'lr': 0.5,
+                              'double': True},
                   'padded_lm': {'lm': True}}
 
-def learner(cls=Learner, lm=False, **kwargs):
+def learner(cls=Learner, lm=False, double=False, **kwargs):
     """The regression learner, or (`lm`) a tiny language model on padded rows of 2 to 24 tokens, its loss over
-    tokens"""
+    tokens; `double`: in float64 (LBFGS multiplies float32's rounding by about 500 over this fit)"""
     torch.manual_seed(0)
     model = TinyLM(dim=16) if lm else nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1),
                                                     nn.Flatten(0))
     make = padded_tokens if lm else data
     train,valid = make(N_ITEMS, seed=1),make(128, seed=2)
+    if double: model,train,valid = model.double(),*(TensorDataset(*(t.double() for t in d.tensors))
+                                                    for d in (train, valid))
     dls = DataLoaders(DataLoader(train, batch_size=GLOBAL_BATCH, shuffle=True),
                       DataLoader(valid, batch_size=64))
     return cls(dls, model, loss_func=CrossEntropyLossFlat() if lm else nn.MSELoss(), default_cbs=False,

@@ -10,9 +10,9 @@ WAIT = 900
 pytestmark = pytest.mark.xdist_group('matrix')       # the one-process fits, made once, are read by every strategy
 
 # The cells a strategy refuses today, and who is named: a cell refused or run that is not in this table fails the test
-refused = {'ddp': {'turns': 'AlternatingStep', 'closure': 'LBFGS'},
+refused = {'ddp': {},
            'fsdp': {'microbatch': 'AutoMicrobatch', 'ema': 'EMACallback', 'swa': 'SWACallback',
-                    'compiled_step': 'learn.compile(step=True)', 'turns': 'AlternatingStep', 'closure': 'LBFGS'},
+                    'compiled_step': 'learn.compile(step=True)', 'closure': 'LBFGS'},
            'torchft': {'microbatch': 'AutoMicrobatch', 'compiled_step': 'learn.compile(step=True)',
                        'turns': 'AlternatingStep', 'closure': 'LBFGS'}}
 refused['torchft_fsdp'] = {**refused['torchft'], 'ema': 'EMACallback', 'swa': 'SWACallback'}    # and FSDP's
