@@ -7,11 +7,12 @@ Docs: https://learncb.github.io/learncb/ranks.html.md"""
 # %% auto #0
 __all__ = ['num_distrib', 'rank_distrib', 'is_rank0', 'refuse', 'on_group_end', 'group_ended', 'local_model', 'PendingSum',
            'sum_across_ranks', 'mean_across_ranks', 'gather_objects', 'free_port', 'is_sharded', 'whole_state',
-           'shard_like', 'opt_state_like', 'local_part', 'grad_like', 'local_shards', 'shards_like', 'ShardSampler',
-           'check_shardable', 'shard_in_order', 'gather_in_order']
+           'meta_copy', 'set_tensors', 'shard_like', 'opt_state_like', 'local_part', 'grad_like', 'local_shards',
+           'shards_like', 'ShardSampler', 'check_shardable', 'shard_in_order', 'gather_in_order']
 
 # %% ../nbs/01c_ranks.ipynb #14980140
 import functools, socket
+import copy
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 from .utils import *
@@ -133,6 +134,25 @@ def whole_state(o, rank0=True):
     if not is_sharded(o): return o
     t = o.full_tensor()                   # a collective: every rank takes part
     return None if rank0 and not is_rank0() else t.cpu()
+
+def meta_copy(model):
+    "A copy of `model` whose parameters and buffers are on the `meta` device: its structure, without its memory"
+    from torch import nn
+    memo = {}
+    for t in (*model.parameters(), *model.buffers()):
+        empty = torch.empty_like(t, device='meta')
+        memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
+
+def set_tensors(model, tensors):
+    """Put `tensors` (`{name: tensor}`, as `named_parameters` and `named_buffers` name them) in `model`, in place of
+    its own: a parameter stays a parameter (without a gradient)"""
+    from torch import nn
+    for name,t in tensors.items():
+        where,_,leaf = name.rpartition('.')
+        m = model.get_submodule(where)
+        is_param = isinstance(getattr(m, leaf), nn.Parameter)
+        setattr(m, leaf, nn.Parameter(t, requires_grad=False) if is_param else t)
 
 def shard_like(t, like):
     "This rank's shard of whole tensor `t`, laid out as sharded `like` (`t` itself when `like` is not sharded)"

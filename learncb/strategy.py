@@ -66,6 +66,11 @@ class Strategy:
         try: return self._shares().get(dl, dl)
         except TypeError: return dl                       # not a dataloader this strategy could have made
 
+    def user_model(self, model):
+        """The model the user gave, of which `model` is what this process trains: for its structure (a copy of it
+        holds an average of the weights); `model` without its wrappers here"""
+        return plain_model(model)
+
     def wrap(self, learn):
         "Put the model the ranks train in `learn.model` when the fit starts (here: the plain model, as it is)"
 

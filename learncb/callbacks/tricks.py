@@ -136,13 +136,29 @@ class WeightAveraging(Callback):
     def __init__(self): self.average,self._model,self._swapped = None,None,False
 
     def _start(self, **kwargs):
-        "Make this fit's average of the learner's model (refused under FSDP, whose ranks hold shards)"
+        """Make this fit's average of the learner's model: kept as the model's weights are, so under a strategy
+        that shards them (FSDP) each rank averages its shards"""
         model = plain_model(self.learn.model)
-        strategy = self.learn.strategy
-        if strategy.sharded: raise ValueError(
-            f"{type(self).__name__}: strategy={strategy.name!r} does not average sharded weights yet (each rank "
-            f"holds shards of the weights, and the average is of whole weights): use it with DDP or one process")
-        self.average,self._model,self._swapped = AveragedModel(model, **kwargs),model,False
+        if not self.learn.strategy.sharded: self.average = AveragedModel(model, **kwargs)
+        else:
+            self.average = AveragedModel(meta_copy(self.learn.strategy.user_model(model)), **kwargs)
+            weights = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+            set_tensors(self.average.module, {k: t.detach().clone() for k,t in weights.items()})
+        self._model,self._swapped = model,False
+
+    def _whole(self):
+        """At the end of a fit whose strategy sharded the weights: the average gathered whole (a collective of
+        every rank), beside the plain model the strategy gave back; `False` after an error, which left no whole
+        weights to average against"""
+        module = self.average.module
+        if not any(is_sharded(t) for t in _weights(module)): return True
+        if self.learn.exception is not None: return False
+        model = plain_model(self.learn.model)
+        device = model_device(model)
+        weights = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        set_tensors(module, {k: whole_state(t.detach(), rank0=False).to(device) for k,t in weights.items()})
+        self._model = model
+        return True
 
     @property
     def n_averaged(self):
@@ -207,6 +223,7 @@ class EMACallback(WeightAveraging):
         if self._swapped: self.swap()          # a checkpoint written after the error holds the training weights
 
     def after_fit(self):
+        if not self._whole(): return
         if self.replace_at_end and self.n_averaged and not self._swapped and self.learn.exception is None: self.swap()
 
     def state_dict(self):
@@ -271,7 +288,7 @@ class SWACallback(WeightAveraging):
 
     def after_fit(self):
         learn = self.learn
-        if learn.exception is not None or self.n_averaged == 0: return
+        if not self._whole() or learn.exception is not None or self.n_averaged == 0: return
         if self.update_bn: _update_bn(learn, self.average.module)
         if self.replace_at_end: self.swap()
 

@@ -42,14 +42,6 @@ def units_to_shard(model, shard=None):
     return [m for m in _post_order(model) if m is not model and rule(m)]
 
 # %% ../../nbs/23b_fsdp.ipynb #115ca651
-def _meta_copy(model):
-    "A copy of `model` whose parameters and buffers are on the `meta` device: its structure, without its memory"
-    memo = {}
-    for t in (*model.parameters(), *model.buffers()):
-        empty = torch.empty_like(t, device='meta')
-        memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
-    return copy.deepcopy(model, memo)
-
 def fsdp_model(model, shard=None, device=None, mp_policy=None):
     "A copy of `model` sharded over the ranks by FSDP2: `fully_shard` on the units `shard` picks, then the root"
     from torch.distributed.device_mesh import init_device_mesh
@@ -58,7 +50,7 @@ def fsdp_model(model, shard=None, device=None, mp_policy=None):
     device = torch.device(device) if device is not None else model_device(model, torch.device('cpu'))
     kw = {'mesh': init_device_mesh(device.type, (num_distrib(),))}
     if mp_policy is not None: kw['mp_policy'] = mp_policy
-    out = _meta_copy(model)
+    out = meta_copy(model)
     for unit in units_to_shard(out, shard): fully_shard(unit, **kw)
     fully_shard(out, **kw)
     out.to_empty(device=device)
@@ -109,6 +101,10 @@ class FSDP(Strategy):
         valid = learn.dls.valid
         counts = gather_objects(0 if valid is None else n_batches(valid))
         self._extra_forwards = max(counts) - counts[rank_distrib()]
+
+    def user_model(self, model):
+        "The plain model the sharded copy was made from (its weights wait out the fit on the CPU, stale)"
+        return self._plain if self._plain is not None else super().user_model(model)
 
     def before_validate(self, learn): _rank0_buffers(learn.model)
 

@@ -84,6 +84,10 @@ class TorchFT(Strategy):
     def reduce_grads(self, params):
         "Nothing: the fault-tolerant step sums the gradients over the quorum at its vote (`sum_and_commit`)"
 
+    def grad_sync_switch(self, model):
+        "`None`: nothing to turn, the step sums each batch's gradients at the quorum's vote (`sum_and_commit`)"
+        return None
+
     def shard_train(self, dl):
         "Every replica reads the whole training order: each step it computes its share of the global batch"
         return dl
@@ -108,6 +112,9 @@ class TorchFT(Strategy):
 
     def unwrap(self, learn):
         if self.inner is not None: self.inner.unwrap(learn)
+
+    def user_model(self, model):
+        return super().user_model(model) if self.inner is None else self.inner.user_model(model)
 
     def before_validate(self, learn):
         if self.inner is not None: self.inner.before_validate(learn)

@@ -11,11 +11,10 @@ pytestmark = pytest.mark.xdist_group('matrix')       # the one-process fits, mad
 
 # The cells a strategy refuses today, and who is named: a cell refused or run that is not in this table fails the test
 refused = {'ddp': {},
-           'fsdp': {'microbatch': 'AutoMicrobatch', 'ema': 'EMACallback', 'swa': 'SWACallback',
-                    'compiled_step': 'learn.compile(step=True)', 'closure': 'LBFGS'},
+           'fsdp': {'microbatch': 'AutoMicrobatch', 'compiled_step': 'learn.compile(step=True)', 'closure': 'LBFGS'},
            'torchft': {'microbatch': 'AutoMicrobatch', 'compiled_step': 'learn.compile(step=True)',
                        'turns': 'AlternatingStep', 'closure': 'LBFGS'}}
-refused['torchft_fsdp'] = {**refused['torchft'], 'ema': 'EMACallback', 'swa': 'SWACallback'}    # and FSDP's
+refused['torchft_fsdp'] = refused['torchft']
 named = {'torchft_fsdp': 'torchft'}           # the name a refusal gives the strategy
 tolerance = {'precision': 1e-2}       # bf16: equal to its rounding; every other cell to float32's (1e-5)
 
