@@ -1,11 +1,11 @@
 """The capability x strategy matrix (tests/distributed/test_matrix.py): one fit per capability, each from the same
 weights and data, under one strategy; every result saved for the test to hold against the one-process fit.
 
-python tests/distributed/matrix_script.py OUT --strategy one|ddp|fsdp|torchft|torchft_fsdp [--only CAP,CAP]
+python tests/distributed/matrix_script.py OUT --strategy one|ddp|fsdp|plain|torchft|torchft_fsdp [--only CAP,CAP]
 'one': this process, `distrib_ctx(global_batch=64)` (the order the others are held against); 'ddp', 'fsdp': two
-processes (learncb's `launch`, gloo); 'torchft': two replica groups of one process under a lighthouse of their own
-(`launch_replicas`); 'torchft_fsdp': two replica groups of two ranks each,
-FSDP within a group. Each process saves OUT/<strategy><rank>.pt: `{capability: {'weights', 'steps', 'refused',
+processes (learncb's `launch`, gloo); 'plain': two processes under a strategy registered with no override;
+'torchft': two replica groups of one process under a lighthouse of their own (`launch_replicas`); 'torchft_fsdp':
+two replica groups of two ranks each, FSDP within a group. Each process saves OUT/<strategy><rank>.pt: `{capability: {'weights', 'steps', 'refused',
 'train_iter', 'skipped', 'losses'}}`, where `refused` is the error of a fit refused before its first batch (else `None`)."""
 import argparse, os
 from functools import partial
@@ -22,6 +22,11 @@ def data(n, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 8, generator=g)
     return TensorDataset(x, (x @ torch.randn(8, 1, generator=g)).squeeze(1) + 0.1 * torch.randn(n, generator=g))
+
+class Plain(Strategy):
+    "A strategy a user registers without overriding anything: the data sharded, the gradients averaged in the step"
+
+register_strategy('plain', Plain)
 
 class StepCount(Callback):
     "The optimizer steps taken in the fit (counted after a compiled step)"
@@ -106,7 +111,7 @@ def fit(cap, strategy, out, rank):
 def run_all(out, strategy, caps):
     rank = int(os.environ.get('REPLICA_GROUP_ID', os.environ.get('RANK', 0)))
     torch.set_num_threads(1)
-    group = strategy in ('ddp', 'fsdp', 'torchft_fsdp')     # one process group for all the fits
+    group = strategy in ('ddp', 'fsdp', 'plain', 'torchft_fsdp')     # one process group for all the fits
     if group: torch.distributed.init_process_group('gloo')
     try: results = {cap: fit(cap, strategy, out, rank) for cap in caps}
     finally:

@@ -1,6 +1,7 @@
-"""The capability x strategy matrix: every built-in callback that acts on the step, in one process and under DDP, FSDP
-and torchft (two processes or replica groups, gloo; 'torchft_fsdp': two replica groups of two ranks, FSDP
-within each), each fit held against the same fit in one process, or refused by name before its first batch. One launch per strategy runs every capability in turn (matrix_script.py)."""
+"""The capability x strategy matrix: every built-in callback that acts on the step, in one process and under DDP, FSDP,
+a strategy registered with no override ('plain') and torchft (two processes or replica groups, gloo; 'torchft_fsdp':
+two replica groups of two ranks, FSDP within each), each fit held against the same fit in one process, or refused by
+name before its first batch. One launch per strategy runs every capability in turn (matrix_script.py)."""
 from pathlib import Path
 import pytest, torch
 from conftest import run_forked
@@ -10,7 +11,7 @@ WAIT = 900
 pytestmark = pytest.mark.xdist_group('matrix')       # the one-process fits, made once, are read by every strategy
 
 # The cells a strategy refuses today, and who is named: a cell refused or run that is not in this table fails the test
-refused = {'ddp': {},
+refused = {'ddp': {}, 'plain': {},
            'fsdp': {'microbatch': 'AutoMicrobatch', 'compiled_step': 'learn.compile(step=True)', 'closure': 'LBFGS'},
            'torchft': {'microbatch': 'AutoMicrobatch', 'compiled_step': 'learn.compile(step=True)',
                        'turns': 'AlternatingStep', 'closure': 'LBFGS'}}
@@ -41,7 +42,7 @@ def max_rel(a, b):
     return max(((a[k] - w).abs().max() / w.abs().max()).item() for k,w in b.items())
 
 @pytest.mark.slow
-@pytest.mark.parametrize('strategy', ['ddp', 'fsdp', 'torchft', 'torchft_fsdp'])
+@pytest.mark.parametrize('strategy', ['ddp', 'fsdp', 'plain', 'torchft', 'torchft_fsdp'])
 def test_every_capability_means_the_same_under_every_strategy(strategy, one, tmp_path):
     "Each cell: the one-process fit's optimizer steps and weights, or a refusal before the first batch naming who and why"
     got = matrix(tmp_path, strategy)
