@@ -306,6 +306,7 @@ class CompileCallback(Callback):
 
     def before_fit(self):
         learn = self.learn
+        if self.compiles_blocks(): return self._compile_blocks()
         if self.step: return self._prepare_step()
         if self.compiled is None or self.compiled.unwrapped is not learn.model:
             self.compiled = CompiledModel(learn.model, **self.kwargs)         # compiled once, kept for the next fits
@@ -314,10 +315,6 @@ class CompileCallback(Callback):
     def _prepare_step(self):
         learn = self.learn
         strategy = learn.strategy
-        if strategy.sharded: raise ValueError(
-            f"learn.compile(step=True): strategy={strategy.name!r} does not run a compiled step: FSDP gathers "
-            f"and frees the shards around each layer in hooks the compiled step would have to trace; use "
-            f"learn.compile() (the model compiled) with it")
         if strategy.reads_whole_batch: raise ValueError(
             f"learn.compile(step=True): strategy={strategy.name!r} does not run a compiled step yet (its step "
             f"computes this process's share of the whole batch): fit without it, or with strategy='ddp'")
@@ -330,13 +327,25 @@ class CompileCallback(Callback):
                                               **self.kwargs)
         self.compiled_step.start_fit()
 
+    def compiles_blocks(self):
+        """Whether this fit compiles the model's blocks inside the eager step, rather than the whole step or the
+        whole model: under a strategy that shards the model (FSDP), whose hooks gather and free each block's
+        shards around it, and which torch.compile does not trace (compiled whole, the model would run eagerly)"""
+        return self.learn.strategy.sharded
+
+    def _compile_blocks(self):
+        """Compile each block the strategy shards (torch's `Module.compile`, on the strategy's sharded copy of the
+        model, made for this fit): torch compiles its computation between FSDP's hooks"""
+        model = self.learn.model
+        for m in [m for m in model.modules() if m is not model and is_sharded(m)]: m.compile(**self.kwargs)
+
     def make_step(self):
         "The compiled step, for a fit of `learn.compile(step=True)`"
-        return self.compiled_step if self.step else None
+        return self.compiled_step if self.step and not self.compiles_blocks() else None
 
     def after_fit(self):
         learn = self.learn
-        if self.step and self.compiled_step is not None: self.compiled_step.end_fit()
+        if self.step and self.compiled_step is not None and not self.compiles_blocks(): self.compiled_step.end_fit()
         if learn.model is self.compiled: learn.model = self.compiled.unwrapped
 
 

@@ -10,6 +10,7 @@ __all__ = ['DDP']
 # %% ../../nbs/23a_ddp.ipynb #e15a1a64
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from ..utils import *
 from ..strategy import *
 from .strategy import *
 
@@ -57,7 +58,7 @@ class DDP(Strategy):
 
     def unwrap(self, learn):
         "Put the plain model back in `learn.model`, trained"
-        if isinstance(learn.model, DistributedDataParallel): learn.model = learn.model.module
+        if self._wrapped: learn.model = plain_model(learn.model)    # from inside a compiled model's wrapper too
         elif learn.exception is None: _same_weights(learn.model, buffers_only=True)
         self._wrapped = False
 

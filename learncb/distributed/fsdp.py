@@ -139,7 +139,7 @@ class FSDP(Strategy):
 
     def unwrap(self, learn):
         "Gather the trained weights and optimizer state back into the plain model and its optimizer (not after an error)"
-        sharded,opt = learn.model,learn.opt
+        sharded,opt = plain_model(learn.model),learn.opt      # inside a compiled model's wrapper, if any
         if self._plain is None: return              # `wrap` did not get to shard it
         self._plain.to(learn.device)
         if learn.exception is None:                 # gathering is a collective: only when every rank came here

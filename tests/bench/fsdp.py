@@ -58,12 +58,19 @@ def raw_fsdp_loop(train_ds, valid_ds, n_epoch, sizes=None):
                             torch.stack(vlosses).sum(), torch.tensor(float(len(valid.sampler)))]).double()
         dist.all_reduce(sums); sums.tolist()
 
-def learncb_fsdp_loop(train_ds, valid_ds, n_epoch):
-    "learncb, default callbacks less the progress bar, under `distrib_ctx(strategy='fsdp', shard=Block)`"
+def learncb_fsdp_loop(train_ds, valid_ds, n_epoch, learn=None):
+    """learncb, default callbacks less the progress bar, under `distrib_ctx(strategy='fsdp', shard=Block)`; or
+    `learn`'s fit (the compiled one, kept from fit to fit)"""
+    if learn is None: learn = fsdp_learner(train_ds, valid_ds)
+    with learn.no_logging(), learn.distrib_ctx(strategy='fsdp', shard=Block): learn.fit(n_epoch)
+
+def fsdp_learner(train_ds, valid_ds, compiled=False):
+    "The learner of `learncb_fsdp_loop`; `compiled`: `learn.compile(step=True)`, its blocks compiled in the step"
     dls = DataLoaders(DataLoader(train_ds, batch_size=BS), DataLoader(valid_ds, batch_size=BS))
     learn = Learner(dls, make_model(), nn.CrossEntropyLoss(), device='cpu')
     learn.remove_cb(ProgressCallback)
-    with learn.no_logging(), learn.distrib_ctx(strategy='fsdp', shard=Block): learn.fit(n_epoch)
+    if compiled: learn.compile(step=True)
+    return learn
 
 def one_process_bytes():
     "What one process holds without sharding: parameters, gradients and Adam's state after a step"
@@ -81,8 +88,13 @@ def worker(rank, world, port, n_batches, n_epoch, rounds, out):
         sizes = {}
         raw_fsdp_loop(train_ds, valid_ds, 1, sizes)            # warm-up, and what each rank holds
         learncb_fsdp_loop(train_ds, valid_ds, 1)
+        compiled = fsdp_learner(train_ds, valid_ds, compiled=True)
+        t = time.perf_counter()
+        learncb_fsdp_loop(train_ds, valid_ds, 1, compiled)         # compiles
+        first = time.perf_counter() - t
         fns = {'raw': lambda: raw_fsdp_loop(train_ds, valid_ds, n_epoch),
-               'learncb': lambda: learncb_fsdp_loop(train_ds, valid_ds, n_epoch)}
+               'learncb': lambda: learncb_fsdp_loop(train_ds, valid_ds, n_epoch),
+               'compiled': lambda: learncb_fsdp_loop(train_ds, valid_ds, n_epoch, compiled)}
         best = dict.fromkeys(fns, float('inf'))
         for _ in range(rounds):
             for name, f in fns.items():
@@ -92,7 +104,8 @@ def worker(rank, world, port, n_batches, n_epoch, rounds, out):
         n_steps = n_epoch * (n_batches + -(-len(valid_ds) // (BS * world)))
         per_rank = [None] * world
         dist.all_gather_object(per_rank, sizes['fsdp'])
-        if rank == 0: write_figures({**{k: v / n_steps * 1e6 for k, v in best.items()}, 'bytes': per_rank}, out)
+        if rank == 0: write_figures({**{k: v / n_steps * 1e6 for k, v in best.items()}, 'bytes': per_rank,
+                                     'first': first}, out)
     finally: dist.destroy_process_group()
 
 def main(short=False):
@@ -108,6 +121,9 @@ def main(short=False):
     print(f"FSDP, 2 processes (gloo)              : learncb {res['learncb']:7.1f} us/step, hand-written FSDP2 loop "
           f"{res['raw']:7.1f} us/step, ratio {res['learncb'] / res['raw']:.3f} ({n_batches} batches of {BS} per rank, "
           f"{N_BLOCKS} blocks of {D}x{D}, {n_epoch} epoch(s), best of {rounds}, 1 thread per process)")
+    print(f"FSDP, learn.compile(step=True)        : {res['compiled']:7.1f} us/step (the blocks compiled inside the "
+          f"eager step), eager learncb {res['learncb']:7.1f} us/step, {res['learncb'] / res['compiled']:.2f}x; "
+          f"first fit (compiles) {res['first']:.1f} s")
 
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__)

@@ -68,19 +68,23 @@ class AlternatingStep(Step):
 
 class AlternatingLearner(Learner): step_class = AlternatingStep
 
-body_and_head = {'splitter': lambda m: {'body': m[0].parameters(), 'head': m[2].parameters()},
+body_and_head = {'splitter': lambda m: {'body': m[0].parameters(), 'head': m[1].parameters()},
                  'opt_func': {'body': torch.optim.Adam, 'head': partial(torch.optim.SGD, momentum=0.9)}}
 learner_kwargs = {'several_optimizers': body_and_head, 'turns': {**body_and_head, 'cls': AlternatingLearner},
                   'closure': {'opt_func': partial(torch.optim.LBFGS, max_iter=4, history_size=4), 'lr': 0.5,
                               'double': True},
                   'padded_lm': {'lm': True}}
 
+class Body(nn.Module):
+    "The model's first block, FSDP's unit: a class of the user's own, which torch.compile traces (not torch's)"
+    def __init__(self): super().__init__(); self.lin = nn.Linear(8, 32)
+    def forward(self, x): return torch.relu(self.lin(x))
+
 def learner(cls=Learner, lm=False, double=False, **kwargs):
     """The regression learner, or (`lm`) a tiny language model on padded rows of 2 to 24 tokens, its loss over
     tokens; `double`: in float64 (LBFGS multiplies float32's rounding by about 500 over this fit)"""
     torch.manual_seed(0)
-    model = TinyLM(dim=16) if lm else nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1),
-                                                    nn.Flatten(0))
+    model = TinyLM(dim=16) if lm else nn.Sequential(Body(), nn.Linear(32, 1), nn.Flatten(0))
     make = padded_tokens if lm else data
     train,valid = make(N_ITEMS, seed=1),make(128, seed=2)
     if double: model,train,valid = model.double(),*(TensorDataset(*(t.double() for t in d.tensors))
@@ -96,6 +100,7 @@ def fit(cap, strategy, out, rank):
     if cap == 'compiled_step': learn.compile(step=True, fallback=False)
     folder = out/'ckpt'/strategy/(str(rank) if strategy.startswith('torchft') else '')/cap
     refused,before = None,{k: v.clone() for k,v in learn.model.state_dict().items()}
+    graphs = torch._dynamo.utils.counters['stats']['unique_graphs']
     ft = {'torchft': TorchFT(timeout=30), 'torchft_fsdp': TorchFT('fsdp', timeout=30)}
     ctx = learn.distrib_ctx(global_batch=GLOBAL_BATCH) if strategy == 'one' else learn.distrib_ctx(
         strategy=ft.get(strategy, strategy), global_batch=GLOBAL_BATCH)
@@ -106,7 +111,8 @@ def fit(cap, strategy, out, rank):
         assert all(torch.equal(v, learn.model.state_dict()[k]) for k,v in before.items()), cap   # nothing lost
     return {'weights': {k: v.detach().clone() for k,v in learn.model.state_dict().items()}, 'steps': steps.n,
             'refused': refused, 'train_iter': learn.train_iter, 'skipped': learn.skipped_batches,
-            'losses': [float(l) for l in learn.recorder.losses]}
+            'losses': [float(l) for l in learn.recorder.losses],
+            'graphs': torch._dynamo.utils.counters['stats']['unique_graphs'] - graphs}
 
 def run_all(out, strategy, caps):
     rank = int(os.environ.get('REPLICA_GROUP_ID', os.environ.get('RANK', 0)))
