@@ -100,15 +100,16 @@ class Step:
         self.fire('after_loss')
         if not learn.training or lf is None: return
         self.stage_now = 'backward'               # from here to its `after_`, a cancel of this stage ends it
-        self.fire('before_backward')
-        self.backward() if self.backward_hook is None else self.backward_hook.step_backward(self)
-        while not self.committed():               # a fault-tolerant step's try that the quorum did not commit
-            self.take_back()
-            self.fire('before_backward')
-            self.backward()
+        self.backward_stage()
         self.stage_now = None
         self.fire('after_backward')
         self.step_stage()
+
+    def backward_stage(self):
+        """`before_backward` and the backward (through a callback's `step_backward` if one has it): the body of
+        the `backward` stage, which a variant may run again (a fault-tolerant step's try the quorum did not keep)"""
+        self.fire('before_backward')
+        self.backward() if self.backward_hook is None else self.backward_hook.step_backward(self)
 
     def step_stage(self):
         "`before_step`, the optimizer's step, `after_step` (`learn.step_taken` set before it), zero_grad"
@@ -207,16 +208,6 @@ class Step:
         params = self._params.get(id(opt))
         if params is None: params = self._params[id(opt)] = [p for g in opt.param_groups for p in g['params']]
         return params
-
-    def committed(self):
-        "Whether the gradients of this try of the batch are kept (`True`); a variant that can lose a try says"
-        return True
-
-    def take_back(self):
-        """Undo a try that was not committed, and compute the batch again up to its loss
-        (`before_backward` and the backward follow)"""
-        raise NotImplementedError(f"{type(self).__name__}.committed() returned False: override take_back() "
-                                  f"to undo the try and compute the batch again up to its loss")
 
     def optimizer_step(self):
         """The optimizer's step (`opt_step`: torch's, without its profiler wrapper when nothing needs it);

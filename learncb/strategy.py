@@ -71,6 +71,10 @@ class Strategy:
         holds an average of the weights); `model` without its wrappers here"""
         return plain_model(model)
 
+    def sharded_blocks(self, model):
+        "The blocks of `model` (submodules) this strategy shards as units, each gathered whole around its forward"
+        return []
+
     def wrap(self, learn):
         "Put the model the ranks train in `learn.model` when the fit starts (here: the plain model, as it is)"
 

@@ -336,8 +336,7 @@ class CompileCallback(Callback):
     def _compile_blocks(self):
         """Compile each block the strategy shards (torch's `Module.compile`, on the strategy's sharded copy of the
         model, made for this fit): torch compiles its computation between FSDP's hooks"""
-        model = self.learn.model
-        for m in [m for m in model.modules() if m is not model and is_sharded(m)]: m.compile(**self.kwargs)
+        for m in self.learn.strategy.sharded_blocks(self.learn.model): m.compile(**self.kwargs)
 
     def make_step(self):
         "The compiled step, for a fit of `learn.compile(step=True)`"

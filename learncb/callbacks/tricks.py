@@ -133,13 +133,13 @@ def _swap_weights(a, b):
 class WeightAveraging(Callback):
     "Base of `EMACallback` and `SWACallback`: an `AveragedModel` of the learner's model (`average`), `swap`, `n_averaged`"
     takes_turns = False                  # it averages after a batch's one step
-    def __init__(self): self.average,self._model,self._swapped = None,None,False
+    def __init__(self): self.average,self._model,self._swapped,self._sharded = None,None,False,False
 
     def _start(self, **kwargs):
         """Make this fit's average of the learner's model: kept as the model's weights are, so under a strategy
         that shards them (FSDP) each rank averages its shards"""
-        model = plain_model(self.learn.model)
-        if not self.learn.strategy.sharded: self.average = AveragedModel(model, **kwargs)
+        model,self._sharded = plain_model(self.learn.model),self.learn.strategy.sharded
+        if not self._sharded: self.average = AveragedModel(model, **kwargs)
         else:
             self.average = AveragedModel(meta_copy(self.learn.strategy.user_model(model)), **kwargs)
             weights = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -151,13 +151,13 @@ class WeightAveraging(Callback):
         every rank), beside the plain model the strategy gave back; `False` after an error, which left no whole
         weights to average against"""
         module = self.average.module
-        if not any(is_sharded(t) for t in _weights(module)): return True
+        if not self._sharded: return True
         if self.learn.exception is not None: return False
         model = plain_model(self.learn.model)
         device = model_device(model)
         weights = {**dict(module.named_parameters()), **dict(module.named_buffers())}
         set_tensors(module, {k: whole_state(t.detach(), rank0=False).to(device) for k,t in weights.items()})
-        self._model = model
+        self._model,self._sharded = model,False
         return True
 
     @property

@@ -106,6 +106,11 @@ class FSDP(Strategy):
         "The plain model the sharded copy was made from (its weights wait out the fit on the CPU, stale)"
         return self._plain if self._plain is not None else super().user_model(model)
 
+    def sharded_blocks(self, model):
+        "The units FSDP shards below the root (`fully_shard`'s modules, `shard` picked them)"
+        from torch.distributed.fsdp import FSDPModule
+        return [m for m in model.modules() if m is not model and isinstance(m, FSDPModule)]
+
     def before_validate(self, learn): _rank0_buffers(learn.model)
 
     def after_validate(self, learn):

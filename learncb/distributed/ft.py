@@ -33,10 +33,7 @@ def _sliced(b, lo, hi):
     "Rows `lo:hi` of every tensor in `b` (tuples, lists, dicts of tensors)"
     return map_tensors(lambda t: t[lo:hi], b)
 
-def _not_yet(what):
-    "Why torchft's step does not run `what` yet"
-    return (f"strategy='torchft' does not run {what} yet (its step shares each batch among the replicas "
-            f"of each quorum): fit without it, or with strategy='ddp'")
+_whole_model = Strategy()     # what a replica group does where no FSDP shards the model in it: nothing
 
 class TorchFT(Strategy):
     """Fault tolerance per step on torchft: replica groups of one process or of many ranks (torchrun), a
@@ -88,17 +85,9 @@ class TorchFT(Strategy):
         "`None`: nothing to turn, the step sums each batch's gradients at the quorum's vote (`sum_and_commit`)"
         return None
 
-    def shard_train(self, dl):
-        "Every replica reads the whole training order: each step it computes its share of the global batch"
-        return dl
-
-    def global_items(self, n):
-        "`n`: every replica reads the whole global batch"
-        return n
-
-    def shard_valid(self, dl):
-        "Every replica validates on all of `dl`: no collective in a validation, the same values on every replica"
-        return dl
+    def shard_train(self, dl): return dl       # every replica reads all: each step it computes its share
+    def global_items(self, n): return n        # every replica reads the whole global batch
+    def shard_valid(self, dl): return dl       # all of it on every replica: no collective, the same values
 
     def reduce(self, t): return t
     def gather(self, o): return [o]
@@ -110,19 +99,13 @@ class TorchFT(Strategy):
         if self.group_world > 1:
             for t in learn.model.state_dict().values(): dist.broadcast(t, src=0)
 
-    def unwrap(self, learn):
-        if self.inner is not None: self.inner.unwrap(learn)
-
-    def user_model(self, model):
-        return super().user_model(model) if self.inner is None else self.inner.user_model(model)
-
-    def before_validate(self, learn):
-        if self.inner is not None: self.inner.before_validate(learn)
-
-    def after_validate(self, learn):
-        if self.inner is not None: self.inner.after_validate(learn)
-
-    def casts_model(self, dtype): return self.inner is not None and self.inner.casts_model(dtype)
+    def _within(self): return _whole_model if self.inner is None else self.inner     # FSDP in the group, if any
+    def unwrap(self, learn): self._within().unwrap(learn)
+    def user_model(self, model): return self._within().user_model(model)
+    def sharded_blocks(self, model): return self._within().sharded_blocks(model)
+    def before_validate(self, learn): self._within().before_validate(learn)
+    def after_validate(self, learn): self._within().after_validate(learn)
+    def casts_model(self, dtype): return self._within().casts_model(dtype)
 
     def callbacks(self): return [ReplicaCallback(self)]
 
@@ -330,9 +313,10 @@ class FaultTolerantStep(Step):
     def check_fit(self):
         "Refuse what this step does not run yet: several optimizers in turn, a closure optimizer"
         learn = self.learn
-        if learn.step_class.turns is not None:
-            refuse(learn.step_class.__name__, _not_yet('several optimizers in turn'))
-        if needs_closure(learn.opt): refuse(type(learn.opt).__name__, _not_yet('a closure optimizer'))
+        why = lambda what: (f"strategy='torchft' does not run {what} yet (its step shares each batch among the "
+                            f"replicas of each quorum): fit without it, or with strategy='ddp'")
+        if learn.step_class.turns is not None: refuse(learn.step_class.__name__, why('several optimizers in turn'))
+        if needs_closure(learn.opt): refuse(type(learn.opt).__name__, why('a closure optimizer'))
         super().check_fit()
 
     def run(self):
@@ -404,6 +388,14 @@ class FaultTolerantStep(Step):
         if self._total is None: return
         loss = learn.loss if self._seen_loss is None else self._seen_loss     # what `after_loss` handlers saw
         learn.loss = loss.copy_(self._total)                 # the global batch's loss from here on
+
+    def backward_stage(self):
+        """The backward stage as `Step` runs it, and again while the quorum did not commit the try: each time
+        `take_back` undoes it and computes the batch again up to its loss"""
+        super().backward_stage()
+        while not self.committed():
+            self.take_back()
+            super().backward_stage()
 
     def committed(self):
         "Whether the quorum committed this try"
