@@ -12,7 +12,7 @@ __all__ = ['group_values', 'opt_names', 'spread_lr', 'fusable', 'fast_adam', 'hy
 # %% ../nbs/02b_optim.ipynb #9aee8829
 import functools, inspect, warnings, weakref
 from itertools import repeat
-from collections import ChainMap, defaultdict
+from collections import defaultdict
 from types import MethodType
 import torch
 from torch import nn
@@ -165,8 +165,9 @@ class NamedOptimizers:
 
     @property
     def state(self):
-        "The state of every parameter, each kept by the optimizer that updates it"
-        return ChainMap(*(o.state for o in self.opts.values()))
+        """The state of every parameter, each kept by the optimizer that updates it (a dict of theirs: reading a
+        parameter's never adds an empty state to another optimizer, as a `ChainMap` of their defaultdicts would)"""
+        return {p: s for o in self.opts.values() for p,s in o.state.items()}
 
     @state.setter
     def state(self, state):

@@ -8,6 +8,7 @@ Docs: https://learncb.github.io/learncb/step.html.md"""
 __all__ = ['Step']
 
 # %% ../nbs/02e_step.ipynb #292ef426
+from contextlib import contextmanager
 from .core import *
 from .utils import *
 from .diagnose import note_failure, note_where, why_no_grad, check_target_shape, check_labels
@@ -190,7 +191,9 @@ class Step:
         the user's loss cannot have one"""
         learn = self.learn
         w = self.piece_weight() if self.cut or learn.skipped_items else None
-        try: learn.strategy.backward(learn.loss_grad if w is None else learn.loss_grad * w, self.params_stepped())
+        loss = learn.loss_grad if w is None else learn.loss_grad * w
+        try:
+            with self._others_kept(): learn.strategy.backward(loss, self.params_stepped())
         except Exception as e:
             note_where(e, 'backward')
             if not isinstance(e, RuntimeError): raise
@@ -200,20 +203,54 @@ class Step:
             if not learn.loss_grad.requires_grad: add_note(e, f"learncb: {why_no_grad(learn)}")
             raise
 
+    @contextmanager
+    def _others_kept(self):
+        """With `turns`: the gradients of the other optimizers' parameters as they were before the turn's backward
+        (which may run through their part of the model), so that each optimizer's are its own turns' alone"""
+        if self.learn.turn is None: yield; return
+        others = self.params_others()
+        kept = [p.grad for p in others]
+        for p in others: p.grad = None
+        try: yield
+        finally:
+            for p,g in zip(others, kept): p.grad = g
+
+    def params_others(self):
+        "With `turns`: the parameters of the other optimizers than the turn's (found once a fit for each turn)"
+        key = ('others', self.learn.turn)
+        if key not in self._params:
+            own = set(map(id, self.params_stepped()))
+            every = [p for g in self.learn.opt.param_groups for p in g['params']]
+            self._params[key] = [p for p in every if id(p) not in own]
+        return self._params[key]
+
     def params_stepped(self):
         """The parameters the optimizer steps next, whose gradients the strategy reduces: with `turns` the
         turn's optimizer's, else all of `learn.opt`'s (found once a fit for each optimizer)"""
-        learn = self.learn
-        opt = learn.opt if learn.turn is None else learn.opt[learn.turn]
+        opt = self.turn_opt()
         params = self._params.get(id(opt))
         if params is None: params = self._params[id(opt)] = [p for g in opt.param_groups for p in g['params']]
         return params
 
+    def turn_opt(self):
+        "The optimizer that steps next: `learn.opt`, or with `turns` the turn's (`learn.opt[learn.turn]`)"
+        learn = self.learn
+        return learn.opt if learn.turn is None else learn.opt[learn.turn]
+
+    def first_turn(self):
+        "Whether the turn under way is the batch's first (always with one turn): what counts once a batch, counts here"
+        turn = self.learn.turn
+        return turn is None or turn == self.turns[0]
+
+    def last_turn(self):
+        "Whether the turn under way is the batch's last (always with one turn): what acts once a batch, acts here"
+        turn = self.learn.turn
+        return turn is None or turn == self.turns[-1]
+
     def optimizer_step(self):
         """The optimizer's step (`opt_step`: torch's, without its profiler wrapper when nothing needs it);
         with `turns` the turn's optimizer's. One whose step takes a closure (LBFGS) is given `recompute`"""
-        learn = self.learn
-        opt = learn.opt if learn.turn is None else learn.opt[learn.turn]
+        opt = self.turn_opt()
         if opt is not self._opt: self._opt,self._closure = opt,needs_closure(opt)
         if not self._closure: return opt_step(opt)
         self._first_call = True
@@ -241,8 +278,8 @@ class Step:
         return learn.strategy.reduce(learn.loss if share is None else learn.loss * share)
 
     def zero_grad(self):
-        "Clear the gradients, after a step the optimizer took"
-        clear_grads(self.learn.opt)
+        "Clear the gradients of the optimizer that stepped (with `turns`, the turn's: the others' may be accumulating)"
+        clear_grads(self.turn_opt())
 
     def batch_rows(self):
         """How many rows the run's batch holds (every process's, without the rows left out): what

@@ -71,6 +71,48 @@ def hand_written(n_epoch=2, lr_d=2e-4, lr_g=1e-2):
             optimizerG.step()
     return {'G': netG.state_dict(), 'D': netD.state_dict(), 'opt': {'D': optimizerD.state_dict(), 'G': optimizerG.state_dict()}}
 
+def hand_written_with_tricks(n_epoch=2, lr_d=2e-4, lr_g=1e-2, clip=0.5, decay=0.9, skip=None, n_acc=None):
+    """The example's loop as people grow it: each turn's forward and loss in bf16 autocast, each optimizer's gradients
+    clipped to `clip`, an EMA of every weight after each batch's steps; batch `skip` (epoch, batch) left out (a
+    spike, rolled back over both turns); `n_acc`: each optimizer steps once every `n_acc` rows, on the mean
+    gradient of the rows since its last step. Returns the training weights and the average"""
+    netG, netD, dataloader = nets_and_data()
+    gan = GAN(netG, netD)
+    optimizerD = torch.optim.Adam(netD.parameters(), lr=lr_d, betas=(0.5, 0.999))
+    optimizerG = torch.optim.SGD(netG.parameters(), lr=lr_g, momentum=0.9)
+    bf16 = lambda: torch.autocast('cpu', dtype=torch.bfloat16)
+    weights = lambda: [t.detach() for t in (*gan.parameters(), *gan.buffers())]
+    def step(net, opt, rows):
+        if n_acc is not None and rows != n_acc:
+            for p in net.parameters(): p.grad.mul_(n_acc / rows)        # the mean over the rows it summed
+        torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        opt.step(); opt.zero_grad()
+    ema, rows = None, 0
+    for epoch in range(n_epoch):
+        for i, (real, _) in enumerate(dataloader):
+            if (epoch, i) == skip: continue
+            rows += len(real)
+            steps = n_acc is None or rows >= n_acc or i == len(dataloader) - 1
+            weight = 1. if n_acc is None else len(real) / n_acc
+            with bf16():
+                out_real = netD(real)
+                fake = netG(torch.randn(len(real), nz, 1, 1))
+                errD = gan_loss((out_real, netD(fake.detach())), None)
+            (errD * weight).backward(inputs=list(netD.parameters()))
+            if steps: step(netD, optimizerD, rows)
+            with bf16(): errG = gan_loss((netD(fake),), None)
+            (errG * weight).backward(inputs=list(netG.parameters()))
+            if not steps: continue
+            step(netG, optimizerG, rows)
+            rows = 0
+            if ema is None: ema = [w.clone() for w in weights()]
+            else:
+                pairs = list(zip(ema, weights()))
+                torch._foreach_lerp_(*map(list, zip(*[(a, w) for a, w in pairs if a.is_floating_point()])), 1 - decay)
+                for a, w in pairs:
+                    if not a.is_floating_point(): a.copy_(w)
+    return {k: v.clone() for k, v in gan.state_dict().items()}, ema
+
 # learncb's port: the lines below are the whole of it, model and data aside
 class GAN(nn.Module):
     def __init__(self, G, D): super().__init__(); self.G, self.D = G, D

@@ -49,7 +49,6 @@ class SpikeGuard(Callback):
     """Rolls the run back to a snapshot kept in memory when the training loss (or gradient norm) spikes, and
     replays it without the rows that made it spike (or without the batch, when none stands out)"""
     order,run_valid,remove_on_lr_find = Order.GUARD,False,True     # lr_find makes the loss diverge on purpose
-    takes_turns = False                  # it checks a batch's one loss and one step
     compiled_events,deferred_events = ('before_step',),('after_loss', 'after_step')   # under learn.compile(step=True)
     _state_attrs = ('history',)
     def __init__(self, factor=5., check_every=25, snapshot_every=100, max_rollbacks=3, grad_norm=False, n_history=50,
@@ -161,7 +160,8 @@ class SpikeGuard(Callback):
         "Keep the loss for the next check; a fused optimizer's flag set on the device if it is not finite (no step then)"
         learn = self.learn
         if learn.loss is None: return
-        self._losses.append(learn.loss); self._iters.append(learn.iter)
+        if learn.stepper.first_turn(): self._losses.append(learn.loss); self._iters.append(learn.iter)
+        else: self._losses[-1] = self._losses[-1] + learn.loss       # a batch's loss: the sum of its turns'
         if self._found_inf is not None: self._flag(learn.loss)
 
     def _flag(self, value):
@@ -174,8 +174,12 @@ class SpikeGuard(Callback):
 
     def after_step(self):
         "Note the gradient norm of a step taken (`grad_norm=True`): the gradients the optimizer used, read after the step"
-        if self.learn.step_taken:
-            self._norms.append(_grad_norm(self._params)); self._norm_iters.append(self.learn.iter)
+        learn = self.learn
+        if not learn.step_taken: return
+        norm = _grad_norm(self._params if learn.turn is None else learn.stepper.params_stepped())
+        if learn.stepper.first_turn() or not self._norms or self._norm_iters[-1] != learn.iter:
+            self._norms.append(norm); self._norm_iters.append(learn.iter)
+        else: self._norms[-1] = (self._norms[-1]**2 + norm**2).sqrt()     # a batch's: all its turns' gradients
 
     def after_batch(self):
         learn = self.learn
@@ -246,12 +250,17 @@ class SpikeGuard(Callback):
                 f"{start} of epoch {learn.epoch}, before the spike. Drop those rows from the data, lower the "
                 f"lr, or raise max_rollbacks")
         self.rollbacks += 1
-        if rows and learn.strategy.pools_rows: self._look_again(spikes or [(spiked, math.inf, why)])
+        if rows and self._finds_rows(): self._look_again(spikes or [(spiked, math.inf, why)])
         else:
             learn.skipped_batches = skipped
             tell(learn, f"SpikeGuard: rolled back over {where}: the run went back to batch {start} and goes "
                         f"on without that batch (rollback {self.rollbacks} of at most {self.max_rollbacks})")
         self._replay()
+
+    def _finds_rows(self):
+        """Whether it can look for the rows of a batch that spiked: the ranks pool what each finds (`pools_rows`),
+        and the batch has one loss of a row (with several optimizers in turn, each turn has its own: it skips)"""
+        return self.learn.strategy.pools_rows and self.learn.step_class.turns is None
 
     def _judge_first(self):
         """The fit's first batch, with no batch before it to judge it by: its rows are judged against each
@@ -259,7 +268,7 @@ class SpikeGuard(Callback):
         learn,dl,self._first = self.learn,self.learn.dls.train,False
         sampler = sampler_of(dl)
         if self.history['loss'] or math.isinf(self.factor) or sampler is None: return
-        if not learn.strategy.pools_rows: return
+        if not self._finds_rows(): return
         if self.rollbacks >= self.max_rollbacks: return
         losses,_ = learn.row_losses(learn.batch)
         bad = [] if losses is None else spiking_rows(losses, None, self.factor)

@@ -21,8 +21,8 @@ from ..internals import autocast_enabled
 
 # %% ../../nbs/13_training.ipynb #fc0b2c38
 def _scale_grads(learn, k):
-    "Multiply the gradients of the optimizer's parameters by `k`, in place"
-    for pg in learn.opt.param_groups:
+    "Multiply the gradients of the optimizer's parameters by `k`, in place (with turns, the turn's optimizer's)"
+    for pg in learn.stepper.turn_opt().param_groups:
         for p in pg['params']:
             if p.grad is not None: p.grad.mul_(k)
 
@@ -34,14 +34,14 @@ class GradientAccumulation(Callback):
     """Step the optimizer once every `n_acc` samples of the run (all ranks'), with the gradient of the step's
     mean loss over its items (the tokens that count for a language model: `Step.items`)"""
     order,run_valid,_state_attrs,_sync = Order.ACCUMULATE,False,('count', 'items'),None
-    takes_turns = False                  # it counts the items of a batch's one step
     compiled_events = ('before_backward', 'before_step')
     def __init__(self, n_acc=32):
         self.n_acc = check_int(n_acc, 'n_acc (a number of samples)', ge=1, who='GradientAccumulation')
         self.count,self.items = 0,0             # the rows and the items of the batches since the last step
 
     def before_fit(self):
-        self.count,self.items = 0,0
+        turns = self.learn.step_class.turns       # several optimizers in turn: each accumulates its own items
+        self.count,self.items = 0,(0 if turns is None else dict.fromkeys(turns, 0))
         self._sync = self.learn.strategy.grad_sync_switch(self.learn.model)
 
     def before_batch(self):
@@ -54,17 +54,23 @@ class GradientAccumulation(Callback):
         "Weigh the batch's mean loss by its items (every rank's: the step's count) over `n_acc`"
         learn,step = self.learn,self.learn.stepper
         n = step.batch_items()
-        self.count += step.batch_rows()
-        self.items = self.items + n
+        if step.first_turn(): self.count += step.batch_rows()      # rows once a batch, items each turn
+        self._set_items(self._items() + n)
         learn.loss_grad = learn.loss_grad * (n / self.n_acc)
+
+    def _items(self): return self.items if self.learn.turn is None else self.items[self.learn.turn]
+    def _set_items(self, n):
+        if self.learn.turn is None: self.items = n
+        else: self.items[self.learn.turn] = n
 
     def before_step(self):
         "Cancel the step before `n_acc` rows; else make the gradients the mean over the items they sum"
-        learn,items = self.learn,self.items
+        learn,items = self.learn,self._items()
         if self.count < self.n_acc and not _is_last_batch(learn): raise CancelStepException()
         if not isinstance(items, int): _scale_grads(learn, self.n_acc / items)      # counted on the device
         elif items and items != self.n_acc: _scale_grads(learn, self.n_acc / items)
-        self.count,self.items = 0,0
+        self._set_items(0)
+        if learn.stepper.last_turn(): self.count = 0
 
     def steps_in(self, dl):
         "The optimizer steps an epoch over `dl` takes: one every `n_acc` samples, and one for the rest at the epoch's end"
@@ -77,13 +83,12 @@ class GradientAccumulation(Callback):
         "Drop the gradients of samples that never got their step"
         if self.count and self.learn.opt is not None: self.learn.opt.zero_grad()
         if self._sync is not None: self._sync(True)
-        self.count,self.items = 0,0
+        self.count,self.items = 0,0 if not isinstance(self.items, dict) else dict.fromkeys(self.items, 0)
 
 # %% ../../nbs/13_training.ipynb #c7eace64
 class GradientClip(Callback):
     "Clip the total norm of the model's gradients to `max_norm` before each optimizer step"
     order,run_valid,compiled_events = Order.CLIP,False,('before_step',)
-    takes_turns = False                  # the norm of every gradient, not of the turn's optimizer's
     def __init__(self, max_norm=1., norm_type=2.):
         self.max_norm = check_number(max_norm, 'max_norm', gt=0, who='GradientClip')
         if norm_type in ('inf', 'Inf'): norm_type = float('inf')
@@ -91,7 +96,10 @@ class GradientClip(Callback):
                                       hint="2. for the euclidean norm, 'inf' for the largest value")
 
     def before_fit(self): self._params = list(self.learn.model.parameters())
-    def before_step(self): nn.utils.clip_grad_norm_(self._params, self.max_norm, self.norm_type)
+    def before_step(self):
+        "Clip the model's gradients; with several optimizers in turn, those of the turn's optimizer's parameters"
+        params = self._params if self.learn.turn is None else self.learn.stepper.params_stepped()
+        nn.utils.clip_grad_norm_(params, self.max_norm, self.norm_type)
 
 # %% ../../nbs/13_training.ipynb #7ebdabf8
 _amp_dtypes = {'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16, 'fp16': torch.float16, 'float16': torch.float16,
@@ -135,7 +143,7 @@ class _StepProbe:
     "Stands in for the optimizer in `GradScaler.step`: same `param_groups`, and a `step` that only notes it was allowed"
     def __init__(self, learn): self.learn,self.stepped = learn,False
     @property
-    def param_groups(self): return self.learn.opt.param_groups
+    def param_groups(self): return self.learn.stepper.turn_opt().param_groups
     def step(self, *args, **kwargs): self.stepped = True
 
 def _to_float(o):
@@ -148,7 +156,7 @@ def _to_float(o):
 # %% ../../nbs/13_training.ipynb #7f37f7d5
 class MixedPrecision(Callback):
     "Forward pass and loss under `torch.autocast`; with float16, a `GradScaler` skipping steps whose gradients overflow"
-    order,takes_turns = Order.MIXED_PRECISION,False     # one scaler, for one optimizer's steps
+    order = Order.MIXED_PRECISION
     compiled_events = ('before_backward', 'before_step', 'after_step')   # autocast is entered outside the step
     deferred_events = ('after_loss',)      # leaving autocast after the step changes nothing: backward and step do not autocast
     def __init__(self, dtype=None, init_scale=2.**16, growth_interval=2000):
@@ -206,12 +214,12 @@ class MixedPrecision(Callback):
         probe = self._probe
         probe.stepped = False
         scaler.step(probe)        # unscales the gradients in place, checks them for inf/NaN (one host sync)
-        scaler.update()
+        if self.learn.stepper.last_turn(): scaler.update()      # once a batch, after every optimizer's step
         if not probe.stepped: self._skip_step()
 
     def _skip_step(self):
         self.skipped_steps += 1
-        self.learn.opt.zero_grad()
+        self.learn.stepper.turn_opt().zero_grad()
         raise CancelStepException()
 
     def after_cancel_step(self):
@@ -224,6 +232,7 @@ class MixedPrecision(Callback):
     def after_step(self):
         probe = self._probe
         if probe is not None: probe.stepped = False
+        if not self.learn.stepper.last_turn(): self._region.enter()    # the next turn's forward autocasts too
 
     def _close_region(self):
         if self._region is not None: self._region.exit()

@@ -132,7 +132,6 @@ def _swap_weights(a, b):
 
 class WeightAveraging(Callback):
     "Base of `EMACallback` and `SWACallback`: an `AveragedModel` of the learner's model (`average`), `swap`, `n_averaged`"
-    takes_turns = False                  # it averages after a batch's one step
     def __init__(self): self.average,self._model,self._swapped,self._sharded = None,None,False,False
 
     def _start(self, **kwargs):
@@ -183,7 +182,7 @@ class EMACallback(WeightAveraging):
         if decay >= 1: raise ValueError(f"EMACallback: decay={decay!r} never moves the average: use a value just "
                                         f"below 1, such as 0.999 (the average then spans about 1000 steps)")
         super().__init__()
-        self.validate,self.replace_at_end,self._stepped,self._n = validate,replace_at_end,True,0
+        self.validate,self.replace_at_end,self._stepped,self._n,self._in_batch = validate,replace_at_end,True,0,False
 
     def before_fit(self):
         self._start(multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=True)
@@ -198,10 +197,15 @@ class EMACallback(WeightAveraging):
     def after_cancel_step(self): self._stepped = False
 
     def after_step(self):
-        if self._stepped:
+        "After a step taken; with several optimizers in turn, once a batch, after its last turn, if any stepped"
+        stepped,self._stepped = self._stepped or self._in_batch,True
+        if not self.learn.stepper.last_turn():
+            self._in_batch = stepped
+            return
+        if stepped:
             step,self._steps = self._steps,self._steps + 1      # this step's index in the fit, from 0
             if step >= self.start_step and step % self.update_every == 0: self._update()
-        self._stepped = True
+        self._in_batch = False
 
     def _update(self):
         "`AveragedModel.update_parameters` without its two host syncs a step (it reads `n_averaged` from the device)"
