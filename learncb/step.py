@@ -193,7 +193,9 @@ class Step:
         w = self.piece_weight() if self.cut or learn.skipped_items else None
         loss = learn.loss_grad if w is None else learn.loss_grad * w
         try:
-            with self._others_kept(): learn.strategy.backward(loss, self.params_stepped())
+            if learn.turn is None: learn.strategy.backward(loss, self.params_stepped())
+            else:
+                with self._others_kept(): learn.strategy.backward(loss, self.params_stepped())
         except Exception as e:
             note_where(e, 'backward')
             if not isinstance(e, RuntimeError): raise
@@ -205,9 +207,8 @@ class Step:
 
     @contextmanager
     def _others_kept(self):
-        """With `turns`: the gradients of the other optimizers' parameters as they were before the turn's backward
+        """The gradients of the other optimizers' parameters (`turns`) as they were before the turn's backward
         (which may run through their part of the model), so that each optimizer's are its own turns' alone"""
-        if self.learn.turn is None: yield; return
         others = self.params_others()
         kept = [p.grad for p in others]
         for p in others: p.grad = None

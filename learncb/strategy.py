@@ -75,6 +75,14 @@ class Strategy:
         "The blocks of `model` (submodules) this strategy shards as units, each gathered whole around its forward"
         return []
 
+    @contextmanager
+    def whole_params(self, model, reduce=True):
+        """A context in which `model`'s parameters are whole on this process and its backwards reduce nothing, so
+        that a capability may run a batch in pieces of its own choosing (`AutoMicrobatch`); leaving it, the
+        gradients are reduced over the ranks (`reduce`) and the model is as it was. Here the parameters are
+        whole already: nothing to do"""
+        yield
+
     def wrap(self, learn):
         "Put the model the ranks train in `learn.model` when the fit starts (here: the plain model, as it is)"
 

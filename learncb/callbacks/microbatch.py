@@ -68,16 +68,14 @@ class AutoMicrobatch(Callback):
         self.halvings,self.valid_halvings,self.since_change,self.history = 0,0,0,[]
 
     def before_fit(self):
-        "Find the model the micro-batches call; refuse FSDP"
+        "Find the model the micro-batches call; refuse a step that computes a share of a batch every process reads"
         strategy = self.learn.strategy
-        if strategy.sharded: raise ValueError(
-            f"AutoMicrobatch: strategy={strategy.name!r} does not split a batch into micro-batches yet (the "
-            f"ranks gather each shard in the forward, so they would have to split alike before it): fit with "
-            f"DDP, or with a smaller batch")
         if strategy.reads_whole_batch: raise ValueError(
             f"AutoMicrobatch: strategy={strategy.name!r} does not split a batch into micro-batches yet (its "
             f"step computes this process's share of the whole batch): fit without it, or with strategy='ddp'")
-        self._world = num_distrib()
+        # sharded (FSDP): the parameters whole for each batch (`Strategy.whole_params`), which reduces at its end
+        self._sharded,self._whole = strategy.sharded,None
+        self._world = 1 if self._sharded else num_distrib()
         # under DDP, the plain model: the gradients are averaged here, after the ranks agree on the split
         self._inner = local_model(self.learn)
         self._params = list(self._inner.parameters())
@@ -98,12 +96,31 @@ class AutoMicrobatch(Callback):
 
     def after_fit(self): self._leaves = self._inputs = self._params = self._inner = self._buffer = None
 
+    def _gather(self, reduce=True):
+        "Sharded: the parameters whole for this batch, the ones the micro-batches compute the gradients of"
+        if not self._sharded: return
+        self._whole = self.learn.strategy.whole_params(self._inner, reduce)
+        self._whole.__enter__()
+        self._params = list(self._inner.parameters())
+
+    def _release(self, error=None):
+        "Sharded: the gradients reduced (none after an error) and the model sharded again"
+        whole,self._whole = self._whole,None
+        if whole is None: return
+        if error is None: whole.__exit__(None, None, None)
+        else: whole.__exit__(type(error), error, error.__traceback__)
+
+    def after_batch(self): self._release()        # a backward cancelled before it ran: reduced all the same
+    def after_cancel_batch(self): self._release(CancelBatchException())
+    def after_exception(self): self._release(self.learn.exception or RuntimeError())
+
     # the step's hooks
     def step_forward(self, forward):
         "The step's model call: the whole batch (the plain call when it fits), or its micro-batches once it ran out of memory"
         if self._agreed_at is not None: self._take_agreement()
         self._leaves,self._start,self._kept = None,self.halvings,0
-        if not torch.is_grad_enabled(): return forward(self._predict)
+        if not torch.is_grad_enabled(): return self._predicted(forward)
+        self._gather()
         if self._world == 1 and not self.halvings:            # a batch that fits: the plain forward, nothing more
             if not self._failed_whole:
                 try: return forward()
@@ -119,6 +136,7 @@ class AutoMicrobatch(Callback):
         else:
             step.backward()                                  # the loop's backward, to the outputs' leaves
             self._carry_backward()
+        self._release()
         self._note_size()
 
     def _plain_backward(self, step):
@@ -196,6 +214,14 @@ class AutoMicrobatch(Callback):
                                  lambda: set_rng_state(self._rng))
         self.halvings = h
         return cat_outputs(outs)
+
+    def _predicted(self, forward):
+        "A validation or prediction batch's output (sharded: with the parameters whole, none reduced)"
+        self._gather(reduce=False)
+        try: out = forward(self._predict)
+        except Exception as e: self._release(e); raise
+        self._release()
+        return out
 
     def _predict(self, *args, **kw):
         "Validation and prediction: the whole batch, or its micro-batches once the whole ran out of memory"

@@ -9,6 +9,7 @@ __all__ = ['units_to_shard', 'fsdp_model', 'FSDP', 'FSDPCallback']
 
 # %% ../../nbs/23b_fsdp.ipynb #d0bab309
 import copy
+from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -110,6 +111,37 @@ class FSDP(Strategy):
         "The units FSDP shards below the root (`fully_shard`'s modules, `shard` picked them)"
         from torch.distributed.fsdp import FSDPModule
         return [m for m in model.modules() if m is not model and isinstance(m, FSDPModule)]
+
+    @contextmanager
+    def whole_params(self, model, reduce=True):
+        """Every unit gathered whole once, in the same order on every rank, and kept so through the forwards and
+        backwards (FSDP's own reduce-scatter off): what a rank computes inside needs no collective, however it
+        splits its batch. Leaving it: the gradients averaged over the ranks (`reduce`, one all-reduce), each
+        rank's shard of them added to the sharded parameters' gradients, and the units sharded again (after an
+        error: only sharded again, no collective)"""
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import distribute_tensor
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for m in units:
+            m.set_reshard_after_forward(False, recurse=False); m.set_reshard_after_backward(False, recurse=False)
+            m.set_requires_gradient_sync(False, recurse=False)
+        for m in units: m.unshard()
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            names,whole = zip(*model.named_parameters()) if ok and reduce else ((), ())
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in whole]
+            if grads: mean_across_ranks(grads)
+            for _,p in model.named_parameters(): p.grad = None      # the whole ones: none left for the next time
+            for m in units: m.reshard()
+            sharded = dict(model.named_parameters())
+            for n,g in zip(names, grads):
+                p = sharded[n]
+                shard = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+                p.grad = shard if p.grad is None else p.grad.add_(shard)
+            for m in units: m.set_requires_gradient_sync(True, recurse=False)
 
     def before_validate(self, learn): _rank0_buffers(learn.model)
 

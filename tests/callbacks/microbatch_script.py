@@ -1,8 +1,8 @@
 """A classifier whose batches run out of memory, for tests/callbacks/test_microbatch.py: in one process or several
-(torchrun: DDP, gloo), with `AutoMicrobatch` or without.
+(torchrun: DDP or `--strategy fsdp`, gloo), with `AutoMicrobatch` or without.
 
 python tests/callbacks/microbatch_script.py OUT [--auto] [--inject N] [--inject-rank R] [--cap] [--cap-rank R]
-    [--epochs E]
+    [--epochs E] [--strategy ddp|fsdp]
 
 --inject N: the model raises `torch.OutOfMemoryError` on a training batch of more than N items (on rank R only, if
 given). --cap: the process's address space is capped (`RLIMIT_AS`, on rank R only, if given) after a warm-up fit (in
@@ -103,14 +103,16 @@ class CapMemory(Callback):
     order,rooms = Order.LAST,None
     def after_batch(self):
         if not self.training or self.learn.train_iter != 1: return
-        self.rooms = cap_between(self.learn.model.module, find_bs(self.learn.yb))
+        learn = self.learn           # DDP's plain model; FSDP's: the plain one it was copied from (no collective)
+        model = learn.model.module if hasattr(learn.model, 'module') else learn.strategy.user_model(learn.model)
+        self.rooms = cap_between(model, find_bs(learn.yb))
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument('out'); p.add_argument('--auto', action='store_true'); p.add_argument('--inject', type=int)
     p.add_argument('--inject-rank', type=int); p.add_argument('--cap', action='store_true')
     p.add_argument('--cap-rank', type=int)
-    p.add_argument('--epochs', type=int, default=2)
+    p.add_argument('--epochs', type=int, default=2); p.add_argument('--strategy', default='ddp')
     args = p.parse_args()
     out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
@@ -122,12 +124,12 @@ def main():
     auto,cap = AutoMicrobatch(grow_every=3),CapMemory()
     cbs = ([auto] if args.auto else []) + ([cap] if capped and world > 1 else [])
     try:
-        with learn.distrib_ctx(timeout=60) if world > 1 else contextlib.nullcontext():
+        with learn.distrib_ctx(strategy=args.strategy, timeout=60) if world > 1 else contextlib.nullcontext():
             learn.fit(args.epochs, cbs=cbs)
     except Exception as e:
         (out/f'error{rank}.txt').write_text(''.join(traceback.format_exception(e)) + f'rooms: {rooms or cap.rooms}')
         sys.exit(3)
-    torch.save({'model': learn.model.state_dict(), 'train_iter': learn.train_iter, 'history': auto.history,
+    torch.save({'model': {k: v.clone() for k,v in learn.model.state_dict().items()}, 'train_iter': learn.train_iter, 'history': auto.history,
                 'halvings': auto.halvings, 'valid_halvings': auto.valid_halvings, 'values': learn.recorder.values,
                 'rooms': rooms or cap.rooms}, out/f'rank{rank}.pt')
 
