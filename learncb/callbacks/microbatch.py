@@ -68,14 +68,12 @@ class AutoMicrobatch(Callback):
         self.halvings,self.valid_halvings,self.since_change,self.history = 0,0,0,[]
 
     def before_fit(self):
-        "Find the model the micro-batches call; refuse a step that computes a share of a batch every process reads"
+        "Find the model the micro-batches call, and who reduces their gradients"
         strategy = self.learn.strategy
-        if strategy.reads_whole_batch: raise ValueError(
-            f"AutoMicrobatch: strategy={strategy.name!r} does not split a batch into micro-batches yet (its "
-            f"step computes this process's share of the whole batch): fit without it, or with strategy='ddp'")
-        # sharded (FSDP): the parameters whole for each batch (`Strategy.whole_params`), which reduces at its end
+        # sharded (FSDP): the parameters whole for each batch (`Strategy.whole_params`), which reduces at its end;
+        # a step that reads the whole batch (torchft) sums the micro-batches' gradients over the quorum after them
         self._sharded,self._whole = strategy.sharded,None
-        self._world = 1 if self._sharded else num_distrib()
+        self._world = 1 if self._sharded or strategy.reads_whole_batch else num_distrib()
         # under DDP, the plain model: the gradients are averaged here, after the ranks agree on the split
         self._inner = local_model(self.learn)
         self._params = list(self._inner.parameters())

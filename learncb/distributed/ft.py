@@ -371,15 +371,25 @@ class FaultTolerantStep(Step):
         return self._own / self._whole
 
     def backward(self):
-        """This replica's share of the backward, weighted by its part of the global batch, then the sum over
-        the quorum and its vote (`committed`): gradients a cancelled step kept are not summed again, and
-        stay as they were when the try is not committed"""
+        "This replica's share of the backward, weighted by its part of the global batch (none without an item)"
+        if not self._empty or self.strategy.inner is not None: super().backward()   # FSDP's backward: a collective
+
+    def backward_stage(self):
+        "A try of the backward stage (`_try`), and again while the quorum did not commit it (`take_back` undoes it)"
+        self._try()
+        while not self.committed():
+            self.take_back()
+            self._try()
+
+    def _try(self):
+        """A try of the backward stage (a callback's `step_backward` too), then the sum over the quorum: gradients a
+        cancelled step kept are not summed again, and stay as they were when the try is not committed"""
         learn,ft = self.learn,self.strategy
         kept,self._total = [p.grad for p in self.params],None
         for p in self.params: p.grad = None
         ft.grads_in_buffer(self.params, fresh=any(g is not None for g in kept))
         try:
-            if not self._empty or ft.inner is not None: super().backward()   # FSDP's backward: a collective
+            super().backward_stage()
             self._total = ft.sum_and_commit(learn, self.params, learn.loss * self.share())
         finally:
             for p,g in zip(self.params, kept):
@@ -388,14 +398,6 @@ class FaultTolerantStep(Step):
         if self._total is None: return
         loss = learn.loss if self._seen_loss is None else self._seen_loss     # what `after_loss` handlers saw
         learn.loss = loss.copy_(self._total)                 # the global batch's loss from here on
-
-    def backward_stage(self):
-        """The backward stage as `Step` runs it, and again while the quorum did not commit the try: each time
-        `take_back` undoes it and computes the batch again up to its loss"""
-        super().backward_stage()
-        while not self.committed():
-            self.take_back()
-            super().backward_stage()
 
     def committed(self):
         "Whether the quorum committed this try"

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.xdist_group('matrix')       # the one-process fits, mad
 # The cells a strategy refuses today, and who is named: a cell refused or run that is not in this table fails the test
 refused = {'ddp': {}, 'plain': {},
            'fsdp': {'closure': 'LBFGS'},
-           'torchft': {'microbatch': 'AutoMicrobatch', 'compiled_step': 'learn.compile(step=True)',
+           'torchft': {'compiled_step': 'learn.compile(step=True)',
                        'turns': 'AlternatingStep', 'closure': 'LBFGS'}}
 refused['torchft_fsdp'] = {k: v for k,v in refused['torchft'].items() if k != 'compiled_step'}   # blocks compiled
 named = {'torchft_fsdp': 'torchft'}           # the name a refusal gives the strategy
