@@ -165,8 +165,9 @@ class NamedOptimizers:
 
     @property
     def state(self):
-        """The state of every parameter, each kept by the optimizer that updates it (a dict of theirs: reading a
-        parameter's never adds an empty state to another optimizer, as a `ChainMap` of their defaultdicts would)"""
+        """The state of every parameter, each kept by the optimizer that updates it (a dict of theirs: reading
+        a parameter's never adds an empty state to another optimizer, as a `ChainMap` of their defaultdicts
+        would)"""
         return {p: s for o in self.opts.values() for p,s in o.state.items()}
 
     @state.setter

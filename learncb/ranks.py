@@ -6,13 +6,12 @@ Docs: https://learncb.github.io/learncb/ranks.html.md"""
 
 # %% auto #0
 __all__ = ['num_distrib', 'rank_distrib', 'is_rank0', 'refuse', 'on_group_end', 'group_ended', 'local_model', 'PendingSum',
-           'sum_across_ranks', 'mean_across_ranks', 'gather_objects', 'free_port', 'is_sharded', 'whole_state',
-           'meta_copy', 'set_tensors', 'shard_like', 'opt_state_like', 'local_part', 'grad_like', 'local_shards',
-           'shards_like', 'ShardSampler', 'check_shardable', 'shard_in_order', 'gather_in_order']
+           'sum_across_ranks', 'gather_objects', 'free_port', 'is_sharded', 'whole_state', 'shard_like',
+           'mean_across_ranks', 'opt_state_like', 'local_part', 'grad_like', 'local_shards', 'shards_like',
+           'ShardSampler', 'check_shardable', 'shard_in_order', 'gather_in_order']
 
 # %% ../nbs/01c_ranks.ipynb #14980140
 import functools, socket
-import copy
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 from .utils import *
@@ -39,8 +38,8 @@ def is_rank0():
     return rank_distrib() == 0
 
 def refuse(who, why):
-    """Stop a fit before its first batch when `why`, what `who` found it cannot run under the fit's strategy, is a
-    reason: `ValueError('<who>: <why>')`, `who` a callback (its class named) or a name"""
+    """Stop a fit before its first batch when `why`, what `who` found it cannot run under the fit's strategy,
+    is a reason: `ValueError('<who>: <why>')`, `who` a callback (its class named) or a name"""
     if why is not None: raise ValueError(f"{who if isinstance(who, str) else type(who).__name__}: {why}")
 
 _group_end_hooks = []
@@ -80,20 +79,6 @@ def sum_across_ranks(t, wait=True):
     if not wait: return PendingSum(out, dist.all_reduce(out, async_op=True), t.device)
     dist.all_reduce(out)
     return out.to(t.device)
-
-@torch.compiler.disable
-def mean_across_ranks(ts):
-    """Make each tensor of `ts` its mean over the ranks, in place: one all-reduce per dtype and device, of their
-    values flattened together, each divided by the ranks before the sum (as DDP's reduction is)"""
-    import torch.distributed as dist
-    world,groups = dist.get_world_size(),{}
-    for t in ts: groups.setdefault((t.device, t.dtype), []).append(t)
-    for group in groups.values():
-        flat = torch.cat([t.reshape(-1) for t in group]).div_(world)
-        on = flat.to(_collective_device())
-        dist.all_reduce(on)
-        if on is not flat: flat.copy_(on)
-        for t,f in zip(group, flat.split([t.numel() for t in group])): t.copy_(f.view_as(t))
 
 def gather_objects(o):
     "The list of every rank's `o`, in rank order (`[o]` without a process group)"
@@ -135,30 +120,25 @@ def whole_state(o, rank0=True):
     t = o.full_tensor()                   # a collective: every rank takes part
     return None if rank0 and not is_rank0() else t.cpu()
 
-def meta_copy(model):
-    "A copy of `model` whose parameters and buffers are on the `meta` device: its structure, without its memory"
-    from torch import nn
-    memo = {}
-    for t in (*model.parameters(), *model.buffers()):
-        empty = torch.empty_like(t, device='meta')
-        memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
-    return copy.deepcopy(model, memo)
-
-def set_tensors(model, tensors):
-    """Put `tensors` (`{name: tensor}`, as `named_parameters` and `named_buffers` name them) in `model`, in place of
-    its own: a parameter stays a parameter (without a gradient)"""
-    from torch import nn
-    for name,t in tensors.items():
-        where,_,leaf = name.rpartition('.')
-        m = model.get_submodule(where)
-        is_param = isinstance(getattr(m, leaf), nn.Parameter)
-        setattr(m, leaf, nn.Parameter(t, requires_grad=False) if is_param else t)
-
 def shard_like(t, like):
     "This rank's shard of whole tensor `t`, laid out as sharded `like` (`t` itself when `like` is not sharded)"
     if not is_sharded(like) or is_sharded(t) or not isinstance(t, torch.Tensor) or t.shape != like.shape: return t
     from torch.distributed.tensor import distribute_tensor
     return distribute_tensor(t.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+@torch.compiler.disable
+def mean_across_ranks(ts):
+    """Make each tensor of `ts` its mean over the ranks, in place: one all-reduce per dtype and device, of
+    their values flattened together, each divided by the ranks before the sum (as DDP's reduction is)"""
+    import torch.distributed as dist
+    world,groups = dist.get_world_size(),{}
+    for t in ts: groups.setdefault((t.device, t.dtype), []).append(t)
+    for group in groups.values():
+        flat = torch.cat([t.reshape(-1) for t in group]).div_(world)
+        on = flat.to(_collective_device())
+        dist.all_reduce(on)
+        if on is not flat: flat.copy_(on)
+        for t,f in zip(group, flat.split([t.numel() for t in group])): t.copy_(f.view_as(t))
 
 def opt_state_like(state, opt):
     "Optimizer `state` (from `state_dict`) with its whole per-parameter tensors cut to fit `opt`'s sharded parameters"

@@ -56,9 +56,9 @@ class Step:
         lacks, callbacks that act on a batch's one step, a closure optimizer over sharded parameters"""
         learn,self._params = self.learn,{}
         if needs_closure(learn.opt) and learn.strategy.sharded: raise ValueError(
-            f"{type(learn.opt).__name__}: strategy={learn.strategy.name!r} shards the parameters, and torch's "
-            f"closure optimizers flatten each gradient whole (LBFGS's view(-1)), which a shard cannot: fit "
-            f"with strategy='ddp', whose ranks each hold the whole model")
+            f"{type(learn.opt).__name__}: strategy={learn.strategy.name!r} shards the parameters, and "
+            f"torch's closure optimizers flatten each gradient whole (LBFGS's view(-1)), which a shard "
+            f"cannot: fit with strategy='ddp', whose ranks each hold the whole model")
         if self.turns is None: return
         names = opt_names(learn.opt)
         if missing := [t for t in self.turns if t not in names]: raise ValueError(
@@ -107,8 +107,9 @@ class Step:
         self.step_stage()
 
     def backward_stage(self):
-        """`before_backward` and the backward (through a callback's `step_backward` if one has it): the body of
-        the `backward` stage, which a variant may run again (a fault-tolerant step's try the quorum did not keep)"""
+        """`before_backward` and the backward (through a callback's `step_backward` if one has it): the body
+        of the `backward` stage, which a variant may run again (a fault-tolerant step's try the quorum did not
+        keep)"""
         self.fire('before_backward')
         self.backward() if self.backward_hook is None else self.backward_hook.step_backward(self)
 
@@ -217,7 +218,8 @@ class Step:
             for p,g in zip(others, kept): p.grad = g
 
     def params_others(self):
-        "With `turns`: the parameters of the other optimizers than the turn's (found once a fit for each turn)"
+        """With `turns`: the parameters of the other optimizers than the turn's (found once a fit for each
+        turn)"""
         key = ('others', self.learn.turn)
         if key not in self._params:
             own = set(map(id, self.params_stepped()))
@@ -239,12 +241,14 @@ class Step:
         return learn.opt if learn.turn is None else learn.opt[learn.turn]
 
     def first_turn(self):
-        "Whether the turn under way is the batch's first (always with one turn): what counts once a batch, counts here"
+        """Whether the turn under way is the batch's first (always with one turn): what counts once a batch,
+        counts here"""
         turn = self.learn.turn
         return turn is None or turn == self.turns[0]
 
     def last_turn(self):
-        "Whether the turn under way is the batch's last (always with one turn): what acts once a batch, acts here"
+        """Whether the turn under way is the batch's last (always with one turn): what acts once a batch, acts
+        here"""
         turn = self.learn.turn
         return turn is None or turn == self.turns[-1]
 
@@ -279,7 +283,8 @@ class Step:
         return learn.strategy.reduce(learn.loss if share is None else learn.loss * share)
 
     def zero_grad(self):
-        "Clear the gradients of the optimizer that stepped (with `turns`, the turn's: the others' may be accumulating)"
+        """Clear the gradients of the optimizer that stepped (with `turns`, the turn's: the others' may be
+        accumulating)"""
         clear_grads(self.turn_opt())
 
     def batch_rows(self):

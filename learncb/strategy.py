@@ -67,18 +67,19 @@ class Strategy:
         except TypeError: return dl                       # not a dataloader this strategy could have made
 
     def user_model(self, model):
-        """The model the user gave, of which `model` is what this process trains: for its structure (a copy of it
-        holds an average of the weights); `model` without its wrappers here"""
+        """The model the user gave, of which `model` is what this process trains: for its structure (a copy of
+        it holds an average of the weights); `model` without its wrappers here"""
         return plain_model(model)
 
     def sharded_blocks(self, model):
-        "The blocks of `model` (submodules) this strategy shards as units, each gathered whole around its forward"
+        """The blocks of `model` (submodules) this strategy shards as units, each gathered whole around its
+        forward"""
         return []
 
     @contextmanager
     def whole_params(self, model, reduce=True):
-        """A context in which `model`'s parameters are whole on this process and its backwards reduce nothing, so
-        that a capability may run a batch in pieces of its own choosing (`AutoMicrobatch`); leaving it, the
+        """A context in which `model`'s parameters are whole on this process and its backwards reduce nothing,
+        so that a capability may run a batch in pieces of its own choosing (`AutoMicrobatch`); leaving it, the
         gradients are reduced over the ranks (`reduce`) and the model is as it was. Here the parameters are
         whole already: nothing to do"""
         yield
@@ -148,7 +149,8 @@ class Strategy:
 
     _syncs = True
     def reduce_grads(self, params):
-        "Make the gradients of `params` their mean over the ranks, in place (one collective per dtype and device)"
+        """Make the gradients of `params` their mean over the ranks, in place (one collective per dtype and
+        device)"""
         if num_distrib() > 1: mean_across_ranks([p.grad for p in params if p.grad is not None])
 
     def local_model(self, model):
@@ -190,7 +192,8 @@ class Strategy:
 
     @property
     def name(self):
-        "The name `distrib_ctx(strategy=name)` knows this strategy's class by (`register_strategy`), else its class's"
+        """The name `distrib_ctx(strategy=name)` knows this strategy's class by (`register_strategy`), else
+        its class's"""
         return strategy_names.get(type(self), type(self).__name__)
 
     def __repr__(self): return f'{type(self).__name__}()'

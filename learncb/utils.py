@@ -9,10 +9,10 @@ __all__ = ['clock', 'default_device', 'model_device', 'plain_model', 'map_tensor
            'name_of', 'find_bs', 'n_batches', 'listify', 'add_note', 'is_number', 'ArgTypeError', 'arg_error',
            'check_number', 'check_lr', 'check_wd', 'check_int', 'check_fraction', 'check_choice', 'numbers_tensor',
            'rng_state', 'set_rng_state', 'rng_kept', 'dl_generators', 'rebuild_dataloader', 'Clock', 'FakeClock',
-           'short_list', 'rows_text', 'user_frame', 'warn_user']
+           'short_list', 'rows_text', 'user_frame', 'warn_user', 'meta_copy', 'set_tensors']
 
 # %% ../nbs/01_utils.ipynb #4d5f189c
-import math, operator, os, random, sys, time, warnings
+import copy, math, operator, os, random, sys, time, warnings
 from functools import partial
 from array import array
 from contextlib import contextmanager
@@ -296,3 +296,22 @@ def warn_user(message, category=UserWarning):
     warnings.warn_explicit(message, category, f.f_code.co_filename, f.f_lineno, module=f.f_globals.get('__name__'),
                            registry={})
 
+def meta_copy(model):
+    """A copy of `model` whose parameters and buffers are on the `meta` device: its structure, without its
+    memory"""
+    from torch import nn
+    memo = {}
+    for t in (*model.parameters(), *model.buffers()):
+        empty = torch.empty_like(t, device='meta')
+        memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
+
+def set_tensors(model, tensors):
+    """Put `tensors` (`{name: tensor}`, as `named_parameters` and `named_buffers` name them) in `model`, in
+    place of its own: a parameter stays a parameter (without a gradient)"""
+    from torch import nn
+    for name,t in tensors.items():
+        where,_,leaf = name.rpartition('.')
+        m = model.get_submodule(where)
+        is_param = isinstance(getattr(m, leaf), nn.Parameter)
+        setattr(m, leaf, nn.Parameter(t, requires_grad=False) if is_param else t)

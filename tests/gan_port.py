@@ -72,10 +72,10 @@ def hand_written(n_epoch=2, lr_d=2e-4, lr_g=1e-2):
     return {'G': netG.state_dict(), 'D': netD.state_dict(), 'opt': {'D': optimizerD.state_dict(), 'G': optimizerG.state_dict()}}
 
 def hand_written_with_tricks(n_epoch=2, lr_d=2e-4, lr_g=1e-2, clip=0.5, decay=0.9, skip=None, n_acc=None):
-    """The example's loop as people grow it: each turn's forward and loss in bf16 autocast, each optimizer's gradients
-    clipped to `clip`, an EMA of every weight after each batch's steps; batch `skip` (epoch, batch) left out (a
-    spike, rolled back over both turns); `n_acc`: each optimizer steps once every `n_acc` rows, on the mean
-    gradient of the rows since its last step. Returns the training weights and the average"""
+    """The example's loop as people grow it: each turn's forward and loss in bf16 autocast, each optimizer's
+    gradients clipped to `clip`, an EMA of every weight after each batch's steps; batch `skip` (epoch, batch)
+    left out (a spike, rolled back over both turns); `n_acc`: each optimizer steps once every `n_acc` rows, on
+    the mean gradient of the rows since its last step. Returns the training weights and the average"""
     netG, netD, dataloader = nets_and_data()
     gan = GAN(netG, netD)
     optimizerD = torch.optim.Adam(netD.parameters(), lr=lr_d, betas=(0.5, 0.999))
@@ -108,7 +108,8 @@ def hand_written_with_tricks(n_epoch=2, lr_d=2e-4, lr_g=1e-2, clip=0.5, decay=0.
             if ema is None: ema = [w.clone() for w in weights()]
             else:
                 pairs = list(zip(ema, weights()))
-                torch._foreach_lerp_(*map(list, zip(*[(a, w) for a, w in pairs if a.is_floating_point()])), 1 - decay)
+                floats = [(a, w) for a, w in pairs if a.is_floating_point()]
+                torch._foreach_lerp_([a for a, _ in floats], [w for _, w in floats], 1 - decay)
                 for a, w in pairs:
                     if not a.is_floating_point(): a.copy_(w)
     return {k: v.clone() for k, v in gan.state_dict().items()}, ema

@@ -141,7 +141,8 @@ class SpikeAt(Callback):
             learn.loss = learn.loss_grad.detach()
 
 def gan_with_tricks(*cbs):
-    "The port with bf16, each turn's gradients clipped, an EMA of the weights; the training weights and the average"
+    """The port with bf16, each turn's gradients clipped, an EMA of the weights; the training weights and the
+    average"""
     learn = gan_port.port()
     ema = EMACallback(0.9, validate=False)
     learn.fit(2, cbs=[MixedPrecision('bf16'), GradientClip(0.5), ema, *cbs])
@@ -150,13 +151,16 @@ def gan_with_tricks(*cbs):
     return learn, {k: v.clone() for k, v in learn.model.state_dict().items()}, average
 
 def close(ref, got, tol=1e-6):
-    return all(((got[k] - v).abs().max() <= tol * v.abs().max().clamp_min(1e-12)).item() for k, v in ref.items()
+    within = lambda k, v: ((got[k] - v).abs().max() <= tol * v.abs().max().clamp_min(1e-12)).item()
+    return all(within(k, v) for k, v in ref.items()
                if v.is_floating_point())
 
 def test_a_gan_in_bf16_with_clipped_gradients_and_an_ema_and_a_spike_rolled_back_over_both_turns():
-    "Each turn autocast and clipped (its own optimizer's gradients), the EMA once a batch, the spike's batch left out"
+    """Each turn autocast and clipped (its own optimizer's gradients), the EMA once a batch, the spike's batch
+    left out"""
     ref, ref_ema = gan_port.hand_written_with_tricks(skip=(0, 2))
-    learn, weights, average = gan_with_tricks(SpikeGuard(check_every=1, snapshot_every=1, warmup=0), SpikeAt((0, 2)))
+    guard = SpikeGuard(check_every=1, snapshot_every=1, warmup=0)
+    learn, weights, average = gan_with_tricks(guard, SpikeAt((0, 2)))
     assert learn.skipped_batches == ((0, 2),)
     assert close(ref, weights)
     names = [k for k, _ in (*learn.model.named_parameters(), *learn.model.named_buffers())]

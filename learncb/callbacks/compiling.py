@@ -316,8 +316,8 @@ class CompileCallback(Callback):
         learn = self.learn
         strategy = learn.strategy
         if strategy.reads_whole_batch: raise ValueError(
-            f"learn.compile(step=True): strategy={strategy.name!r} does not run a compiled step yet (its step "
-            f"computes this process's share of the whole batch): fit without it, or with strategy='ddp'")
+            f"learn.compile(step=True): strategy={strategy.name!r} does not run a compiled step yet (its "
+            f"step computes this process's share of the whole batch): fit without it, or with strategy='ddp'")
         if needs_closure(learn.opt): raise ValueError(
             f"learn.compile(step=True): {type(learn.opt).__name__}'s step takes a closure that computes the "
             f"loss again, which the compiled step cannot trace: use learn.compile() (the model compiled) "
@@ -328,14 +328,15 @@ class CompileCallback(Callback):
         self.compiled_step.start_fit()
 
     def compiles_blocks(self):
-        """Whether this fit compiles the model's blocks inside the eager step, rather than the whole step or the
-        whole model: under a strategy that shards the model (FSDP), whose hooks gather and free each block's
-        shards around it, and which torch.compile does not trace (compiled whole, the model would run eagerly)"""
+        """Whether this fit compiles the model's blocks inside the eager step, rather than the whole step or
+        the whole model: under a strategy that shards the model (FSDP), whose hooks gather and free each
+        block's shards around it, and which torch.compile does not trace (compiled whole, the model would run
+        eagerly)"""
         return self.learn.strategy.sharded
 
     def _compile_blocks(self):
-        """Compile each block the strategy shards (torch's `Module.compile`, on the strategy's sharded copy of the
-        model, made for this fit): torch compiles its computation between FSDP's hooks"""
+        """Compile each block the strategy shards (torch's `Module.compile`, on the strategy's sharded copy of
+        the model, made for this fit): torch compiles its computation between FSDP's hooks"""
         for m in self.learn.strategy.sharded_blocks(self.learn.model): m.compile(**self.kwargs)
 
     def make_step(self):
@@ -344,7 +345,8 @@ class CompileCallback(Callback):
 
     def after_fit(self):
         learn = self.learn
-        if self.step and self.compiled_step is not None and not self.compiles_blocks(): self.compiled_step.end_fit()
+        if self.step and self.compiled_step is not None and not self.compiles_blocks():
+            self.compiled_step.end_fit()
         if learn.model is self.compiled: learn.model = self.compiled.unwrapped
 
 

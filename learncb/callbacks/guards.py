@@ -179,7 +179,8 @@ class SpikeGuard(Callback):
         norm = _grad_norm(self._params if learn.turn is None else learn.stepper.params_stepped())
         if learn.stepper.first_turn() or not self._norms or self._norm_iters[-1] != learn.iter:
             self._norms.append(norm); self._norm_iters.append(learn.iter)
-        else: self._norms[-1] = (self._norms[-1]**2 + norm**2).sqrt()     # a batch's: all its turns' gradients
+        # a batch's: all its turns' gradients
+        else: self._norms[-1] = (self._norms[-1]**2 + norm**2).sqrt()
 
     def after_batch(self):
         learn = self.learn
@@ -258,8 +259,9 @@ class SpikeGuard(Callback):
         self._replay()
 
     def _finds_rows(self):
-        """Whether it can look for the rows of a batch that spiked: the ranks pool what each finds (`pools_rows`),
-        and the batch has one loss of a row (with several optimizers in turn, each turn has its own: it skips)"""
+        """Whether it can look for the rows of a batch that spiked: the ranks pool what each finds
+        (`pools_rows`), and the batch has one loss of a row (with several optimizers in turn, each turn has
+        its own: it skips)"""
         return self.learn.strategy.pools_rows and self.learn.step_class.turns is None
 
     def _judge_first(self):

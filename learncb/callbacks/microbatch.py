@@ -70,8 +70,8 @@ class AutoMicrobatch(Callback):
     def before_fit(self):
         "Find the model the micro-batches call, and who reduces their gradients"
         strategy = self.learn.strategy
-        # sharded (FSDP): the parameters whole for each batch (`Strategy.whole_params`), which reduces at its end;
-        # a step that reads the whole batch (torchft) sums the micro-batches' gradients over the quorum after them
+        # sharded (FSDP): the parameters whole for each batch (`Strategy.whole_params`), which reduces at its
+        # end; a step that reads the whole batch (torchft) sums the micro-batches' gradients over the quorum
         self._sharded,self._whole = strategy.sharded,None
         self._world = 1 if self._sharded or strategy.reads_whole_batch else num_distrib()
         # under DDP, the plain model: the gradients are averaged here, after the ranks agree on the split

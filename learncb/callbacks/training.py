@@ -21,7 +21,8 @@ from ..internals import autocast_enabled
 
 # %% ../../nbs/13_training.ipynb #fc0b2c38
 def _scale_grads(learn, k):
-    "Multiply the gradients of the optimizer's parameters by `k`, in place (with turns, the turn's optimizer's)"
+    """Multiply the gradients of the optimizer's parameters by `k`, in place (with turns, the turn's
+    optimizer's)"""
     for pg in learn.stepper.turn_opt().param_groups:
         for p in pg['params']:
             if p.grad is not None: p.grad.mul_(k)
@@ -97,7 +98,8 @@ class GradientClip(Callback):
 
     def before_fit(self): self._params = list(self.learn.model.parameters())
     def before_step(self):
-        "Clip the model's gradients; with several optimizers in turn, those of the turn's optimizer's parameters"
+        """Clip the model's gradients; with several optimizers in turn, those of the turn's optimizer's
+        parameters"""
         params = self._params if self.learn.turn is None else self.learn.stepper.params_stepped()
         nn.utils.clip_grad_norm_(params, self.max_norm, self.norm_type)
 

@@ -135,8 +135,8 @@ class WeightAveraging(Callback):
     def __init__(self): self.average,self._model,self._swapped,self._sharded = None,None,False,False
 
     def _start(self, **kwargs):
-        """Make this fit's average of the learner's model: kept as the model's weights are, so under a strategy
-        that shards them (FSDP) each rank averages its shards"""
+        """Make this fit's average of the learner's model: kept as the model's weights are, so under a
+        strategy that shards them (FSDP) each rank averages its shards"""
         model,self._sharded = plain_model(self.learn.model),self.learn.strategy.sharded
         if not self._sharded: self.average = AveragedModel(model, **kwargs)
         else:
@@ -147,8 +147,8 @@ class WeightAveraging(Callback):
 
     def _whole(self):
         """At the end of a fit whose strategy sharded the weights: the average gathered whole (a collective of
-        every rank), beside the plain model the strategy gave back; `False` after an error, which left no whole
-        weights to average against"""
+        every rank), beside the plain model the strategy gave back; `False` after an error, which left no
+        whole weights to average against"""
         module = self.average.module
         if not self._sharded: return True
         if self.learn.exception is not None: return False
@@ -182,7 +182,8 @@ class EMACallback(WeightAveraging):
         if decay >= 1: raise ValueError(f"EMACallback: decay={decay!r} never moves the average: use a value just "
                                         f"below 1, such as 0.999 (the average then spans about 1000 steps)")
         super().__init__()
-        self.validate,self.replace_at_end,self._stepped,self._n,self._in_batch = validate,replace_at_end,True,0,False
+        self.validate,self.replace_at_end,self._stepped,self._n = validate,replace_at_end,True,0
+        self._in_batch = False                  # a turn of this batch stepped (several optimizers in turn)
 
     def before_fit(self):
         self._start(multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=True)
@@ -197,7 +198,8 @@ class EMACallback(WeightAveraging):
     def after_cancel_step(self): self._stepped = False
 
     def after_step(self):
-        "After a step taken; with several optimizers in turn, once a batch, after its last turn, if any stepped"
+        """After a step taken; with several optimizers in turn, once a batch, after its last turn, if any
+        stepped"""
         stepped,self._stepped = self._stepped or self._in_batch,True
         if not self.learn.stepper.last_turn():
             self._in_batch = stepped

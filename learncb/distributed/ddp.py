@@ -28,9 +28,10 @@ class DDP(Strategy):
         self.device_ids,self.find_unused_parameters,self._wrapped = device_ids,find_unused_parameters,False
 
     def wrap(self, learn):
-        """Put the model in `DistributedDataParallel` (on this rank's GPU, with `device_ids='auto'`); for a step
-        that takes turns (`Step.turns`), keep the plain model, with rank 0's weights: each turn's gradients are
-        then averaged after its backward, those of its own optimizer, whatever parts of the model it called"""
+        """Put the model in `DistributedDataParallel` (on this rank's GPU, with `device_ids='auto'`); for a
+        step that takes turns (`Step.turns`), keep the plain model, with rank 0's weights: each turn's
+        gradients are then averaged after its backward, those of its own optimizer, whatever parts of the
+        model it called"""
         if learn.step_class.turns is not None: return _same_weights(learn.model)
         ids = self.device_ids
         if ids == 'auto': ids = [learn.device.index] if learn.device.type == 'cuda' else None
@@ -58,7 +59,8 @@ class DDP(Strategy):
 
     def unwrap(self, learn):
         "Put the plain model back in `learn.model`, trained"
-        if self._wrapped: learn.model = plain_model(learn.model)    # from inside a compiled model's wrapper too
+        # from inside a compiled model's wrapper too
+        if self._wrapped: learn.model = plain_model(learn.model)
         elif learn.exception is None: _same_weights(learn.model, buffers_only=True)
         self._wrapped = False
 

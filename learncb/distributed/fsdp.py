@@ -114,16 +114,17 @@ class FSDP(Strategy):
 
     @contextmanager
     def whole_params(self, model, reduce=True):
-        """Every unit gathered whole once, in the same order on every rank, and kept so through the forwards and
-        backwards (FSDP's own reduce-scatter off): what a rank computes inside needs no collective, however it
-        splits its batch. Leaving it: the gradients averaged over the ranks (`reduce`, one all-reduce), each
-        rank's shard of them added to the sharded parameters' gradients, and the units sharded again (after an
-        error: only sharded again, no collective)"""
+        """Every unit gathered whole once, in the same order on every rank, and kept so through the forwards
+        and backwards (FSDP's own reduce-scatter off): what a rank computes inside needs no collective,
+        however it splits its batch. Leaving it: the gradients averaged over the ranks (`reduce`, one
+        all-reduce), each rank's shard of them added to the sharded parameters' gradients, and the units
+        sharded again (after an error: only sharded again, no collective)"""
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import distribute_tensor
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         for m in units:
-            m.set_reshard_after_forward(False, recurse=False); m.set_reshard_after_backward(False, recurse=False)
+            m.set_reshard_after_forward(False, recurse=False)
+            m.set_reshard_after_backward(False, recurse=False)
             m.set_requires_gradient_sync(False, recurse=False)
         for m in units: m.unshard()
         ok = False
@@ -134,7 +135,8 @@ class FSDP(Strategy):
             names,whole = zip(*model.named_parameters()) if ok and reduce else ((), ())
             grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in whole]
             if grads: mean_across_ranks(grads)
-            for _,p in model.named_parameters(): p.grad = None      # the whole ones: none left for the next time
+            # the whole ones: none left for the next time
+            for _,p in model.named_parameters(): p.grad = None
             for m in units: m.reshard()
             sharded = dict(model.named_parameters())
             for n,g in zip(names, grads):

@@ -81,9 +81,7 @@ class TorchFT(Strategy):
     def reduce_grads(self, params):
         "Nothing: the fault-tolerant step sums the gradients over the quorum at its vote (`sum_and_commit`)"
 
-    def grad_sync_switch(self, model):
-        "`None`: nothing to turn, the step sums each batch's gradients at the quorum's vote (`sum_and_commit`)"
-        return None
+    def grad_sync_switch(self, model): return None     # nothing to turn: each batch is summed at the vote
 
     def shard_train(self, dl): return dl       # every replica reads all: each step it computes its share
     def global_items(self, n): return n        # every replica reads the whole global batch
@@ -99,7 +97,7 @@ class TorchFT(Strategy):
         if self.group_world > 1:
             for t in learn.model.state_dict().values(): dist.broadcast(t, src=0)
 
-    def _within(self): return _whole_model if self.inner is None else self.inner     # FSDP in the group, if any
+    def _within(self): return _whole_model if self.inner is None else self.inner     # FSDP in the group
     def unwrap(self, learn): self._within().unwrap(learn)
     def user_model(self, model): return self._within().user_model(model)
     def sharded_blocks(self, model): return self._within().sharded_blocks(model)
@@ -313,9 +311,10 @@ class FaultTolerantStep(Step):
     def check_fit(self):
         "Refuse what this step does not run yet: several optimizers in turn, a closure optimizer"
         learn = self.learn
-        why = lambda what: (f"strategy='torchft' does not run {what} yet (its step shares each batch among the "
-                            f"replicas of each quorum): fit without it, or with strategy='ddp'")
-        if learn.step_class.turns is not None: refuse(learn.step_class.__name__, why('several optimizers in turn'))
+        why = lambda what: (f"strategy='torchft' does not run {what} yet (its step shares each batch among "
+                            f"the replicas of each quorum): fit without it, or with strategy='ddp'")
+        if learn.step_class.turns is not None:
+            refuse(learn.step_class.__name__, why('several optimizers in turn'))
         if needs_closure(learn.opt): refuse(type(learn.opt).__name__, why('a closure optimizer'))
         super().check_fit()
 
@@ -371,19 +370,19 @@ class FaultTolerantStep(Step):
         return self._own / self._whole
 
     def backward(self):
-        "This replica's share of the backward, weighted by its part of the global batch (none without an item)"
-        if not self._empty or self.strategy.inner is not None: super().backward()   # FSDP's backward: a collective
+        "This replica's share of the backward, weighted by its part of the batch (FSDP's: a collective)"
+        if not self._empty or self.strategy.inner is not None: super().backward()
 
     def backward_stage(self):
-        "A try of the backward stage (`_try`), and again while the quorum did not commit it (`take_back` undoes it)"
+        "A try of the backward stage (`_try`), again while the quorum did not commit (`take_back` undoes it)"
         self._try()
         while not self.committed():
             self.take_back()
             self._try()
 
     def _try(self):
-        """A try of the backward stage (a callback's `step_backward` too), then the sum over the quorum: gradients a
-        cancelled step kept are not summed again, and stay as they were when the try is not committed"""
+        """A try of the backward stage (a callback's `step_backward` too), then the sum over the quorum:
+        gradients a cancelled step kept are not summed again, nor lost when the try is not committed"""
         learn,ft = self.learn,self.strategy
         kept,self._total = [p.grad for p in self.params],None
         for p in self.params: p.grad = None

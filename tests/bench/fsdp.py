@@ -65,7 +65,8 @@ def learncb_fsdp_loop(train_ds, valid_ds, n_epoch, learn=None):
     with learn.no_logging(), learn.distrib_ctx(strategy='fsdp', shard=Block): learn.fit(n_epoch)
 
 def fsdp_learner(train_ds, valid_ds, compiled=False):
-    "The learner of `learncb_fsdp_loop`; `compiled`: `learn.compile(step=True)`, its blocks compiled in the step"
+    """The learner of `learncb_fsdp_loop`; `compiled`: `learn.compile(step=True)`, its blocks compiled in the
+    step"""
     dls = DataLoaders(DataLoader(train_ds, batch_size=BS), DataLoader(valid_ds, batch_size=BS))
     learn = Learner(dls, make_model(), nn.CrossEntropyLoss(), device='cpu')
     learn.remove_cb(ProgressCallback)
@@ -121,8 +122,10 @@ def main(short=False):
     print(f"FSDP, 2 processes (gloo)              : learncb {res['learncb']:7.1f} us/step, hand-written FSDP2 loop "
           f"{res['raw']:7.1f} us/step, ratio {res['learncb'] / res['raw']:.3f} ({n_batches} batches of {BS} per rank, "
           f"{N_BLOCKS} blocks of {D}x{D}, {n_epoch} epoch(s), best of {rounds}, 1 thread per process)")
-    print(f"FSDP, learn.compile(step=True)        : {res['compiled']:7.1f} us/step (the blocks compiled inside the "
-          f"eager step), eager learncb {res['learncb']:7.1f} us/step, {res['learncb'] / res['compiled']:.2f}x; "
+    print(f"FSDP, learn.compile(step=True)        : {res['compiled']:7.1f} us/step (the blocks compiled "
+          f"inside "
+          f"the eager step), eager learncb {res['learncb']:7.1f} us/step, "
+          f"{res['learncb'] / res['compiled']:.2f}x; "
           f"first fit (compiles) {res['first']:.1f} s")
 
 if __name__ == '__main__':

@@ -103,8 +103,9 @@ class CapMemory(Callback):
     order,rooms = Order.LAST,None
     def after_batch(self):
         if not self.training or self.learn.train_iter != 1: return
-        learn = self.learn           # DDP's plain model; FSDP's: the plain one it was copied from (no collective)
-        model = learn.model.module if hasattr(learn.model, 'module') else learn.strategy.user_model(learn.model)
+        learn = self.learn
+        plain = hasattr(learn.model, 'module')    # DDP's plain model; FSDP's: the one it was copied from
+        model = learn.model.module if plain else learn.strategy.user_model(learn.model)
         self.rooms = cap_between(model, find_bs(learn.yb))
 
 def main():
@@ -129,7 +130,8 @@ def main():
     except Exception as e:
         (out/f'error{rank}.txt').write_text(''.join(traceback.format_exception(e)) + f'rooms: {rooms or cap.rooms}')
         sys.exit(3)
-    torch.save({'model': {k: v.clone() for k,v in learn.model.state_dict().items()}, 'train_iter': learn.train_iter, 'history': auto.history,
+    weights = {k: v.clone() for k,v in learn.model.state_dict().items()}
+    torch.save({'model': weights, 'train_iter': learn.train_iter, 'history': auto.history,
                 'halvings': auto.halvings, 'valid_halvings': auto.valid_halvings, 'values': learn.recorder.values,
                 'rooms': rooms or cap.rooms}, out/f'rank{rank}.pt')
 

@@ -56,9 +56,9 @@ def max_rel(a, b): return max(((a[k] - b[k]).abs().max() / a[k].abs().max()).ite
 
 @pytest.mark.slow
 def test_under_fsdp_a_rank_whose_memory_is_capped_splits_alone_and_takes_the_same_step(tmp_path):
-    """FSDP (2 processes): rank 1's address space capped between one item and its batch. With the parameters whole
-    for the step, a rank's split needs no collective: rank 1 splits, rank 0 does not, and the gradients are averaged
-    after the last micro-batch"""
+    """FSDP (2 processes): rank 1's address space capped between one item and its batch. With the parameters
+    whole for the step, a rank's split needs no collective: rank 1 splits, rank 0 does not, and the gradients
+    are averaged after the last micro-batch"""
     fsdp = ('--strategy', 'fsdp')
     rc, err = run(tmp_path/'ref', *fsdp, nproc=2)
     assert rc == 0, err[-3000:]
@@ -70,6 +70,7 @@ def test_under_fsdp_a_rank_whose_memory_is_capped_splits_alone_and_takes_the_sam
         ref, auto = result(tmp_path/'ref', rank), result(tmp_path/'auto', rank)
         assert max_rel(ref['model'], auto['model']) <= 1e-6 and auto['train_iter'] == ref['train_iter']
     r0, r1 = result(tmp_path/'auto', 0), result(tmp_path/'auto', 1)
-    assert r1['halvings'] > 0 and r1['history'] and not r0['history']      # rank 1 split, rank 0 ran whole batches
+    # rank 1 split, rank 0 ran whole batches
+    assert r1['halvings'] > 0 and r1['history'] and not r0['history']
     one, whole, cap = r1['rooms']
     assert one < cap < whole

@@ -1,9 +1,10 @@
 """A padded language model's fit with its step cut into pieces over processes
 (tests/distributed/test_lm_items.py): each piece weighed by the tokens its loss counts, so that every way
 trains as the whole batch in one process. python tests/distributed/lm_script.py OUT --way
-one|ddp|fsdp|ddp_accumulation|ddp_microbatch|fsdp_microbatch|torchft|torchft_ranks|torchft_microbatch 'one': this process, the whole global
-batch of 16 a step; the others: two processes (DDP, FSDP, `launch`), or two replica groups of one process
-or of two ranks (torchft). Rank 0 (of group 0) saves OUT/<way>.pt: the weights."""
+one|ddp|fsdp|ddp_accumulation|ddp_microbatch|fsdp_microbatch|torchft|torchft_ranks|torchft_microbatch 'one':
+this process, the whole global batch of 16 a step; the others: two processes (DDP, FSDP, `launch`), or two
+replica groups of one process or of two ranks (torchft). Rank 0 (of group 0) saves OUT/<way>.pt: the weights.
+"""
 import argparse, os, sys
 from pathlib import Path
 import torch

@@ -1,12 +1,14 @@
-"""The capability x strategy matrix (tests/distributed/test_matrix.py): one fit per capability, each from the same
-weights and data, under one strategy; every result saved for the test to hold against the one-process fit.
+"""The capability x strategy matrix (tests/distributed/test_matrix.py): one fit per capability, each from the
+same weights and data, under one strategy; every result saved for the test to hold against the one-process
+fit.
 
-python tests/distributed/matrix_script.py OUT --strategy one|ddp|fsdp|plain|torchft|torchft_fsdp [--only CAP,CAP]
+python tests/distributed/matrix_script.py OUT --strategy one|ddp|fsdp|plain|torchft|torchft_fsdp [--only A,B]
 'one': this process, `distrib_ctx(global_batch=64)` (the order the others are held against); 'ddp', 'fsdp': two
 processes (learncb's `launch`, gloo); 'plain': two processes under a strategy registered with no override;
-'torchft': two replica groups of one process under a lighthouse of their own (`launch_replicas`); 'torchft_fsdp':
-two replica groups of two ranks each, FSDP within a group. Each process saves OUT/<strategy><rank>.pt: `{capability: {'weights', 'steps', 'refused',
-'train_iter', 'skipped', 'losses'}}`, where `refused` is the error of a fit refused before its first batch (else `None`)."""
+'torchft': two replica groups of one process under a lighthouse of their own (`launch_replicas`);
+'torchft_fsdp': two replica groups of two ranks each, FSDP within a group. Each process saves
+OUT/<strategy><rank>.pt: `{capability: {'weights', 'steps', 'refused', 'train_iter', 'skipped', 'losses',
+'graphs'}}`, where `refused` is the error of a fit refused before its first batch (else `None`)."""
 import argparse, os
 from functools import partial
 from pathlib import Path
@@ -24,7 +26,8 @@ def data(n, seed):
     return TensorDataset(x, (x @ torch.randn(8, 1, generator=g)).squeeze(1) + 0.1 * torch.randn(n, generator=g))
 
 class Plain(Strategy):
-    "A strategy a user registers without overriding anything: the data sharded, the gradients averaged in the step"
+    """A strategy a user registers without overriding anything: the data sharded, the gradients averaged in
+    the step"""
 
 register_strategy('plain', Plain)
 
@@ -76,7 +79,8 @@ learner_kwargs = {'several_optimizers': body_and_head, 'turns': {**body_and_head
                   'padded_lm': {'lm': True}}
 
 class Body(nn.Module):
-    "The model's first block, FSDP's unit: a class of the user's own, which torch.compile traces (not torch's)"
+    """The model's first block, FSDP's unit: a class of the user's own, which torch.compile traces (not
+    torch's)"""
     def __init__(self): super().__init__(); self.lin = nn.Linear(8, 32)
     def forward(self, x): return torch.relu(self.lin(x))
 

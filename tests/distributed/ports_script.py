@@ -1,7 +1,8 @@
-"""Ports under several processes (tests/distributed/test_ports.py): PyTorch's dcgan example (tests/gan_port.py), as its
-hand-written loop under DDP and as learncb's port under DDP and FSDP, and time_sequence_prediction's LBFGS fit in one
-process and under DDP. python tests/distributed/ports_script.py OUT --way gan_hand_ddp|gan_ddp|gan_fsdp|lbfgs_one|lbfgs_ddp
-Each way but lbfgs_one runs on two processes (learncb's `launch`, gloo); rank 0 saves OUT/<way>.pt."""
+"""Ports under several processes (tests/distributed/test_ports.py): PyTorch's dcgan example
+(tests/gan_port.py), as its hand-written loop under DDP and as learncb's port under DDP and FSDP, and
+time_sequence_prediction's LBFGS fit in one process and under DDP. python tests/distributed/ports_script.py
+OUT --way gan_hand_ddp|gan_ddp|gan_fsdp|lbfgs_one|lbfgs_ddp Each way but lbfgs_one runs on two processes
+(learncb's `launch`, gloo); rank 0 saves OUT/<way>.pt."""
 import argparse, os, sys
 from functools import partial
 from pathlib import Path
@@ -52,14 +53,16 @@ def lbfgs(strategy=None):
     input, target, _, _ = sine_waves(N=11)
     seq, _ = seeded_sequence()
     dl = DataLoader(TensorDataset(input, target), batch_size=8)
-    learn = Learner(DataLoaders(dl), seq, nn.MSELoss(), opt_func=partial(torch.optim.LBFGS, lr=0.8, max_iter=5))
+    lbfgs = partial(torch.optim.LBFGS, lr=0.8, max_iter=5)
+    learn = Learner(DataLoaders(dl), seq, nn.MSELoss(), opt_func=lbfgs)
     learn.remove_cb(ProgressCallback)
     ctx = learn.distrib_ctx(global_batch=8) if strategy is None else learn.distrib_ctx(strategy=strategy,
                                                                                        global_batch=8)
     with learn.no_logging(), ctx: learn.fit(3)
     return seq.state_dict()
 
-ways = {'gan_hand_ddp': gan_hand_ddp, 'gan_ddp': partial(gan_learncb, 'ddp'), 'gan_fsdp': partial(gan_learncb, 'fsdp'),
+ways = {'gan_hand_ddp': gan_hand_ddp, 'gan_ddp': partial(gan_learncb, 'ddp'),
+        'gan_fsdp': partial(gan_learncb, 'fsdp'),
         'lbfgs_one': lbfgs, 'lbfgs_ddp': partial(lbfgs, 'ddp')}
 
 def run(out, way):

@@ -275,14 +275,15 @@ def test_a_quorum_that_does_not_form_says_which_timeout_expired(monkeypatch):
         fit_torchft(monkeypatch, replica_env(lh, 0, 2), TorchFT(quorum_timeout=2))
 
 def test_what_the_step_does_not_do_yet_is_refused_before_the_first_batch(monkeypatch):
-    "AutoMicrobatch is refused by name; the learner keeps its model and weights"
-    from learncb.all import AutoMicrobatch
+    "A compiled step is refused by name; the learner keeps its model and weights"
     with Lighthouse() as lh:
         learn = tiny_learner()
+        learn.compile(step=True)
         monkeypatch.setenv('RUST_LOG', 'warn')
         for k,v in replica_env(lh, 0, 1).items(): monkeypatch.setenv(k, v)
-        with pytest.raises(ValueError, match="AutoMicrobatch: strategy='torchft' does not split a batch into micro-batches"):
-            with learn.distrib_ctx(strategy='torchft'): learn.fit(1, cbs=AutoMicrobatch())
+        refused = r"learn.compile\(step=True\): strategy='torchft' does not run a compiled"
+        with pytest.raises(ValueError, match=refused):
+            with learn.distrib_ctx(strategy='torchft'): learn.fit(1)
         assert isinstance(learn.model, nn.Linear) and learn.train_iter == 0
 
 def test_a_replica_alone_trains_and_nothing_callable_is_set_on_the_learner(monkeypatch):

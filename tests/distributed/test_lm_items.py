@@ -1,7 +1,7 @@
 """The distributed rows of issue 62's table: a padded language model's batch cut over ranks (DDP, FSDP), over
-ranks and accumulation, over ranks and micro-batches (DDP, FSDP, torchft), over replica groups of one process or of two ranks
-(torchft), each within 1e-6 of the whole batch in one process: every rank's mean weighed by the tokens it
-counts, over the run's."""
+ranks and accumulation, over ranks and micro-batches (DDP, FSDP, torchft), over replica groups of one process
+or of two ranks (torchft), each within 1e-6 of the whole batch in one process: every rank's mean weighed by
+the tokens it counts, over the run's."""
 from pathlib import Path
 import pytest, torch
 from conftest import run_forked

@@ -1,7 +1,8 @@
-"""The capability x strategy matrix: every built-in callback that acts on the step, in one process and under DDP, FSDP,
-a strategy registered with no override ('plain') and torchft (two processes or replica groups, gloo; 'torchft_fsdp':
-two replica groups of two ranks, FSDP within each), each fit held against the same fit in one process, or refused by
-name before its first batch. One launch per strategy runs every capability in turn (matrix_script.py)."""
+"""The capability x strategy matrix: every built-in callback that acts on the step, in one process and under
+DDP, FSDP, a strategy registered with no override ('plain') and torchft (two processes or replica groups,
+gloo; 'torchft_fsdp': two replica groups of two ranks, FSDP within each), each fit held against the same fit
+in one process, or refused by name before its first batch. One launch per strategy runs every capability in
+turn (matrix_script.py)."""
 from pathlib import Path
 import pytest, torch
 from conftest import run_forked
@@ -15,7 +16,8 @@ refused = {'ddp': {}, 'plain': {},
            'fsdp': {'closure': 'LBFGS'},
            'torchft': {'compiled_step': 'learn.compile(step=True)',
                        'turns': 'AlternatingStep', 'closure': 'LBFGS'}}
-refused['torchft_fsdp'] = {k: v for k,v in refused['torchft'].items() if k != 'compiled_step'}   # blocks compiled
+# blocks compiled
+refused['torchft_fsdp'] = {k: v for k,v in refused['torchft'].items() if k != 'compiled_step'}
 named = {'torchft_fsdp': 'torchft'}           # the name a refusal gives the strategy
 tolerance = {'precision': 1e-2}       # bf16: equal to its rounding; every other cell to float32's (1e-5)
 
