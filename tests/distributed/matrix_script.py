@@ -129,6 +129,9 @@ def run_all(out, strategy, caps):
     torch.save(results, out/f'{strategy}{rank}.pt' if os.environ.get('RANK', '0') == '0' else
                out/f'{strategy}{rank}-{os.environ["RANK"]}.pt')
 
+# a fit's replicas leave and the next fit's join at once: the lighthouse need not wait long for those gone
+quick = {'join_timeout': 2., 'heartbeat_timeout': 2.}
+
 if __name__ == '__main__':
     p = argparse.ArgumentParser()
     p.add_argument('out'); p.add_argument('--strategy', default='one'); p.add_argument('--only', default=None)
@@ -137,8 +140,9 @@ if __name__ == '__main__':
     out.mkdir(parents=True, exist_ok=True)
     if args.strategy == 'one': run_all(out, 'one', caps)
     elif args.strategy == 'torchft':
-        with Lighthouse(min_replicas=2) as lh: launch_replicas(run_all, out, 'torchft', caps, n=2, lighthouse=lh, timeout=900)
+        with Lighthouse(min_replicas=2, **quick) as lh:
+            launch_replicas(run_all, out, 'torchft', caps, n=2, lighthouse=lh, timeout=900)
     elif args.strategy == 'torchft_fsdp':
-        with Lighthouse(min_replicas=2) as lh:
+        with Lighthouse(min_replicas=2, **quick) as lh:
             launch_replicas(run_all, out, 'torchft_fsdp', caps, n=2, ranks=2, lighthouse=lh, timeout=900)
     else: launch(run_all, out, args.strategy, caps, nprocs=2)
