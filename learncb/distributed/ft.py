@@ -101,6 +101,7 @@ class TorchFT(Strategy):
     def unwrap(self, learn): self._within().unwrap(learn)
     def user_model(self, model): return self._within().user_model(model)
     def sharded_blocks(self, model): return self._within().sharded_blocks(model)
+    def whole_params(self, model, reduce=True): return self._within().whole_params(model, reduce)
     def before_validate(self, learn): self._within().before_validate(learn)
     def after_validate(self, learn): self._within().after_validate(learn)
     def casts_model(self, dtype): return self._within().casts_model(dtype)

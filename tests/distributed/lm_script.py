@@ -1,11 +1,12 @@
 """A padded language model's fit with its step cut into pieces over processes
 (tests/distributed/test_lm_items.py): each piece weighed by the tokens its loss counts, so that every way
 trains as the whole batch in one process. python tests/distributed/lm_script.py OUT --way
-one|ddp|fsdp|ddp_accumulation|ddp_microbatch|fsdp_microbatch|torchft|torchft_ranks|torchft_microbatch 'one':
-this process, the whole global batch of 16 a step; the others: two processes (DDP, FSDP, `launch`), or two
+one|ddp|fsdp|ddp_accumulation|ddp_microbatch|fsdp_microbatch|torchft|torchft_ranks|torchft_microbatch|
+torchft_fsdp_microbatch. 'one': this process, the whole global batch of 16 a step; the others: two processes (DDP, FSDP, `launch`), or two
 replica groups of one process or of two ranks (torchft). Rank 0 (of group 0) saves OUT/<way>.pt: the weights.
 """
 import argparse, os, sys
+from functools import partial
 from pathlib import Path
 import torch
 from torch import nn
@@ -26,7 +27,8 @@ def ways():
             'ddp_microbatch': ('ddp', GLOBAL_BATCH, [AutoMicrobatch()], TooBig),
             'fsdp_microbatch': ('fsdp', GLOBAL_BATCH, [AutoMicrobatch()], TooBig),
             'torchft': (ft(), GLOBAL_BATCH, [], TinyLM), 'torchft_ranks': (ft(), GLOBAL_BATCH, [], TinyLM),
-            'torchft_microbatch': (ft(), GLOBAL_BATCH, [AutoMicrobatch()], TooBig)}
+            'torchft_microbatch': (ft(), GLOBAL_BATCH, [AutoMicrobatch()], TooBig),
+            'torchft_fsdp_microbatch': (ft(within='fsdp'), GLOBAL_BATCH, [AutoMicrobatch()], partial(TooBig, 2))}
 
 def fit(out, way):
     torch.set_num_threads(1)
@@ -50,6 +52,6 @@ if __name__ == '__main__':
     if args.way == 'one': fit(out, 'one')
     elif args.way.startswith('torchft'):
         with Lighthouse(min_replicas=2) as lh:
-            ranks = 2 if args.way == 'torchft_ranks' else 1
+            ranks = 2 if args.way in ('torchft_ranks', 'torchft_fsdp_microbatch') else 1
             launch_replicas(fit, out, args.way, n=2, ranks=ranks, lighthouse=lh, timeout=600)
     else: launch(fit, out, args.way, nprocs=2)

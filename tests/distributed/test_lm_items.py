@@ -20,7 +20,7 @@ def whole(tmp_path_factory): return run(tmp_path_factory.mktemp('one'), 'one')
 def rel_dist(a, b): return max(((a[k] - w).abs().max() / w.abs().max()).item() for k,w in b.items())
 
 ways = ['ddp', 'fsdp', 'ddp_accumulation', 'ddp_microbatch', 'fsdp_microbatch', 'torchft', 'torchft_ranks',
-        'torchft_microbatch']
+        'torchft_microbatch', 'torchft_fsdp_microbatch']
 
 @pytest.mark.parametrize('way', ways)
 def test_a_padded_batch_cut_over_processes_trains_as_the_whole_batch(way, whole, tmp_path):
