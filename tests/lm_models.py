@@ -31,8 +31,9 @@ def hf_collate(rows):
     return {k: torch.stack([r[k][:n] for r in rows]) for k in rows[0]}
 
 class TooBig(nn.Module):
-    "The tiny LM (`TinyLM`), out of memory on more than `limit` rows in training: what `AutoMicrobatch` splits"
+    "The tiny LM (`TinyLM`), out of memory on more than `limit` rows: what `AutoMicrobatch` splits"
     def __init__(self, limit=4): super().__init__(); self.lm,self.limit = TinyLM(),limit
     def forward(self, x):
-        if torch.is_grad_enabled() and len(x) > self.limit: raise torch.OutOfMemoryError("out of memory (simulated)")
+        if torch.is_grad_enabled() and len(x) > self.limit:
+            raise torch.OutOfMemoryError("out of memory (simulated)")
         return self.lm(x)

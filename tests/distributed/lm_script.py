@@ -1,10 +1,10 @@
 """A padded language model's fit with its step cut into pieces over processes
 (tests/distributed/test_lm_items.py): each piece weighed by the tokens its loss counts, so that every way
-trains as the whole batch in one process. python tests/distributed/lm_script.py OUT --way
+trains as the whole batch in one process. python tests/distributed/lm_script.py OUT --way WAY, WAY one of
 one|ddp|fsdp|ddp_accumulation|ddp_microbatch|fsdp_microbatch|torchft|torchft_ranks|torchft_microbatch|
-torchft_fsdp_microbatch. 'one': this process, the whole global batch of 16 a step; the others: two processes (DDP, FSDP, `launch`), or two
-replica groups of one process or of two ranks (torchft). Rank 0 (of group 0) saves OUT/<way>.pt: the weights.
-"""
+torchft_fsdp_microbatch. 'one': this process, the whole global batch of 16 a step; the others: two processes
+(DDP, FSDP, `launch`), or two replica groups of one process or of two ranks (torchft). Rank 0 (of group 0)
+saves OUT/<way>.pt: the weights."""
 import argparse, os, sys
 from functools import partial
 from pathlib import Path
@@ -28,7 +28,8 @@ def ways():
             'fsdp_microbatch': ('fsdp', GLOBAL_BATCH, [AutoMicrobatch()], TooBig),
             'torchft': (ft(), GLOBAL_BATCH, [], TinyLM), 'torchft_ranks': (ft(), GLOBAL_BATCH, [], TinyLM),
             'torchft_microbatch': (ft(), GLOBAL_BATCH, [AutoMicrobatch()], TooBig),
-            'torchft_fsdp_microbatch': (ft(within='fsdp'), GLOBAL_BATCH, [AutoMicrobatch()], partial(TooBig, 2))}
+            'torchft_fsdp_microbatch': (ft(within='fsdp'), GLOBAL_BATCH, [AutoMicrobatch()],
+                                        partial(TooBig, 2))}
 
 def fit(out, way):
     torch.set_num_threads(1)
