@@ -136,10 +136,6 @@ class Strategy:
     plain data-parallel mean), or `None` (nothing to reduce: one process). A compiled step traces only a
     backward that reduces nothing"""
 
-    pools_rows = True
-    """Whether the ranks can pool what each finds in its part of a batch (`gather`, outside the step): then
-    `SpikeGuard` finds the rows of a batch that spiked, else it skips that batch on every rank"""
-
     def backward(self, loss, params):
         """The backward of `loss` on this rank, and the reduction of `params`' gradients over the ranks where
         the strategy reduces them (`reduces`): `params` are what the step steps (with `Step.turns`, the

@@ -259,10 +259,9 @@ class SpikeGuard(Callback):
         self._replay()
 
     def _finds_rows(self):
-        """Whether it can look for the rows of a batch that spiked: the ranks pool what each finds
-        (`pools_rows`), and the batch has one loss of a row (with several optimizers in turn, each turn has
-        its own: it skips)"""
-        return self.learn.strategy.pools_rows and self.learn.step_class.turns is None
+        """Whether it can look for the rows of a batch that spiked: the batch has one loss of a row (with several
+        optimizers in turn, each turn has its own: it skips the batch)"""
+        return self.learn.step_class.turns is None
 
     def _judge_first(self):
         """The fit's first batch, with no batch before it to judge it by: its rows are judged against each

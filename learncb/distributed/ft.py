@@ -38,7 +38,6 @@ _whole_model = Strategy()     # what a replica group does where no FSDP shards t
 class TorchFT(Strategy):
     """Fault tolerance per step on torchft: replica groups of one process or of many ranks (torchrun), a
     quorum each step, the global batch shared among the groups present and in a group among its ranks"""
-    pools_rows = False            # the replicas meet only in the step: a spike skips its batch on every one
     reads_whole_batch = True      # every rank of every group: its share is known after the step's quorum
     def __init__(self, within='ddp', shard=None, timeout=60, quorum_timeout=120, connect_timeout=30,
                  quorum_every=1.0, allow_untested=False):

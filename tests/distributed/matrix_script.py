@@ -53,6 +53,7 @@ capabilities = {       # name: the callbacks of the fit, given its checkpoint fo
     'precision': lambda folder: [MixedPrecision('bf16')],
     'terminate_on_nan': lambda folder: [TerminateOnNaNCallback()],
     'spike_guard': lambda folder: [SpikeGuard(check_every=4, snapshot_every=4), Spikes()],
+    'spike_rows': lambda folder: [SpikeGuard(check_every=2, snapshot_every=2, warmup=2)],   # rows 37, 301
     'microbatch': lambda folder: [AutoMicrobatch()],
     'ema': lambda folder: [EMACallback(0.9)],
     'swa': lambda folder: [SWACallback(start_epoch=1, swa_lr=1e-3)],
@@ -76,7 +77,7 @@ body_and_head = {'splitter': lambda m: {'body': m[0].parameters(), 'head': m[1].
 learner_kwargs = {'several_optimizers': body_and_head, 'turns': {**body_and_head, 'cls': AlternatingLearner},
                   'closure': {'opt_func': partial(torch.optim.LBFGS, max_iter=4, history_size=4), 'lr': 0.5,
                               'double': True},
-                  'padded_lm': {'lm': True}}
+                  'padded_lm': {'lm': True}, 'spike_rows': {'poison': (37, 301)}}
 
 class Body(nn.Module):
     """The model's first block, FSDP's unit: a class of the user's own, which torch.compile traces (not
@@ -84,13 +85,17 @@ class Body(nn.Module):
     def __init__(self): super().__init__(); self.lin = nn.Linear(8, 32)
     def forward(self, x): return torch.relu(self.lin(x))
 
-def learner(cls=Learner, lm=False, double=False, **kwargs):
+def learner(cls=Learner, lm=False, double=False, poison=(), **kwargs):
     """The regression learner, or (`lm`) a tiny language model on padded rows of 2 to 24 tokens, its loss over
     tokens; `double`: in float64 (LBFGS multiplies float32's rounding by about 500 over this fit)"""
     torch.manual_seed(0)
     model = TinyLM(dim=16) if lm else nn.Sequential(Body(), nn.Linear(32, 1), nn.Flatten(0))
     make = padded_tokens if lm else data
     train,valid = make(N_ITEMS, seed=1),make(128, seed=2)
+    if poison:                      # those rows' targets 1e4 times too large: the rows SpikeGuard finds
+        x,y = train.tensors
+        y = y.clone(); y[list(poison)] *= 1e4
+        train = TensorDataset(x, y)
     if double: model,train,valid = model.double(),*(TensorDataset(*(t.double() for t in d.tensors))
                                                     for d in (train, valid))
     dls = DataLoaders(DataLoader(train, batch_size=GLOBAL_BATCH, shuffle=True),
@@ -115,6 +120,7 @@ def fit(cap, strategy, out, rank):
         assert all(torch.equal(v, learn.model.state_dict()[k]) for k,v in before.items()), cap   # nothing lost
     return {'weights': {k: v.detach().clone() for k,v in learn.model.state_dict().items()}, 'steps': steps.n,
             'refused': refused, 'train_iter': learn.train_iter, 'skipped': learn.skipped_batches,
+            'skipped_items': sorted(learn.skipped_items),
             'losses': [float(l) for l in learn.recorder.losses],
             'graphs': torch._dynamo.utils.counters['stats']['unique_graphs'] - graphs}
 

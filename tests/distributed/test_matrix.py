@@ -37,6 +37,8 @@ def test_in_one_process_every_capability_runs_and_accumulation_steps_every_128_i
     assert all(r['refused'] is None and r['train_iter'] == 16 for c,r in one.items() if c != 'spike_guard')
     guarded = one['spike_guard']             # both scripted spikes rolled back, and their batches skipped
     assert guarded['skipped'] == ((0, 3), (1, 2)) and guarded['train_iter'] == 14
+    found = one['spike_rows']                # the poisoned rows found and left out: no batch skipped
+    assert found['skipped_items'] == [37, 301] and found['skipped'] == () and found['train_iter'] == 16
     assert one['none']['steps'] == 16 and one['accumulation']['steps'] == 8     # 2 epochs of 512 items, 64 a batch
     assert one['turns']['steps'] == 32 and one['closure']['steps'] == 16        # turns: 2 steps a batch
 
@@ -56,7 +58,7 @@ def test_every_capability_means_the_same_under_every_strategy(strategy, one, tmp
             assert r['refused'].startswith(who), r['refused']
             continue
         assert r['refused'] is None, (cap, r['refused'])
-        counts = lambda r: (r['steps'], r['train_iter'], r['skipped'])
+        counts = lambda r: (r['steps'], r['train_iter'], r['skipped'], r['skipped_items'])
         assert counts(r) == counts(one[cap]), cap
         assert max_rel(r['weights'], one[cap]['weights']) <= tolerance.get(cap, 1e-5), cap
     if 'compiled_step' not in refused[strategy]: assert got['compiled_step']['graphs'] > 0    # it compiled
