@@ -259,8 +259,8 @@ class SpikeGuard(Callback):
         self._replay()
 
     def _finds_rows(self):
-        """Whether it can look for the rows of a batch that spiked: the batch has one loss of a row (with several
-        optimizers in turn, each turn has its own: it skips the batch)"""
+        """Whether it can look for the rows of a batch that spiked: the batch has one loss of a row (with
+        several optimizers in turn, each turn has its own: it skips the batch)"""
         return self.learn.step_class.turns is None
 
     def _judge_first(self):
