@@ -369,7 +369,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             f"(make_step); fit with one of them")
         step = made[0][1] if made else self.step_class(self)
         step.check_fit()
-        if made and self.step_class.turns is not None:
+        if made and self.step_class.turns is not None and not isinstance(step, self.step_class):
             raise ValueError(f"{type(made[0][0]).__name__} makes the step of this fit, so "
                              f"{self.step_class.__name__}'s turns {self.step_class.turns} would not run: "
                              f"several optimizers in turn run in their own step, without it")

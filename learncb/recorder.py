@@ -112,8 +112,9 @@ class Recorder(Callback):
         if not self._pending:
             return torch.tensor(self._losses[-1], device=self._loss_device) if self._losses else None
         n,raw = self._on_device if self._on_device is not None else (0, None)
-        if raw is None: raw = torch.tensor(self._smooth, dtype=torch.float32, device=self._pending[0].device)
-        for loss in self._pending[n:]: raw = torch.lerp(loss.detach().float().reshape(()), raw, self.beta)
+        pending = [_summed(l) for l in self._pending]
+        if raw is None: raw = torch.tensor(self._smooth, dtype=torch.float32, device=pending[0].device)
+        for loss in pending[n:]: raw = torch.lerp(loss.detach().float().reshape(()), raw, self.beta)
         self._on_device = len(self._pending),raw
         return raw / (1 - self.beta ** (self._count + len(self._pending)))
 
@@ -156,7 +157,8 @@ class Recorder(Callback):
     def _flush(self):
         "Turn pending device losses into floats (one host sync), extending the smoothed history and the epoch sum"
         if not self._pending: return
-        (raw,items),self._loss_device = batch_losses(self._pending, self._pending_bs),self._pending[0].device
+        pending = [_summed(l) for l in self._pending]
+        (raw,items),self._loss_device = batch_losses(pending, self._pending_bs),pending[0].device
         beta,smooth,count,total,n = self.beta,self._smooth,self._count,self._train_sum,self._train_n
         for v,bs in zip(raw, items):
             count += 1
@@ -217,11 +219,10 @@ class Recorder(Callback):
 
     def _turns_loss(self):
         """With several optimizers in turn (`Step.turns`), the batch's loss is the sum of the turns': `None`
-        until the last"""
+        until the last, then the turns' losses, summed when read (torchft's are global after each backward)"""
         learn,turns = self.learn,self.learn.stepper.turns
-        total = learn.loss if learn.turn == turns[0] else self._turns_sum + learn.loss
-        self._turns_sum = total
-        return total if learn.turn == turns[-1] else None
+        self._turn_losses = [learn.loss] if learn.turn == turns[0] else [*self._turn_losses, learn.loss]
+        return tuple(self._turn_losses) if learn.turn == turns[-1] else None
 
     def _compute_metrics(self, metrics, cols):
         learn = self.learn
@@ -416,6 +417,8 @@ def _phase_values(metrics, cols, bss):
     return [next(means) if k == 'column' else metric_value(m) for (_,m),k in zip(metrics, kinds)]
 
 # %% ../nbs/04_recorder.ipynb #44022341
+def _summed(loss): return sum(loss) if isinstance(loss, tuple) else loss    # a batch's turns' (`_turns_loss`)
+
 def batch_losses(pending, items=None):
     """The training losses waiting on the device, as floats, in one host sync: each must hold a single value.
     With their `items` (ints, or tensors counted on the device): `(losses, items)`, read in the same sync"""

@@ -111,6 +111,10 @@ class Step:
         of the `backward` stage, which a variant may run again (a fault-tolerant step's try the quorum did not
         keep)"""
         self.fire('before_backward')
+        self.backward_alone()
+
+    def backward_alone(self):
+        "The backward without its events (a closure's), through a callback's `step_backward` if one has it"
         self.backward() if self.backward_hook is None else self.backward_hook.step_backward(self)
 
     def step_stage(self):
@@ -271,7 +275,7 @@ class Step:
             clear_grads(self._opt)
             self.predict()
             self.compute_loss()
-            self.backward() if self.backward_hook is None else self.backward_hook.step_backward(self)
+            self.backward_alone()
         return self.run_loss()
 
     def run_loss(self):

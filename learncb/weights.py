@@ -55,12 +55,13 @@ class WeightsHost:
         if created: self.create_opt()
         opt = self.opt
         before = opt.state,opt.param_groups
+        keys = [set(g) for g in opt.param_groups]      # each group's, not `defaults` (which may hold more: LBFGS's)
         def undo():
             if created: self.opt = None
             else: opt.state,opt.param_groups = before
         try:
             opt.load_state_dict(keep_implementation(opt_state_like(state, opt), opt))
-            lacking = sorted({k for g in opt.param_groups for k in opt.defaults if k not in g})
+            lacking = sorted({k for g,had in zip(opt.param_groups, keys) for k in had if k not in g})
             if lacking: raise ValueError(f"its parameter groups have no {lacking}")
         except Exception as e:
             undo()

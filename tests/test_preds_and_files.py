@@ -84,6 +84,20 @@ def test_save_load_roundtrip_and_errors(tmp_path):
     learn.save('model')
     with pytest.raises(ValueError, match=r"saved from a different model: missing keys \['0.weight'"): other.load('model')
 
+def test_an_lbfgs_and_a_several_optimizers_state_load_back(tmp_path):
+    "LBFGS's groups hold fewer keys than its defaults after a step; each of several optimizers' groups its own keys"
+    from functools import partial
+    lbfgs = synth_learner(path=tmp_path, opt_func=partial(torch.optim.LBFGS, max_iter=2), lr=0.1)
+    two = synth_learner(path=tmp_path, splitter=lambda m: {'a': [m.weight], 'b': [m.bias]},
+                        opt_func={'a': torch.optim.Adam, 'b': partial(torch.optim.SGD, momentum=0.9)})
+    for learn in (lbfgs, two):
+        learn.fit(1)
+        opt_state = copy.deepcopy(learn.opt.state_dict())
+        learn.save('model')
+        learn.fit(1)
+        learn.load('model')
+        assert str(learn.opt.state_dict()) == str(opt_state)
+
 class Evil:
     def __reduce__(self): return (os.system, (f'touch {Path(os.environ["LEARNCB_PWNED"])}',))
 

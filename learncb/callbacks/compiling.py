@@ -307,17 +307,13 @@ class CompileCallback(Callback):
     def before_fit(self):
         learn = self.learn
         if self.compiles_blocks(): return self._compile_blocks()
-        if self.step: return self._prepare_step()
+        if self.compiles_step(): return self._prepare_step()
         if self.compiled is None or self.compiled.unwrapped is not learn.model:
             self.compiled = CompiledModel(learn.model, **self.kwargs)         # compiled once, kept for the next fits
         learn.model = self.compiled
 
     def _prepare_step(self):
         learn = self.learn
-        strategy = learn.strategy
-        if strategy.reads_whole_batch: raise ValueError(
-            f"learn.compile(step=True): strategy={strategy.name!r} does not run a compiled step yet (its "
-            f"step computes this process's share of the whole batch): fit without it, or with strategy='ddp'")
         if needs_closure(learn.opt): raise ValueError(
             f"learn.compile(step=True): {type(learn.opt).__name__}'s step takes a closure that computes the "
             f"loss again, which the compiled step cannot trace: use learn.compile() (the model compiled) "
@@ -326,6 +322,12 @@ class CompileCallback(Callback):
             self.compiled_step = CompiledStep(learn, trace_backward=self.trace_backward, fallback=self.fallback,
                                               **self.kwargs)
         self.compiled_step.start_fit()
+
+    def compiles_step(self):
+        """Whether this fit traces the whole step (`step=True`): not under a strategy that shards the model
+        (`compiles_blocks`), nor one whose own step computes this replica's share of the whole batch and
+        votes on it between the backward and the optimizer step (torchft): the model is compiled inside it"""
+        return self.step and not self.compiles_blocks() and not self.learn.strategy.reads_whole_batch
 
     def compiles_blocks(self):
         """Whether this fit compiles the model's blocks inside the eager step, rather than the whole step or
@@ -341,11 +343,11 @@ class CompileCallback(Callback):
 
     def make_step(self):
         "The compiled step, for a fit of `learn.compile(step=True)`"
-        return self.compiled_step if self.step and not self.compiles_blocks() else None
+        return self.compiled_step if self.compiles_step() else None
 
     def after_fit(self):
         learn = self.learn
-        if self.step and self.compiled_step is not None and not self.compiles_blocks():
+        if self.compiles_step() and self.compiled_step is not None:
             self.compiled_step.end_fit()
         if learn.model is self.compiled: learn.model = self.compiled.unwrapped
 

@@ -6,14 +6,14 @@ Docs: https://learncb.github.io/learncb/replicas.html.md"""
 
 # %% auto #0
 __all__ = ['tested_torchft', 'import_torchft', 'ray_replica_env', 'replica_settings', 'check_lighthouse', 'Lighthouse',
-           'replica_env', 'group_env', 'launch_replicas']
+           'replica_env', 'group_env', 'launch_replicas', 'FlatGrads', 'check_replicas_agree']
 
 # %% ../../nbs/23f_replicas.ipynb #b9978c78
 import importlib.metadata, os, socket, subprocess, sys, time
 from urllib.parse import urlparse
 import torch
 from ..utils import *
-from ..ranks import free_port
+from ..ranks import free_port, local_part
 
 # %% ../../nbs/23f_replicas.ipynb #a1f0e002
 tested_torchft = '0.2.0'
@@ -153,3 +153,46 @@ def launch_replicas(fn, *args, n=2, ranks=1, start_method='fork', lighthouse=Non
         for _,p in procs:
             if p.is_alive(): p.kill(); p.join()
         if own: lighthouse.stop()
+
+# %% ../../nbs/23f_replicas.ipynb #a1f0e00c
+class FlatGrads:
+    """Gradients that are views of one flat buffer for each list of parameters, with `tail` numbers after
+    them: the backward adds into them, and one collective sends them with the tail, without a copy"""
+    def __init__(self, tail=6): self.tail,self._buffers = tail,{}
+
+    def give(self, params, fresh=False):
+        """Give `params` zero gradients, views of their buffer (kept from call to call for the same list); a
+        new buffer if `fresh` (gradients kept from before may be views of the old one)"""
+        if not params: return
+        if fresh or id(params) not in self._buffers:
+            sizes = [p.numel() for p in params]
+            flat = params[0].new_zeros(sum(sizes) + self.tail)
+            views = [g.view_as(p) for p,g in zip(params, flat.split(sizes + [self.tail]))]
+            self._buffers[id(params)] = params,flat,views      # the list kept: its id stays its own
+        else: self._buffers[id(params)][1].zero_()
+        for p,g in zip(params, self._buffers[id(params)][2]): p.grad = g
+
+    def flat(self, params, tail):
+        """This rank's part of the gradients of `params` (zeros for none), then `tail`, in one tensor: their
+        buffer (`True`), or a copy (`False`: FSDP's own gradients, or ones a callback replaced)"""
+        _,flat,views = self._buffers.get(id(params), (None, None, None))
+        if views is not None and all(p.grad is v for p,v in zip(params, views)):
+            flat[-len(tail):] = tail
+            return flat,True
+        parts = [local_part(p) for p in params]
+        grads = [local_part(p.grad).reshape(-1) if p.grad is not None else t.new_zeros(t.numel())
+                 for p,t in zip(params, parts)]
+        return torch.cat([*grads, tail]),False
+
+def check_replicas_agree(sums, learn, own=None):
+    """Raise unless the replicas of a quorum computed the same batch and (`own`: this one's sum of its
+    weights, at the run's first step) start from the same weights. `sums`: over the quorum, of each
+    replica's `(1, epoch, iter, own)`"""
+    k,epoch,it,total = sums
+    if epoch != k * learn.epoch or it != k * learn.iter: raise RuntimeError(
+        f"strategy='torchft': the {k:.0f} replicas of this step are not at the same batch (this one: epoch "
+        f"{learn.epoch}, batch {learn.iter}): give every replica the same data, global batch and number of "
+        f"epochs")
+    if own is not None and abs(total - k * own) > 1e-5 * max(abs(total), 1.): raise RuntimeError(
+        f"strategy='torchft': the {k:.0f} replicas start with different weights: make the model the same way "
+        f"in every replica (torch.manual_seed(...) before building it), or load the same weights")

@@ -1,8 +1,9 @@
 """One replica group of a fault-tolerant run (tests/distributed/test_ft.py), or with --plain the same fit in one process.
 
-python tests/distributed/ft_script.py OUT [--plain] [--epochs E] [--kill-at K --kill-in forward|backward|allreduce|step]
+python tests/distributed/ft_script.py OUT [--plain] [--epochs E]
+    [--kill-at K --kill-in forward|backward|allreduce|step|turn2|closure]
     [--slow-alone S] [--wait-for N] [--slow S] [--seed S] [--n-items N] [--ckpt] [--spike-at EPOCH,BATCH]
-    [--within ddp|fsdp] [--kill-rank R] [--kill-group G] [--hold-when-killed]
+    [--within ddp|fsdp] [--kill-rank R] [--kill-group G] [--hold-when-killed] [--step one|turns|closure]
 torchft's variables (TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS) say which replica this is (in a
 Ray Train worker, Ray's context: `ray_replica_env`); under torchrun it is a replica group of many ranks
 (`--within` says how they train). Rank --kill-rank of the replica (of group --kill-group only, if given)
@@ -16,6 +17,7 @@ With --ckpt each replica writes checkpoints to OUT/ckpt{REPLICA_GROUP_ID} and re
 Each replica saves OUT/result{REPLICA_GROUP_ID}.pt (each rank of a group of many:
 OUT/result{REPLICA_GROUP_ID}-{RANK}.pt): weights, optimizer state, counters, the Recorder's values."""
 import argparse, os, signal, time
+from functools import partial
 from pathlib import Path
 import torch
 from torch import nn
@@ -30,7 +32,7 @@ p.add_argument('--slow', type=float, default=0.0); p.add_argument('--seed', type
 p.add_argument('--n-items', type=int, default=64 * 12); p.add_argument('--ckpt', action='store_true')
 p.add_argument('--spike-at', default=None); p.add_argument('--within', default='ddp')
 p.add_argument('--kill-rank', type=int, default=0); p.add_argument('--kill-group', default=None)
-p.add_argument('--hold-when-killed', action='store_true')
+p.add_argument('--hold-when-killed', action='store_true'); p.add_argument('--step', default='one')
 args = p.parse_args()
 out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
 torch.set_num_threads(1)
@@ -48,9 +50,24 @@ def data(n, seed):
 
 torch.manual_seed(args.seed)
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1), nn.Flatten(0))
-dls = DataLoaders(DataLoader(data(args.n_items, 1), batch_size=16, shuffle=True), DataLoader(data(100, 2), batch_size=50))
-learn = Learner(dls, model, loss_func=nn.MSELoss(), opt_func=torch.optim.Adam, lr=3e-3, metrics=[lambda p, y: (p - y).abs().mean()],
-                cbs=TerminateOnNaNCallback())      # a guard that runs under torchft (it changes nothing here)
+train,valid = data(args.n_items, 1),data(100, 2)
+
+class TwoTurns(Step): turns = ('body', 'head')        # --step turns: the body's optimizer, then the head's
+class TurnsLearner(Learner): step_class = TwoTurns
+
+two_opts = {'splitter': lambda m: {'body': m[0].parameters(), 'head': m[2].parameters()},
+            'opt_func': {'body': torch.optim.Adam, 'head': partial(torch.optim.SGD, momentum=0.9)}}
+lbfgs = {'opt_func': partial(torch.optim.LBFGS, max_iter=4, history_size=4), 'lr': 0.5}
+# --step closure: LBFGS, in float64 (it multiplies float32's rounding)
+steps = {'one': (Learner, {}), 'turns': (TurnsLearner, two_opts), 'closure': (Learner, lbfgs)}
+cls,kwargs = steps[args.step]
+if args.step == 'closure':
+    train,valid = (TensorDataset(*(t.double() for t in d.tensors)) for d in (train, valid))
+    model = model.double()
+dls = DataLoaders(DataLoader(train, batch_size=16, shuffle=True), DataLoader(valid, batch_size=50))
+learn = cls(dls, model, loss_func=nn.MSELoss(), **{'opt_func': torch.optim.Adam, 'lr': 3e-3, **kwargs},
+            metrics=[lambda p, y: (p - y).abs().mean()],
+            cbs=TerminateOnNaNCallback())      # a guard that runs under torchft (it changes nothing here)
 
 def wait_alone():
     "Short of replicas: wait while OUT/hold is there (the test is starting one; it removes the file), then slow down"
@@ -88,6 +105,10 @@ class Chaos(Callback):
                 die()
             ft._pg.allreduce = reduce_then_die
         elif args.kill_in == 'step': learn.opt.register_step_post_hook(lambda *a: die())
+        elif args.kill_in == 'turn2':            # the backward of the head's turn: the body's turn committed
+            learn.model[0].weight.register_hook(lambda g: die() if learn.turn == 'head' else None)
+        elif args.kill_in == 'closure':          # the backward of a closure's call inside LBFGS's step
+            learn.model[0].weight.register_hook(lambda g: die() if learn.stepper._in_step else None)
 
 class Spike(Callback):
     "The targets of training batch `--spike-at` made 100 times larger: a spike that SpikeGuard rolls back over"
@@ -111,5 +132,6 @@ else:
         hold.unlink(missing_ok=True)      # its manager is up: the replicas that waited for it go on, and meet it
         ckpt = [CheckpointCallback(out/f'ckpt{replica}', every_n_steps=4, background=False)] if args.ckpt else []
         learn.fit(args.epochs, cbs=[Chaos(), *ckpt, *guards], resume='auto' if args.ckpt else None)
-    assert isinstance(learn.model, nn.Sequential) and type(learn.opt).__name__ == 'Adam'
+    assert isinstance(learn.model, nn.Sequential)
+    assert args.step != 'one' or type(learn.opt).__name__ == 'Adam'
 torch.save(result(), out / f'result{name}.pt')

@@ -49,11 +49,17 @@ def plain(tmp_path_factory):
     assert res.returncode == 0, res.stderr[-3000:]
     return result(out, 'plain')
 
+def same(a, b):
+    "Whether `a` and `b` hold the same values, tensors bitwise (in dicts, lists and tuples)"
+    if isinstance(a, torch.Tensor): return torch.equal(a, b)
+    if isinstance(a, dict): return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)): return len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
 def assert_same(a, b):
-    "Bitwise the same weights, optimizer state, counters and Recorder values"
+    "Bitwise the same weights, optimizer state (several optimizers' too), counters and Recorder values"
     assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
-    sa,sb = a['opt']['state'],b['opt']['state']
-    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+    assert same(a['opt'], b['opt'])
     assert a['counters'] == b['counters'] and a['values'] == b['values']
 
 def assert_each_step_once(*results):
@@ -110,6 +116,22 @@ def test_a_kill_in_any_stage_neither_repeats_nor_loses_a_step(tmp_path, lighthou
     assert_each_step_once(a, b)
     assert_same(a, b)
     assert a['counters'][2] == plain['counters'][2]         # as many committed steps as the plain fit's batches
+    assert_close_to(a, plain)
+
+@pytest.mark.slow
+@pytest.mark.parametrize('step,stage', [('turns', 'turn2'), ('closure', 'closure')])
+def test_a_kill_inside_a_batch_a_later_turn_or_a_closure_call_loses_nothing(tmp_path, lighthouse, step, stage):
+    """Several optimizers in turn, killed in the second turn's backward (the first committed); LBFGS, killed in a
+    call of its closure: the survivor computes that turn or call again alone, the restarted one joins at a later
+    batch's start and heals; both end as the plain fit"""
+    res = run_forked(SCRIPT, tmp_path/'plain', '--plain', '--step', step, timeout=WAIT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    plain = result(tmp_path/'plain', 'plain')
+    kill_and_restart(tmp_path, lighthouse, 2, {1: (15, stage)}, restart={1}, args=['--step', step])
+    a,b = result(tmp_path, 0),result(tmp_path, 1)
+    assert b['healed_at'] >= 15 and a['tries'] >= 1
+    assert_each_step_once(a, b)
+    assert_same(a, b)
     assert_close_to(a, plain)
 
 @pytest.mark.slow
@@ -274,17 +296,20 @@ def test_a_quorum_that_does_not_form_says_which_timeout_expired(monkeypatch):
     with Lighthouse(min_replicas=2) as lh, pytest.raises(TimeoutError, match=r'quorum_timeout=2 s.*--min_replicas'):
         fit_torchft(monkeypatch, replica_env(lh, 0, 2), TorchFT(quorum_timeout=2))
 
-def test_what_the_step_does_not_do_yet_is_refused_before_the_first_batch(monkeypatch):
-    "A compiled step is refused by name; the learner keeps its model and weights"
+def test_a_compiled_step_compiles_the_model_inside_the_fault_tolerant_step(monkeypatch):
+    "learn.compile(step=True) under torchft: the model compiled inside the fault-tolerant step; learn.model plain"
+    from test_step import AtThirdBatch
     with Lighthouse() as lh:
         learn = tiny_learner()
-        learn.compile(step=True)
+        learn.compile(step=True, fallback=False)
         monkeypatch.setenv('RUST_LOG', 'warn')
         for k,v in replica_env(lh, 0, 1).items(): monkeypatch.setenv(k, v)
-        refused = r"learn.compile\(step=True\): strategy='torchft' does not run a compiled"
-        with pytest.raises(ValueError, match=refused):
-            with learn.distrib_ctx(strategy='torchft'): learn.fit(1)
-        assert isinstance(learn.model, nn.Linear) and learn.train_iter == 0
+        graphs,seen = torch._dynamo.utils.counters['stats']['unique_graphs'],AtThirdBatch()
+        with learn.distrib_ctx(strategy='torchft'): learn.fit(1, cbs=seen)
+    assert isinstance(learn.model, nn.Linear) and learn.train_iter == 4
+    assert learn.compiler.compiled_step is None
+    assert seen.seen[2] == 'FaultTolerantStep'
+    assert torch._dynamo.utils.counters['stats']['unique_graphs'] > graphs
 
 def test_a_replica_alone_trains_and_nothing_callable_is_set_on_the_learner(monkeypatch):
     "One replica under a lighthouse trains at once, through FaultTolerantStep, setting no function on an instance"
