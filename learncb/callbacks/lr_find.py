@@ -36,7 +36,7 @@ def _check_lr_find_args(start_lr, end_lr, num_it):
 class LRFinder(Callback):
     "Raises the lr exponentially from `start_lr` to `end_lr` over `num_it` batches, recording the smoothed loss"
     order,run_valid = Order.DEFAULT,False
-    takes_turns = False                 # one loss a batch for its curve, and one lr for every optimizer
+    # with several optimizers in turn: one lr for every optimizer, the batch's loss the sum of its turns'
     def __init__(self, start_lr=1e-7, end_lr=10, num_it=100, stop_div=True, beta=0.98):
         _check_lr_find_args(start_lr, end_lr, num_it)
         self.sched,self.num_it,self.stop_div,self.beta = SchedExp(start_lr, end_lr),num_it,stop_div,beta
@@ -51,12 +51,16 @@ class LRFinder(Callback):
         for pg in self.learn.opt.param_groups: pg['lr'] = lr
 
     def after_loss(self):
-        lrs,losses = self.lrs,self.losses
-        loss = self.learn.loss
+        lrs,losses,learn = self.lrs,self.losses,self.learn
+        loss = learn.loss
+        if learn.turn is not None:                     # turns: the sum of the batch's, at its last turn
+            self._turns = loss if learn.stepper.first_turn() else self._turns + loss
+            if not learn.stepper.last_turn(): return
+            loss = self._turns
         if num_distrib() > 1: loss = sum_across_ranks(loss.detach().float()) / num_distrib()   # one curve, one stop
         self._avg = self.beta * self._avg + (1 - self.beta) * float(loss)    # host sync: needed to stop
         smooth = self._avg / (1 - self.beta ** (len(losses) + 1))
-        lrs.append(self.learn.opt.param_groups[0]['lr']); losses.append(smooth)
+        lrs.append(learn.opt.param_groups[0]['lr']); losses.append(smooth)
         if self.stop_div and (not math.isfinite(smooth) or smooth > 4 * self.best): raise CancelFitException()
         self.best = min(self.best, smooth)
         if len(lrs) >= self.num_it: raise CancelFitException()

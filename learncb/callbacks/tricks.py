@@ -9,7 +9,7 @@ __all__ = ['MixHandler', 'MixUp', 'CutMix', 'LabelSmoothingCrossEntropy', 'Weigh
            'ShortEpochCallback', 'frozen_bn_layers', 'BnFreeze']
 
 # %% ../../nbs/29_tricks.ipynb #6e0eec9a
-import math
+import itertools, math
 import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, SWALR, get_ema_multi_avg_fn, update_bn
@@ -262,9 +262,6 @@ class SWACallback(WeightAveraging):
 
     def before_fit(self):
         learn,start = self.learn,self.start_epoch
-        if names := opt_names(learn.opt): raise ValueError(
-            f"SWACallback: learn.opt holds several optimizers, {names}, and torch's SWALR anneals the lr of "
-            f"one: not supported yet; fit with one optimizer, or average with EMACallback")
         self._first = int(start * learn.n_epoch) if isinstance(start, float) else start     # the first epoch averaged
         if self._first >= learn.n_epoch:
             raise ValueError(f"SWACallback(start_epoch={start}) starts averaging at epoch {self._first}, after the "
@@ -275,12 +272,21 @@ class SWACallback(WeightAveraging):
 
     def before_epoch(self):
         if self.learn.epoch < self._first or self.swalr is not None: return
-        self.swalr = SWALR(self.learn.opt, swa_lr=self.swa_lr, anneal_epochs=self.anneal_epochs,
-                           anneal_strategy=self.anneal_strategy)
+        how = dict(anneal_epochs=self.anneal_epochs, anneal_strategy=self.anneal_strategy)
+        self.swalr = [SWALR(o, swa_lr=lr, **how) for o,lr in self._each_opt()]
         if self._saved_swalr is None: self._lrs = [g['lr'] for g in self.learn.opt.param_groups]
         else:                                   # a resumed run: the annealing and its lrs as they were saved
-            self.swalr.load_state_dict(self._saved_swalr)
+            for a,saved in zip(self.swalr, self._saved_swalr): a.load_state_dict(saved)
             self._saved_swalr = None
+
+    def _each_opt(self):
+        """`(optimizer, swa_lr)` for each optimizer of `learn.opt` (several, by name: each annealed by an
+        SWALR of its own), `swa_lr` a list per group split among them"""
+        opt,lr = self.learn.opt,self.swa_lr
+        opts = [opt[n] for n in opt_names(opt)] or [opt]
+        if not isinstance(lr, (list, tuple)): return [(o, lr) for o in opts]
+        ends = list(itertools.accumulate(len(o.param_groups) for o in opts))
+        return [(o, list(lr[e - len(o.param_groups):e])) for o,e in zip(opts, ends)]
 
     def before_batch(self):
         if self._lrs is None or not self.learn.training: return
@@ -289,7 +295,7 @@ class SWACallback(WeightAveraging):
     def after_epoch(self):
         if self.swalr is None: return
         self.average.update_parameters(plain_model(self.learn.model))
-        self.swalr.step()
+        for a in self.swalr: a.step()
         self._lrs = [g['lr'] for g in self.learn.opt.param_groups]
 
     def after_fit(self):
@@ -301,7 +307,8 @@ class SWACallback(WeightAveraging):
     def state_dict(self):
         "The average, the annealing's step and the lrs it holds, for checkpoints"
         if self.average is None: return {}
-        return {'swa': self.average.state_dict(), 'swalr': None if self.swalr is None else self.swalr.state_dict(),
+        annealing = None if self.swalr is None else [a.state_dict() for a in self.swalr]
+        return {'swa': self.average.state_dict(), 'swalr': annealing,
                 'lrs': self._lrs}
 
     def load_state_dict(self, state):
@@ -309,9 +316,12 @@ class SWACallback(WeightAveraging):
         if 'swa' not in state: return
         self.average.load_state_dict(state['swa'])
         self._lrs = state['lrs']
-        if state['swalr'] is None: self.swalr = None
-        elif self.swalr is not None: self.swalr.load_state_dict(state['swalr'])
-        else: self._saved_swalr = state['swalr']          # made at the next `before_epoch`
+        saved = state['swalr']
+        if isinstance(saved, dict): saved = [saved]        # saved before several optimizers were annealed
+        if saved is None: self.swalr = None
+        elif self.swalr is not None:
+            for a,one in zip(self.swalr, saved): a.load_state_dict(one)
+        else: self._saved_swalr = saved          # made at the next `before_epoch`
 
 def _update_bn(learn, model):
     "Recompute the batch-norm statistics of `model` (the average) with a pass over the training data"
