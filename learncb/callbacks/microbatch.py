@@ -61,7 +61,7 @@ _in_place = object()   # the gradients went into `.grad` as they would have in t
 class AutoMicrobatch(Callback):
     "On an out-of-memory error, split the batch into micro-batches and add up their gradients: the same step, in less memory"
     order = Order.SETUP + 1          # after DDP wraps the model
-    takes_turns = False              # it splits the one forward and backward of a batch
+    # with several optimizers in turn: each turn's forward and backward split alike, its optimizer's gradients
     _state_attrs = ('halvings', 'since_change', 'history')
     def __init__(self, grow_every=100):
         self.grow_every = check_int(grow_every, 'grow_every (a number of steps)', ge=1, who='AutoMicrobatch')
@@ -77,6 +77,7 @@ class AutoMicrobatch(Callback):
         # under DDP, the plain model: the gradients are averaged here, after the ranks agree on the split
         self._inner = local_model(self.learn)
         self._params = list(self._inner.parameters())
+        self._order = {id(p): i for i,p in enumerate(self._params)}     # the stepped ones' places: `_trained`
         self._device = self._params[0].device if self._params else torch.device('cpu')
         self._leaves = self._inputs = None
         self._failed_whole,self._agreed_at = False,None
@@ -134,12 +135,13 @@ class AutoMicrobatch(Callback):
         else:
             step.backward()                                  # the loop's backward, to the outputs' leaves
             self._carry_backward()
+        if self._sharded and self.learn.turn is not None: self._drop_others()
         self._release()
         self._note_size()
 
     def _plain_backward(self, step):
         "The backward of a whole batch that fitted (one process): into `.grad`; on an out-of-memory error, in micro-batches"
-        params = [p for p in self._params if p.requires_grad]
+        params = self._trained()
         fresh = all(p.grad is None for p in params)
         try:
             if fresh: return step.backward()
@@ -152,6 +154,20 @@ class AutoMicrobatch(Callback):
             return self._split_from_scratch()
         for p,g in zip(params, grads):
             if g is not None: p.grad = g if p.grad is None else p.grad.add_(g)
+
+    def _trained(self):
+        """The parameters whose gradients the micro-batches compute: those that train; with turns, those of
+        the turn's optimizer (sharded: their whole copies, at the same places)"""
+        params,turn = self._params,self.learn.turn
+        if turn is None: return [p for p in params if p.requires_grad]
+        at = {self._order[id(p)] for p in self.learn.stepper.params_stepped() if id(p) in self._order}
+        return [p for i,p in enumerate(params) if i in at and p.requires_grad]
+
+    def _drop_others(self):
+        "Sharded, with turns: the other optimizers' whole gradients dropped, not reduced into theirs"
+        own = set(map(id, self._trained()))
+        for p in self._params:
+            if id(p) not in own: p.grad = None
 
     def _split_from_scratch(self):
         "The whole batch's backward ran out of memory: its output again, in micro-batches, and the backward through them"
@@ -237,7 +253,7 @@ class AutoMicrobatch(Callback):
         "Carry the loop's backward from the outputs' leaves into the model: for the whole batch, or micro-batch by micro-batch"
         leaves,self._leaves = self._leaves,None
         if not leaves: return
-        params = [p for p in self._params if p.requires_grad]
+        params = self._trained()
         grads = self._whole_backward(params, leaves) if leaves[0][1] is not None else None
         grad_outs = [(i, l.grad) for i,_,l in leaves if l.grad is not None]
         del leaves                                                  # the whole batch's graph, if it had one
@@ -255,7 +271,7 @@ class AutoMicrobatch(Callback):
         outs,grad_outs = zip(*[(t, l.grad) for _,t,l in leaves if l.grad is not None])
         try:
             if any(p.grad is not None for p in params): return torch.autograd.grad(outs, params, grad_outs, allow_unused=True)
-            try: torch.autograd.backward(outs, grad_outs)     # the usual backward (autograd.grad costs more in Python)
+            try: torch.autograd.backward(outs, grad_outs, inputs=params)   # into theirs alone (not other turns')
             except BaseException:
                 for p in params: p.grad = None                 # the part it did
                 raise

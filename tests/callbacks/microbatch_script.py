@@ -2,7 +2,7 @@
 (torchrun: DDP or `--strategy fsdp`, gloo), with `AutoMicrobatch` or without.
 
 python tests/callbacks/microbatch_script.py OUT [--auto] [--inject N] [--inject-rank R] [--cap] [--cap-rank R]
-    [--epochs E] [--strategy ddp|fsdp]
+    [--epochs E] [--strategy ddp|fsdp] [--turns]
 
 --inject N: the model raises `torch.OutOfMemoryError` on a training batch of more than N items (on rank R only, if
 given). --cap: the process's address space is capped (`RLIMIT_AS`, on rank R only, if given) after a warm-up fit (in
@@ -10,8 +10,9 @@ one process) or after its first training batch (under DDP), so that the CPU allo
 and not on a quarter of one. The cap is measured, not a number of MiB: the least room a forward and backward of one
 item and of the whole batch fit in, each probed under caps (`room_for`), whatever the machine maps and allocates.
 Each rank saves OUT/rank{r}.pt: the weights, the steps, the split history, the rooms measured; an error is saved as
-OUT/error{r}.txt (and the exit status is 3)."""
+OUT/error{r}.txt (and the exit status is 3). --turns: an optimizer for the body, one for the head, in turn."""
 import argparse, os, resource, sys, traceback
+from functools import partial
 from pathlib import Path
 import torch
 from torch import nn
@@ -37,9 +38,15 @@ def data(world=1):
                                   generator=torch.Generator().manual_seed(1)),
                        DataLoader(TensorDataset(x, y), batch_size=N // world))
 
-def learner(inject=None, world=1, path='.'):
+class TwoTurns(Step): turns = ('body', 'head')         # --turns: the body's optimizer, then the head's
+class TurnsLearner(Learner): step_class = TwoTurns
+two_opts = {'splitter': lambda m: {'body': m.body.parameters(), 'head': m.head.parameters()},
+            'opt_func': {'body': torch.optim.Adam, 'head': partial(torch.optim.SGD, momentum=0.9)}}
+
+def learner(inject=None, world=1, path='.', turns=False):
     torch.manual_seed(0)
-    learn = Learner(data(world), Classifier(inject), nn.CrossEntropyLoss(), lr=1e-3, device='cpu', path=path)
+    cls,kwargs = (TurnsLearner, two_opts) if turns else (Learner, {})
+    learn = cls(data(world), Classifier(inject), nn.CrossEntropyLoss(), lr=1e-3, device='cpu', path=path, **kwargs)
     learn.remove_cb(ProgressCallback)
     learn.logger = lambda row: None
     return learn
@@ -114,6 +121,7 @@ def main():
     p.add_argument('--inject-rank', type=int); p.add_argument('--cap', action='store_true')
     p.add_argument('--cap-rank', type=int)
     p.add_argument('--epochs', type=int, default=2); p.add_argument('--strategy', default='ddp')
+    p.add_argument('--turns', action='store_true')
     args = p.parse_args()
     out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
@@ -121,7 +129,7 @@ def main():
     inject = args.inject if args.inject_rank in (None, rank) else None
     capped = args.cap and args.cap_rank in (None, rank)
     rooms = cap_memory() if capped and world == 1 else None
-    learn = learner(inject, world, out)
+    learn = learner(inject, world, out, args.turns)
     auto,cap = AutoMicrobatch(grow_every=3),CapMemory()
     cbs = ([auto] if args.auto else []) + ([cap] if capped and world > 1 else [])
     try:

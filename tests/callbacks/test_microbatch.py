@@ -74,3 +74,20 @@ def test_under_fsdp_a_rank_whose_memory_is_capped_splits_alone_and_takes_the_sam
     assert r1['halvings'] > 0 and r1['history'] and not r0['history']
     one, whole, cap = r1['rooms']
     assert one < cap < whole
+
+@pytest.mark.slow
+@pytest.mark.parametrize('strategy', ['one', 'ddp', 'fsdp'])
+def test_with_turns_each_turn_splits_alike_and_steps_its_own_optimizer(tmp_path, strategy):
+    """Two optimizers in turn (the body's, the head's), rank 1's batches over 100 items out of memory (injected):
+    each turn's forward and backward split, its own optimizer's gradients alone, the fit's weights those of the fit
+    that did not split"""
+    nproc, how = (1, ()) if strategy == 'one' else (2, ('--strategy', strategy))
+    rc, err = run(tmp_path/'ref', '--turns', *how, nproc=nproc)
+    assert rc == 0, err[-3000:]
+    rc, err = run(tmp_path/'auto', '--turns', '--auto', '--inject', '100', '--inject-rank', str(nproc - 1), *how,
+                  nproc=nproc)
+    assert rc == 0, err[-3000:]
+    for rank in range(nproc):
+        ref, auto = result(tmp_path/'ref', rank), result(tmp_path/'auto', rank)
+        assert max_diff(ref['model'], auto['model']) < 1e-5 and auto['train_iter'] == ref['train_iter']
+    assert result(tmp_path/'auto', nproc - 1)['history'][0][2] == 64         # the injected rank split
