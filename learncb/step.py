@@ -26,6 +26,22 @@ def _hook(learn, name):
         f"the step's {name.removeprefix('step_')} in a fit; fit with one of them")
     return cbs[0] if cbs else None
 
+@contextmanager
+def _params_swapped(opt, swap):
+    "`opt` holding `swap(p)` in place of each of its parameters `p`, and their state, until the block ends"
+    own = [list(g['params']) for g in opt.param_groups]
+    def move(src, dst):
+        for g,ps,qs in zip(opt.param_groups, src, dst):
+            g['params'][:] = qs               # the same list: an optimizer may hold it (LBFGS's `_params`)
+            for p,q in zip(ps, qs):
+                if p in opt.state: opt.state[q] = opt.state.pop(p)
+    theirs = [[swap(p) for p in ps] for ps in own]
+    move(own, theirs)
+    try: yield
+    finally: move(theirs, own)
+
+def _opt_params(opt): return [p for g in opt.param_groups for p in g['params']]
+
 _unset = object()
 _stage_cancels = {'backward': CancelBackwardException, 'step': CancelStepException}
 _cancels = tuple(_stage_cancels.values())
@@ -45,6 +61,7 @@ class Step:
         "`hooks=False`: no callback's `step_forward` or `step_backward` (the step of a learner outside a fit)"
         self.learn,self.forward_hook,self.backward_hook = learn,None,None
         self._opt,self._closure,self._first_call = None,False,False     # the last one stepped; a closure?
+        self._on_whole = False                          # a closure's step on whole parameters?
         self._targets_checked = False                                   # the first batch's shapes, once a fit
         self._counter,self._counter_of,self._batch_items = None,_unset,None    # see `items_of`, `batch_items`
         self._params = {}                                               # `params_stepped`, by optimizer
@@ -53,12 +70,8 @@ class Step:
 
     def check_fit(self):
         """Refuse, before the first batch, a fit this step cannot run: `turns` of optimizers the learner
-        lacks, callbacks that act on a batch's one step, a closure optimizer over sharded parameters"""
+        lacks, callbacks that act on a batch's one step alone"""
         learn,self._params = self.learn,{}
-        if needs_closure(learn.opt) and learn.strategy.sharded: raise ValueError(
-            f"{type(learn.opt).__name__}: strategy={learn.strategy.name!r} shards the parameters, and "
-            f"torch's closure optimizers flatten each gradient whole (LBFGS's view(-1)), which a shard "
-            f"cannot: fit with strategy='ddp', whose ranks each hold the whole model")
         if self.turns is None: return
         names = opt_names(learn.opt)
         if missing := [t for t in self.turns if t not in names]: raise ValueError(
@@ -235,6 +248,7 @@ class Step:
         """The parameters the optimizer steps next, whose gradients the strategy reduces: with `turns` the
         turn's optimizer's, else all of `learn.opt`'s (found once a fit for each optimizer)"""
         opt = self.turn_opt()
+        if self._on_whole: return _opt_params(opt)          # a closure's step on whole parameters: theirs
         params = self._params.get(id(opt))
         if params is None: params = self._params[id(opt)] = [p for g in opt.param_groups for p in g['params']]
         return params
@@ -262,8 +276,23 @@ class Step:
         opt = self.turn_opt()
         if opt is not self._opt: self._opt,self._closure = opt,needs_closure(opt)
         if not self._closure: return opt_step(opt)
+        if self.learn.strategy.sharded: return self.closure_step_whole(opt)
         self._first_call = True
         opt.step(self.recompute)
+
+    def closure_step_whole(self, opt):
+        """A closure optimizer's step over sharded parameters (torch's LBFGS flattens each gradient whole,
+        which a shard cannot): on their whole copies (`Strategy.whole_params`, which keeps what the step made
+        of them), `opt`'s state moved to them for the step, each call of the closure computing the batch's
+        loss and gradients again, averaged over the ranks: every rank's optimizer takes the same iterations"""
+        learn = self.learn
+        names = {id(p): n for n,p in learn.model.named_parameters()}
+        with learn.strategy.whole_params(learn.model, reduce=False, keep=True):
+            whole = dict(learn.model.named_parameters())
+            with _params_swapped(opt, lambda p: whole[names[id(p)]]):
+                self._first_call,self._on_whole = False,True        # the step's own gradients are of shards
+                try: opt.step(self.recompute)
+                finally: self._on_whole = False
 
     def recompute(self):
         """The closure of a closure optimizer's step: the loss of the batch, its gradients computed. The first
@@ -275,8 +304,13 @@ class Step:
             clear_grads(self._opt)
             self.predict()
             self.compute_loss()
-            self.backward_alone()
+            self.closure_backward()
         return self.run_loss()
+
+    def closure_backward(self):
+        "A closure call's backward (`backward_alone`); on whole parameters, their gradients' mean over ranks"
+        self.backward_alone()
+        if self._on_whole: self.learn.strategy.reduce_grads(self.params_stepped())
 
     def run_loss(self):
         """The mean loss of the run's batch: `learn.loss` in one process; the processes' losses weighed by

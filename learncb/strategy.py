@@ -77,11 +77,12 @@ class Strategy:
         return []
 
     @contextmanager
-    def whole_params(self, model, reduce=True):
+    def whole_params(self, model, reduce=True, keep=False):
         """A context in which `model`'s parameters are whole on this process and its backwards reduce nothing,
-        so that a capability may run a batch in pieces of its own choosing (`AutoMicrobatch`); leaving it, the
-        gradients are reduced over the ranks (`reduce`) and the model is as it was. Here the parameters are
-        whole already: nothing to do"""
+        so that a capability may run a batch in pieces of its own choosing (`AutoMicrobatch`) or step them
+        whole (a closure optimizer); leaving it, the gradients are reduced over the ranks (`reduce`), the
+        whole parameters' values kept in the model's (`keep`), and the model is as it was. Here the
+        parameters are whole already: nothing to do"""
         yield
 
     def wrap(self, learn):

@@ -113,12 +113,13 @@ class FSDP(Strategy):
         return [m for m in model.modules() if m is not model and isinstance(m, FSDPModule)]
 
     @contextmanager
-    def whole_params(self, model, reduce=True):
+    def whole_params(self, model, reduce=True, keep=False):
         """Every unit gathered whole once, in the same order on every rank, and kept so through the forwards
         and backwards (FSDP's own reduce-scatter off): what a rank computes inside needs no collective,
         however it splits its batch. Leaving it: the gradients averaged over the ranks (`reduce`, one
-        all-reduce), each rank's shard of them added to the sharded parameters' gradients, and the units
-        sharded again (after an error: only sharded again, no collective)"""
+        all-reduce), each rank's shard of them added to the sharded parameters' gradients, each rank's shard
+        of the whole parameters' values copied into the sharded ones (`keep`: a closure optimizer stepped
+        them whole), and the units sharded again (after an error: only sharded again, no collective)"""
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import distribute_tensor
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -126,6 +127,7 @@ class FSDP(Strategy):
             m.set_reshard_after_forward(False, recurse=False)
             m.set_reshard_after_backward(False, recurse=False)
             m.set_requires_gradient_sync(False, recurse=False)
+        sharded = dict(model.named_parameters())
         for m in units: m.unshard()
         ok = False
         try:
@@ -135,15 +137,22 @@ class FSDP(Strategy):
             names,whole = zip(*model.named_parameters()) if ok and reduce else ((), ())
             grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in whole]
             if grads: mean_across_ranks(grads)
+            # this rank's shard of each whole parameter, before the whole ones are freed
+            kept = {n: shard_like(p.detach(), sharded[n]).clone() for n,p in model.named_parameters()
+                    if ok and keep}
             # the whole ones: none left for the next time
             for _,p in model.named_parameters(): p.grad = None
             for m in units: m.reshard()
-            sharded = dict(model.named_parameters())
+            with torch.no_grad():
+                for n,v in kept.items(): sharded[n].copy_(v)
             for n,g in zip(names, grads):
                 p = sharded[n]
                 shard = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
                 p.grad = shard if p.grad is None else p.grad.add_(shard)
-            for m in units: m.set_requires_gradient_sync(True, recurse=False)
+            for m in units:       # as `fully_shard` left them (the root as FSDP has it: whole after forward)
+                m.set_reshard_after_forward(m is not model, recurse=False)
+                m.set_reshard_after_backward(True, recurse=False)
+                m.set_requires_gradient_sync(True, recurse=False)
 
     def before_validate(self, learn): _rank0_buffers(learn.model)
 

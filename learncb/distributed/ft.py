@@ -77,7 +77,8 @@ class TorchFT(Strategy):
         return 'step' if self.inner is None else 'backward'
 
     def reduce_grads(self, params):
-        "Nothing: the fault-tolerant step sums the gradients over the quorum at its vote (`sum_and_commit`)"
+        "Within FSDP the group's mean (of whole parameters: a closure's step); else none: the vote sums them"
+        if self.inner is not None: self.inner.reduce_grads(params)
 
     def grad_sync_switch(self, model): return None     # nothing to turn: each batch is summed at the vote
 
@@ -99,7 +100,7 @@ class TorchFT(Strategy):
     def unwrap(self, learn): self._within().unwrap(learn)
     def user_model(self, model): return self._within().user_model(model)
     def sharded_blocks(self, model): return self._within().sharded_blocks(model)
-    def whole_params(self, model, reduce=True): return self._within().whole_params(model, reduce)
+    def whole_params(self, model, *a, **kw): return self._within().whole_params(model, *a, **kw)
     def before_validate(self, learn): self._within().before_validate(learn)
     def after_validate(self, learn): self._within().after_validate(learn)
     def casts_model(self, dtype): return self._within().casts_model(dtype)
@@ -266,9 +267,7 @@ def _weights_sum(params):
 register_strategy('torchft', TorchFT)
 
 # %% ../../nbs/23e_ft.ipynb #a1f0e004
-def _no_items(*args):
-    "The loss of a share without items (more replicas than the batch has items): nothing to add"
-    return torch.zeros(())
+def _no_items(*args): return torch.zeros(())       # the loss of a share without items: nothing to add
 
 class FaultTolerantStep(Step):
     """The step of a replica group: the quorum and this replica's share of the batch before the forward, the
@@ -402,7 +401,7 @@ class FaultTolerantStep(Step):
         try:
             self.predict()
             self.compute_loss()
-            self._until_committed(self.backward_alone)
+            self._until_committed(self.closure_backward)
         finally: self._in_step = False
         return self.learn.loss
 

@@ -12,10 +12,8 @@ WAIT = 900
 pytestmark = pytest.mark.xdist_group('matrix')       # the one-process fits, made once, are read by every strategy
 
 # The cells a strategy refuses today, and who is named: a cell refused or run that is not in this table fails
-# the test. A closure optimizer over sharded parameters: torch 2.13's LBFGS flattens each gradient
-# (`view(-1)`), which DTensor refuses for a shard of uneven rows (the head's [1, 32] weight over 2 ranks)
-refused = {'ddp': {}, 'plain': {}, 'torchft': {},
-           'fsdp': {'closure': 'LBFGS'}, 'torchft_fsdp': {'closure': 'LBFGS'}}
+# the test. None is refused
+refused = {'ddp': {}, 'plain': {}, 'torchft': {}, 'fsdp': {}, 'torchft_fsdp': {}}
 named = {'torchft_fsdp': 'torchft'}           # the name a refusal gives the strategy
 tolerance = {'precision': 1e-2}       # bf16: equal to its rounding; every other cell to float32's (1e-5)
 
