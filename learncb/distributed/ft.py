@@ -58,7 +58,7 @@ class TorchFT(Strategy):
         self.within,self.shard,self.inner,self.group_rank,self.group_world = within,shard,None,0,1
         self.timeout,self.quorum_timeout,self.connect_timeout = timeout,quorum_timeout,connect_timeout
         self.allow_untested,self.manager,self.learn = allow_untested,None,None
-        self._ready,self._received,self._rng,self._first_fit,self.rank = False,None,None,True,0
+        self._ready,self._received,self._replica,self._first_fit,self.rank = False,None,None,True,0
 
     @property
     def needs_group(self):
@@ -105,7 +105,9 @@ class TorchFT(Strategy):
     def after_validate(self, learn): self._within().after_validate(learn)
     def casts_model(self, dtype): return self._within().casts_model(dtype)
 
-    def callbacks(self): return [ReplicaCallback(self)]
+    def callbacks(self):
+        self._replica = ReplicaCallback(self)        # its `rng`: the random state before this batch
+        return [self._replica]
 
     def logger_for(self, logger):
         "The replica that is first in the latest quorum prints and writes"
@@ -192,8 +194,8 @@ class TorchFT(Strategy):
 
     def quorum_share(self, n, joins=True, again=False):
         """`(lo, hi)`: the items of this step's batch of `n` this replica computes, after the step's quorum.
-        `joins=False` inside a batch (a later turn, a closure's call), whose start a replica joining then
-        would have missed: no quorum, unless to try `again`, and then of the last quorum's replicas only"""
+        `joins=False` inside a batch (a later turn, a closure's call; a replica joining would miss its start):
+        no quorum, unless to try `again`, and then of the last quorum's replicas only"""
         if self._ready: self._ready = False          # the quorum `join` formed, before the fit's first batch
         elif self._quorum_due and (joins or again): self._quorum(shrink_only=not joins)
         m = self.manager
@@ -209,7 +211,7 @@ class TorchFT(Strategy):
         state = local_shards(learn.state_dict(live=True))   # with what callbacks have pending
         state['loop'] = {**state['loop'], 'iter': learn.iter - 1}
         state['at'] = 'batch'
-        if self._rng is not None: state['rng'] = self._rng      # as before this batch was read
+        if self._replica.rng is not None: state['rng'] = self._replica.rng     # as before this batch was read
         return state
 
     def averages_over(self):
@@ -338,9 +340,7 @@ class FaultTolerantStep(Step):
         "This replica's part of the global batch: the items of its share over the batch's"
         return self._own / self._whole
 
-    def run_loss(self):
-        "The global batch's loss, which the sum over the quorum made `learn.loss`"
-        return self.learn.loss
+    def run_loss(self): return self.learn.loss     # the global batch's: the sum over the quorum made it
 
     def backward(self):
         "This replica's share of the backward, weighted by its part of the batch (FSDP's: a collective)"
@@ -416,7 +416,7 @@ def fault_tolerant(step_class):
 class ReplicaCallback(Callback):
     "The replica's part of a fit under `TorchFT`: the first quorum and heal, the random state before each batch, the step"
     order = Order.REPLICA      # after a checkpoint's restore: a live peer's state is newer
-    def __init__(self, strategy): self.strategy,self.heal = strategy,None
+    def __init__(self, strategy): self.strategy,self.heal,self.rng = strategy,None,None
 
     def before_fit(self):
         "Join the run: a replica behind the others takes a live peer's state and starts where they are"
@@ -443,7 +443,7 @@ class ReplicaCallback(Callback):
         self.heal = None
 
     def before_fetch(self):
-        if self.learn.training: self.strategy._rng = rng_state()
+        if self.learn.training: self.rng = rng_state()
 
     def make_step(self): return fault_tolerant(self.learn.step_class)(self.learn, self.strategy)
 
