@@ -28,7 +28,7 @@ from .progress import *
 from .preds import *
 from .state import *
 from .resume import resume_cbs, resumed_from
-from .sampler import rows_left, take_order, give_order_back
+from .sampler import steered_batches, take_order, give_order_back
 from .step import *
 from .ranks import refuse
 from .strategy import SingleProcess
@@ -180,15 +180,10 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             except RollbackException as e: start = e.start
 
     def _run_batches(self, start):
-        "`one_batch` on the batches of `self.dl` from `start` but `skipped_batches`, without `skipped_items`"
-        training = self.training
-        skip = {i for e,i in self.skipped_batches if e == self.epoch} if training else ()
+        "`one_batch` on the batches of `self.dl` from `start`, as the guards steer them (`steered_batches`)"
         i = start - 1
-        for i,b in enumerate(self._batches(start), start):
-            if i in skip: continue
-            if training and self.skipped_items: b = rows_left(self.dls.train, i, b, self.skipped_items)
-            if b is None: self.skipped_batches = (*self.skipped_batches, (self.epoch, i))    # no row left
-            else: self.one_batch(i, b)
+        for i,b in steered_batches(self, self._batches(start), start):
+            if b is not None: self.one_batch(i, b)
         if i < 0: raise ValueError(f"the dataloader {self.dl!r} yielded no batches: check its dataset and sampler")
 
     def one_batch(self, i, b):

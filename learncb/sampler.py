@@ -6,8 +6,9 @@ Docs: https://learncb.github.io/learncb/sampler.html.md"""
 
 # %% auto #0
 __all__ = ['RowsOut', 'ResumableSampler', 'has_state', 'sampler_of', 'cannot_resume_reason', 'data_shape', 'batch_items',
-           'rows_out', 'rows_kept', 'rows_left', 'user_train_dl', 'resumable_sampler', 'resumable_dataloader',
-           'restore_order', 'take_order', 'give_order_back', 'epoch_start_state', 'replayed_from']
+           'rows_out', 'rows_kept', 'rows_left', 'steered_batches', 'user_train_dl', 'resumable_sampler',
+           'resumable_dataloader', 'restore_order', 'take_order', 'give_order_back', 'epoch_start_state',
+           'replayed_from']
 
 # %% ../nbs/16e_sampler.ipynb #5be1e0d9
 import math
@@ -173,6 +174,20 @@ def rows_left(dl, i, b, items):
     n = len(sampler_of(dl).batch_rows(i, dl.batch_size))
     keep = torch.tensor([j for j in range(n) if j not in out[i]])
     return map_tensors(lambda t: t[keep.to(t.device)] if t.ndim and len(t) == n else t, b)
+
+def steered_batches(learn, batches, start):
+    """`(i, batch)` for `batches` of `learn`'s phase from batch `start`, as the guards steer them: `None`
+    for a batch left out (`learn.skipped_batches`), the others without the rows left out
+    (`learn.skipped_items`); a batch with no row left (or none fetched) joins the batches left out. The
+    loop's one source of batches"""
+    training = learn.training
+    skip = {i for e,i in learn.skipped_batches if e == learn.epoch} if training else ()
+    for i,b in enumerate(batches, start):
+        if i in skip: b = None
+        else:
+            if training and learn.skipped_items: b = rows_left(learn.dls.train, i, b, learn.skipped_items)
+            if b is None: learn.skipped_batches = (*learn.skipped_batches, (learn.epoch, i))    # no row left
+        yield i,b
 
 def user_train_dl(learn):
     "The training dataloader the user gave: under a strategy that shards it, not this rank's share of it"
