@@ -250,7 +250,7 @@ class Step:
         opt = self.turn_opt()
         if self._on_whole: return _opt_params(opt)          # a closure's step on whole parameters: theirs
         params = self._params.get(id(opt))
-        if params is None: params = self._params[id(opt)] = [p for g in opt.param_groups for p in g['params']]
+        if params is None: params = self._params[id(opt)] = _opt_params(opt)
         return params
 
     def turn_opt(self):

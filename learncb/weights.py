@@ -55,7 +55,7 @@ class WeightsHost:
         if created: self.create_opt()
         opt = self.opt
         before = opt.state,opt.param_groups
-        keys = [set(g) for g in opt.param_groups]      # each group's, not `defaults` (which may hold more: LBFGS's)
+        keys = [set(g) for g in opt.param_groups]     # each group's, not `defaults` (LBFGS's hold more)
         def undo():
             if created: self.opt = None
             else: opt.state,opt.param_groups = before

@@ -85,7 +85,7 @@ def test_save_load_roundtrip_and_errors(tmp_path):
     with pytest.raises(ValueError, match=r"saved from a different model: missing keys \['0.weight'"): other.load('model')
 
 def test_an_lbfgs_and_a_several_optimizers_state_load_back(tmp_path):
-    "LBFGS's groups hold fewer keys than its defaults after a step; each of several optimizers' groups its own keys"
+    "LBFGS's groups hold fewer keys than its defaults after a step; several optimizers' groups, each its own"
     from functools import partial
     lbfgs = synth_learner(path=tmp_path, opt_func=partial(torch.optim.LBFGS, max_iter=2), lr=0.1)
     two = synth_learner(path=tmp_path, splitter=lambda m: {'a': [m.weight], 'b': [m.bias]},

@@ -271,7 +271,8 @@ class AutoMicrobatch(Callback):
         outs,grad_outs = zip(*[(t, l.grad) for _,t,l in leaves if l.grad is not None])
         try:
             if any(p.grad is not None for p in params): return torch.autograd.grad(outs, params, grad_outs, allow_unused=True)
-            try: torch.autograd.backward(outs, grad_outs, inputs=params)   # into theirs alone (not other turns')
+            # into theirs alone (with turns, not into the other optimizers' parameters)
+            try: torch.autograd.backward(outs, grad_outs, inputs=params)
             except BaseException:
                 for p in params: p.grad = None                 # the part it did
                 raise

@@ -46,7 +46,8 @@ two_opts = {'splitter': lambda m: {'body': m.body.parameters(), 'head': m.head.p
 def learner(inject=None, world=1, path='.', turns=False):
     torch.manual_seed(0)
     cls,kwargs = (TurnsLearner, two_opts) if turns else (Learner, {})
-    learn = cls(data(world), Classifier(inject), nn.CrossEntropyLoss(), lr=1e-3, device='cpu', path=path, **kwargs)
+    learn = cls(data(world), Classifier(inject), nn.CrossEntropyLoss(), lr=1e-3, device='cpu', path=path,
+                **kwargs)
     learn.remove_cb(ProgressCallback)
     learn.logger = lambda row: None
     return learn

@@ -78,14 +78,14 @@ def test_under_fsdp_a_rank_whose_memory_is_capped_splits_alone_and_takes_the_sam
 @pytest.mark.slow
 @pytest.mark.parametrize('strategy', ['one', 'ddp', 'fsdp'])
 def test_with_turns_each_turn_splits_alike_and_steps_its_own_optimizer(tmp_path, strategy):
-    """Two optimizers in turn (the body's, the head's), rank 1's batches over 100 items out of memory (injected):
-    each turn's forward and backward split, its own optimizer's gradients alone, the fit's weights those of the fit
-    that did not split"""
+    """Two optimizers in turn (the body's, the head's), rank 1's batches over 100 items out of memory
+    (injected): each turn's forward and backward split, its own optimizer's gradients alone, the fit's weights
+    those of the fit that did not split"""
     nproc, how = (1, ()) if strategy == 'one' else (2, ('--strategy', strategy))
     rc, err = run(tmp_path/'ref', '--turns', *how, nproc=nproc)
     assert rc == 0, err[-3000:]
-    rc, err = run(tmp_path/'auto', '--turns', '--auto', '--inject', '100', '--inject-rank', str(nproc - 1), *how,
-                  nproc=nproc)
+    inject = ('--inject', '100', '--inject-rank', str(nproc - 1))
+    rc, err = run(tmp_path/'auto', '--turns', '--auto', *inject, *how, nproc=nproc)
     assert rc == 0, err[-3000:]
     for rank in range(nproc):
         ref, auto = result(tmp_path/'ref', rank), result(tmp_path/'auto', rank)

@@ -120,10 +120,10 @@ def test_a_kill_in_any_stage_neither_repeats_nor_loses_a_step(tmp_path, lighthou
 
 @pytest.mark.slow
 @pytest.mark.parametrize('step,stage', [('turns', 'turn2'), ('closure', 'closure')])
-def test_a_kill_inside_a_batch_a_later_turn_or_a_closure_call_loses_nothing(tmp_path, lighthouse, step, stage):
-    """Several optimizers in turn, killed in the second turn's backward (the first committed); LBFGS, killed in a
-    call of its closure: the survivor computes that turn or call again alone, the restarted one joins at a later
-    batch's start and heals; both end as the plain fit"""
+def test_a_kill_in_a_later_turn_or_a_closure_call_loses_nothing(tmp_path, lighthouse, step, stage):
+    """Several optimizers in turn, killed in the second turn's backward (the first committed); LBFGS, killed
+    in a call of its closure: the survivor computes that turn or call again alone, the restarted one joins at
+    a later batch's start and heals; both end as the plain fit"""
     res = run_forked(SCRIPT, tmp_path/'plain', '--plain', '--step', step, timeout=WAIT)
     assert res.returncode == 0, res.stderr[-3000:]
     plain = result(tmp_path/'plain', 'plain')
@@ -297,7 +297,7 @@ def test_a_quorum_that_does_not_form_says_which_timeout_expired(monkeypatch):
         fit_torchft(monkeypatch, replica_env(lh, 0, 2), TorchFT(quorum_timeout=2))
 
 def test_a_compiled_step_compiles_the_model_inside_the_fault_tolerant_step(monkeypatch):
-    "learn.compile(step=True) under torchft: the model compiled inside the fault-tolerant step; learn.model plain"
+    "learn.compile(step=True) under torchft: the model compiled inside the fault-tolerant step"
     from test_step import AtThirdBatch
     with Lighthouse() as lh:
         learn = tiny_learner()
