@@ -1,4 +1,4 @@
-"""The checks of the parts a `Learner` is given (model, loss, optimizer, metrics, splitter), each failing where the part is given, naming the value and the fix.
+"""Checks of what a `Learner` is given (model, loss, optimizer, metrics, splitter), naming value and fix.
 
 Docs: https://learncb.github.io/learncb/checks.html.md"""
 
@@ -33,16 +33,19 @@ def check_loss_func(loss_func, allow_none=False):
     "`loss_func` if it is a function `loss_func(pred, *yb)` or a loss module instance, not a class"
     if loss_func is None and allow_none: return loss_func
     if isinstance(loss_func, type): raise TypeError(
-        f"loss_func must be a loss function or an instance of a loss class, not the class {loss_func.__name__}: "
+        f"loss_func must be a loss function or an instance of a loss class, not the class "
+        f"{loss_func.__name__}: "
         f"call it, loss_func={_call_of(loss_func)}")
     if not callable(loss_func): raise TypeError(
-        f"loss_func must be a function loss_func(pred, *yb) returning a scalar tensor, like nn.CrossEntropyLoss() "
+        f"loss_func must be a function loss_func(pred, *yb) returning a scalar tensor, like "
+        f"nn.CrossEntropyLoss() "
         f"or F.cross_entropy, not {loss_func!r}")
     return loss_func
 
 # %% ../nbs/01b_checks.ipynb #a6bddcd0
 def is_optimizer(o):
-    "Whether `o` is an optimizer already made (it has `param_groups` and `step`), not a function that makes one"
+    """Whether `o` is an optimizer already made (it has `param_groups` and `step`), not a function that makes
+    one"""
     return not isinstance(o, type) and hasattr(o, 'param_groups') and callable(getattr(o, 'step', None))
 
 def check_opt_func(opt_func):
@@ -54,8 +57,10 @@ def check_opt_func(opt_func):
         return opt_func
     if is_optimizer(opt_func):
         name = type(opt_func).__name__
-        raise TypeError(f"opt_func must be a function that makes an optimizer from the model's parameters, not the "
-                        f"optimizer {name} already made: pass opt_func=torch.optim.{name} (options in a partial: "
+        raise TypeError(f"opt_func must be a function that makes an optimizer from the model's parameters, "
+                        f"not the "
+                        f"optimizer {name} already made: pass opt_func=torch.optim.{name} (options in a "
+                        f"partial: "
                         f"partial(torch.optim.{name}, momentum=0.9)), or set learn.opt = <your optimizer>")
     if not callable(opt_func): raise TypeError(
         f"opt_func must be a function that makes an optimizer, like torch.optim.AdamW, not {opt_func!r}")
@@ -65,17 +70,20 @@ def _check_metric(m):
     if isinstance(m, str):
         known = callable(getattr(importlib.import_module('learncb.metrics'), m, None))
         fix = f"from learncb.metrics import {m}; metrics={m}" if known else "from learncb.metrics import accuracy"
-        raise TypeError(f"metrics must be functions f(pred, *yb) or metric objects, not the string {m!r}: pass the "
+        raise TypeError(f"metrics must be functions f(pred, *yb) or metric objects, not the string {m!r}: "
+                        f"pass the "
                         f"function itself ({fix})")
     if isinstance(m, type): raise TypeError(f"metrics must be functions or metric objects, not the class "
                                             f"{m.__name__}: pass an instance, {m.__name__}(...)")
     protocols = (('update', 'compute', 'reset'), ('reset', 'accumulate'))     # torchmetrics', fastai's
     if not (callable(m) or any(all(callable(getattr(m, a, None)) for a in p) for p in protocols)):
-        raise TypeError(f"metrics must be functions f(pred, *yb) -> scalar, objects with update/compute/reset (like "
+        raise TypeError(f"metrics must be functions f(pred, *yb) -> scalar, objects with "
+                        f"update/compute/reset (like "
                         f"torchmetrics) or with reset/accumulate/value (like fastai's), not {m!r}")
 
 def check_metrics(metrics):
-    "`metrics` as a list (`None`: none), each a function `f(pred, *yb)` or an object with `update`/`compute`/`reset`"
+    """`metrics` as a list (`None`: none), each a function `f(pred, *yb)` or an object with
+    `update`/`compute`/`reset`"""
     metrics = list(metrics) if isinstance(metrics, (list, tuple)) else [] if metrics is None else [metrics]
     for m in metrics: _check_metric(m)
     return metrics
@@ -90,7 +98,8 @@ def default_lr(opt_func, lr=None):
     given = getattr(opt_func, 'keywords', {}).get('lr')
     if given is None: return 1e-3 if lr is None else lr
     if lr is not None and lr != given:
-        warn_user(f"Learner(lr={lr!r}) and the opt_func's lr={given!r}: the opt_func's is used, as in fastai; "
+        warn_user(f"Learner(lr={lr!r}) and the opt_func's lr={given!r}: the opt_func's is used, as in "
+                  f"fastai; "
                       f"give the lr in one place (fit(lr=...) still overrides both)")
     return given
 
@@ -102,60 +111,77 @@ def check_splitter(splitter):
 
 # %% ../nbs/01b_checks.ipynb #eef5a72e
 def _data_kind(dl):
-    "What `dl` is when it is data rather than a dataloader (a tensor, an array, a dataset, an iterator), else `None`"
+    """What `dl` is when it is data rather than a dataloader (a tensor, an array, a dataset, an iterator),
+    else `None`"""
     if isinstance(dl, torch.Tensor): return f"a tensor of shape {tuple(dl.shape)}", "data"
     if type(dl).__module__.split('.')[0] == 'numpy': return f"a numpy {type(dl).__name__}", "data"
     if isinstance(dl, Iterator): return f"a {type(dl).__name__}", "once"
-    if isinstance(dl, Dataset) and not isinstance(dl, IterableDataset): return f"the dataset {type(dl).__name__}", "items"
+    if isinstance(dl, Dataset) and not isinstance(dl, IterableDataset):
+        return f"the dataset {type(dl).__name__}", "items"
     return None
 
 _fixes = {
     'data': "DataLoaders(train, valid) takes dataloaders, not tensors: wrap them, e.g. "
             "DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)",
-    'once': "it is an iterator, which can be read only once, so the second epoch would have no batch: pass what can be "
+    'once': "it is an iterator, which can be read only once, so the second epoch would have no batch: pass "
+            "what can be "
             "read again every epoch, such as a torch DataLoader or a list of batches",
-    'items': "a dataset gives single items, not batches: wrap it, DataLoader(dataset, batch_size=64, shuffle=True)"}
+    'items': "a dataset gives single items, not batches: wrap it, DataLoader(dataset, batch_size=64, "
+             "shuffle=True)"}
 
 def check_dataloader(dl, what='training'):
-    "`dl` if it can be a dataloader of a learner (batches, read again every epoch): not a tensor, dataset or iterator"
+    """`dl` if it can be a dataloader of a learner (batches, read again every epoch): not a tensor, dataset or
+    iterator"""
     kind = _data_kind(dl)
     if kind is None: return dl
     raise TypeError(f"the {what} dataloader is {kind[0]}: {_fixes[kind[1]]}")
 
 # %% ../nbs/01b_checks.ipynb #e9875424
 def check_computes_loss(model, label_key='labels', n_inp=1):
-    "Without a `loss_func` the model computes the loss: refuse a model whose `forward` can take neither the labels nor `n_inp > 1` inputs"
+    """Without a `loss_func` the model computes the loss: refuse a model whose `forward` can take neither the
+    labels nor `n_inp > 1` inputs"""
     model = plain_model(model)
     try: params = inspect.signature(model.forward).parameters.values()
     except (TypeError, ValueError): return                  # no signature to read: the first batch will tell
     if any(p.kind is p.VAR_KEYWORD or p.name == label_key for p in params): return
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,
+                                                  p.VAR_POSITIONAL)]
     if n_inp > 1 and (len(positional) >= n_inp or any(p.kind is p.VAR_POSITIONAL for p in positional)): return
     raise ValueError(f"this Learner has no loss_func, and {type(model).__name__}.forward takes no "
-                     f"{label_key!r} argument and n_inp={n_inp}, so the model gets no targets to compute a loss "
-                     f"itself (as transformers models do from a dict batch with {label_key!r}): pass one, e.g. "
-                     f"Learner(dls, model, loss_func=nn.CrossEntropyLoss()); or, for a model that takes its targets "
+                     f"{label_key!r} argument and n_inp={n_inp}, so the model gets no targets to compute a "
+                     f"loss "
+                     f"itself (as transformers models do from a dict batch with {label_key!r}): pass one, "
+                     f"e.g. "
+                     f"Learner(dls, model, loss_func=nn.CrossEntropyLoss()); or, for a model that takes its "
+                     f"targets "
                      f"as inputs (forward(x, targets)) and returns its loss, count them in n_inp (n_inp=2)")
 
 def meta_tensors(model):
-    "The names of `model`'s parameters and buffers on the `meta` device: shapes without data (lazy layers aside)"
+    """The names of `model`'s parameters and buffers on the `meta` device: shapes without data (lazy layers
+    aside)"""
     tensors = itertools.chain(model.named_parameters(), model.named_buffers())
-    return [n for n,t in tensors if t.is_meta and not isinstance(t, torch.nn.parameter.UninitializedTensorMixin)]
+    return [n for n,t in tensors if t.is_meta and not isinstance(t,
+                                                                 torch.nn.parameter.UninitializedTensorMixin)]
 
 def check_materialized(model):
     "`model` if its parameters and buffers hold data: none of them on the `meta` device"
     meta = meta_tensors(model)
     if not meta: return model
-    raise ValueError(f"the model's tensors {short_list(meta, 6)} are on the meta device: they have shapes but no data, so training "
+    raise ValueError(f"the model's tensors {short_list(meta, 6)} are on the meta device: they have shapes "
+                     f"but no data, so training "
                      f"them would compute nothing. Give them storage and values before fitting: "
-                     f"model.to_empty(device='cpu') (or 'cuda'), then load the weights (model.load_state_dict(...)) "
+                     f"model.to_empty(device='cpu') (or 'cuda'), then load the weights "
+                     f"(model.load_state_dict(...)) "
                      f"or initialise each layer (reset_parameters())")
 
 # %% ../nbs/01b_checks.ipynb #0891d66e
 def check_has_len(dl, who):
-    "`dl` if it has a `len`, which a schedule of the fraction of training done needs; else a `ValueError` naming `who`"
+    """`dl` if it has a `len`, which a schedule of the fraction of training done needs; else a `ValueError`
+    naming `who`"""
     if n_batches(dl) is not None: return dl
-    raise ValueError(f"{who}: the training dataloader ({type(dl).__name__}) has no len(), so the fraction of training "
-                     f"done (learn.pct_train) is unknown and the schedule would stay at its start: give it a length "
+    raise ValueError(f"{who}: the training dataloader ({type(dl).__name__}) has no len(), so the fraction of "
+                     f"training "
+                     f"done (learn.pct_train) is unknown and the schedule would stay at its start: give it a "
+                     f"length "
                      f"(a dataset with __len__, an IterableDataset too), or schedule by optimizer steps with "
                      f"LRSchedulerCallback or WarmupCallback, which need none")

@@ -1,4 +1,4 @@
-"""The vocabulary of learncb: the events the loop fires, the exceptions that steer it, and the `Callback` that listens.
+"""learncb's vocabulary: the events the loop fires, the exceptions that steer it, the `Callback` that listens.
 
 Docs: https://learncb.github.io/learncb/core.html.md"""
 
@@ -81,7 +81,8 @@ _events = [line for line in loop_outline if _is_event(line)]
 # Events fired once per batch: the ones `run_train`/`run_valid` apply to
 batch_events = frozenset(_batch_order := _batch_loop_events(loop_outline))
 # The events a step fires, in order: from `after_pred` to `after_step` (a cancel's events aside)
-step_events = tuple(e for e in _batch_order[_batch_order.index('after_pred'):_batch_order.index('after_step') + 1]
+step_events = tuple(e for e in _batch_order[
+    _batch_order.index('after_pred'):_batch_order.index('after_step') + 1]
                     if not e.startswith('after_cancel_'))
 # The stages that a cancel exception can end, with their events: `stage -> (before, after_cancel, after)`
 _stages = [e.removeprefix('after_cancel_') for e in _events if e.startswith('after_cancel_')]
@@ -154,21 +155,25 @@ on_test_end                    after_validate     Keras
 on_exception                   after_exception    Lightning, fastNLP
 on_stop_training_error         after_exception    pytorch-accelerated
 '''
-# One row per place: a name another library gives a handler, the learncb event where that library fires it, the
+# One row per place: a name another library gives a handler, the learncb event where that library fires it,
+# the
 # libraries that fire it there (the same name may mean different places in different libraries)
-_foreign_rows = [tuple(re.split(r'\s{2,}', line.strip(), maxsplit=2)) for line in _foreign_table.strip().splitlines()]
+_foreign_rows = [tuple(re.split(r'\s{2,}', line.strip(), maxsplit=2)) for line
+                 in _foreign_table.strip().splitlines()]
 foreign_events = {}             # `library -> {handler name: the learncb event where the library fires it}`
 for _name,_ev,_libs in _foreign_rows:
     for _lib in _libs.split(', '): foreign_events.setdefault(_lib, {})[_name] = _ev
 
 def foreign_meanings(name):
-    "`[(event, libraries)]`: where the libraries that name a handler `name` fire it, as learncb events (`[]`: none does)"
+    """`[(event, libraries)]`: where the libraries that name a handler `name` fire it, as learncb events
+    (`[]`: none does)"""
     return [(ev, libs) for n,ev,libs in _foreign_rows if n == name]
 
 # %% ../nbs/00_core.ipynb #cdcae6f6
-@functools.lru_cache(maxsize=4096)          # asked again for the same method names at every fit: answered once
+@functools.lru_cache(maxsize=4096)  # asked again for the same method names at every fit: answered once
 def closest_event(name, cutoff=0.75):
-    "The event `name` most likely means: another library's (the first of `foreign_meanings`), else the closest name, else `None`"
+    """The event `name` most likely means: another library's (the first of `foreign_meanings`), else the
+    closest name, else `None`"""
     for foreign in (name, f'on_{name}'):                   # 'batch_end': 'on_batch_end'
         if (meanings := foreign_meanings(foreign)): return meanings[0][0]
     for suffix,prefix in (('_end', 'after_'), ('_begin', 'before_'), ('_start', 'before_')):
@@ -177,12 +182,15 @@ def closest_event(name, cutoff=0.75):
     return match[0] if match else None
 
 def did_you_mean(name, cutoff=0.75):
-    "`'; did you mean ...?'` naming the closest event, or for another library's name where each library fires it; or `''`"
+    """`'; did you mean ...?'` naming the closest event, or for another library's name where each library
+    fires it; or `''`"""
     meanings = foreign_meanings(name)
     fire = lambda libs: f"{libs} fire{'' if ', ' in libs else 's'}"
-    if len(meanings) == 1: return f"; did you mean {meanings[0][0]!r}? ({fire(meanings[0][1])} {name!r} there)"
+    if len(meanings) == 1:
+        return f"; did you mean {meanings[0][0]!r}? ({fire(meanings[0][1])} {name!r} there)"
     if meanings:
-        places = [f"{ev!r} (where {fire(libs)} {'it' if i else repr(name)})" for i,(ev,libs) in enumerate(meanings)]
+        places = [f"{ev!r} (where {fire(libs)} {'it' if i else repr(name)})" for i,(ev,libs)
+                  in enumerate(meanings)]
         return f"; did you mean {' or '.join(places)}?"
     close = closest_event(name, cutoff)
     return '' if close is None else f"; did you mean {close!r}?"
@@ -217,7 +225,8 @@ class CancelEpochException(CancelException):
 class CancelFitException(CancelException):
     "Stop training now: `after_cancel_fit` then `after_fit` fire"
 class RollbackException(Exception):
-    "Raised by a callback that put the run back as it was before training batch `start` of this epoch: the loop goes on from there (not a cancel: nothing is skipped)"
+    """Raised by a callback that put the run back as it was before training batch `start` of this epoch: the
+    loop goes on from there (not a cancel: nothing is skipped)"""
     def __init__(self, start, *args): super().__init__(*args); self.start = start
 
 loop_signals = (CancelException, RollbackException)
@@ -251,14 +260,16 @@ def check_order(cb, order):
         if not isinstance(order, bool): return operator.index(order)
     except TypeError: pass
     raise TypeError(f"{cb!r}: order must be an int, not {order!r} (callbacks run in increasing order: "
-                    f"TrainEvalCallback is -10, Recorder 50, trackers 60; the default is 0; Order names them, "
+                    f"TrainEvalCallback is -10, Recorder 50, trackers 60; the default is 0; Order names "
+                    f"them, "
                     f"e.g. order = Order.RECORDER + 1)")
 
 # %% ../nbs/00_core.ipynb #958cccb6
 class Order:
-    "Named places in the order callbacks run in (lower first; equal orders keep the order callbacks were added in)"
+    """Named places in the order callbacks run in (lower first; equal orders keep the order callbacks were
+    added in)"""
     FIRST = -100          # sees every event before any other callback (test_utils.EventLog)
-    SETUP = -20           # sets the fit up before anyone reads it: DDP/FSDP wrapping, device moves, the profiler
+    SETUP = -20  # sets the fit up before anyone reads it: DDP/FSDP wrapping, device moves, the profiler
     COMPILE = -15         # compiles or hooks the model the fit will run
     TRAIN_EVAL = -10      # TrainEvalCallback: the counters, train or eval mode
     WARMUP = -5           # before the schedules: warm-up, throughput timing
@@ -266,10 +277,11 @@ class Order:
     ACCUMULATE = 5        # GradientAccumulation: cancels steps before the others see them
     MIXED_PRECISION = 10  # MixedPrecision: scales the loss and unscales the gradients
     CLIP = 20             # GradientClip: after the gradients are unscaled
-    STEP = 30             # before_step from here on: only steps that are taken, on the gradients the optimizer uses
+    STEP = 30  # before_step from here on: only steps that are taken, on the gradients the optimizer uses
     EVALUATE = 40         # EvaluateCallback: adds columns before the Recorder writes the row
     RECORDER = 50         # Recorder: losses, metrics, the epoch's row
-    NAN_GUARD = 55        # unused by learncb now (TerminateOnNaNCallback is a guard, at GUARD); kept for orders set by it
+    # unused by learncb now (TerminateOnNaNCallback is a guard, at GUARD); kept for orders set by it
+    NAN_GUARD = 55
     TRACKER = 60          # monitors (early stopping, save best): read the Recorder's row
     PROGRESS = 60         # ProgressCallback: draws the row
     LOGGER = 70           # loggers and experiment trackers: write what the Recorder and the bars have
@@ -286,7 +298,8 @@ class Order:
 class Callback:
     "Base class of callbacks: methods named like events run when the learner fires those events"
     order = Order.DEFAULT
-    "Where it runs among the callbacks: lower first (see `Order`); equal orders keep the order they were added in"
+    """Where it runs among the callbacks: lower first (see `Order`); equal orders keep the order they were
+    added in"""
     run = True
     "`False`: it sits out the rest of this fit (set back to `True` when the fit ends)"
     run_train = True
@@ -296,15 +309,18 @@ class Callback:
     rank0_only = False
     "`True`: in a distributed run only rank 0 runs it (it draws or logs)"
     removable_in_fit = True
-    "`False`: `learn.remove_cb` refuses it during a fit, since the loop or other callbacks read it until the end"
+    """`False`: `learn.remove_cb` refuses it during a fit, since the loop or other callbacks read it until the
+    end"""
     remove_on_fetch = False
     "`True`: set aside while `FetchPredsCallback` runs its own `get_preds`"
     remove_on_lr_find = False
     "`True`: left out of `learn.lr_find` (it would act on the diverging loss)"
     compiled_events = ()
-    "Events inside the step whose handlers are tensor code that `learn.compile(step=True)` traces into the compiled step"
+    """Events inside the step whose handlers are tensor code that `learn.compile(step=True)` traces into the
+    compiled step"""
     deferred_events = ()
-    "Events (`after_pred`, `after_loss`, `after_step`) whose handlers may run eagerly right after a compiled step"
+    """Events (`after_pred`, `after_loss`, `after_step`) whose handlers may run eagerly right after a compiled
+    step"""
     takes_turns = True
     """Whether its handlers mean the same when several optimizers train in turn on each batch (`Step.turns`:
     the step's events fire once per turn); `False` refuses such a fit before its first batch"""
@@ -316,10 +332,12 @@ class Callback:
             if k in _dispatch_attrs or k == 'name': setattr(self, '_name' if k == 'name' else k, fn)
             elif k in event: setattr(self, k, MethodType(fn, self))
             else: raise TypeError(f"Callback() got an unknown keyword {k!r}{did_you_mean(k)} "
-                                  f"(keywords are event names, 'order', 'run', 'run_train', 'run_valid' or 'name')")
+                                  f"(keywords are event names, 'order', 'run', 'run_train', 'run_valid' or "
+                                  f"'name')")
 
     def __call__(self, event_name):
-        "Call the handler of `event_name` if this callback has one, honouring `run`, `run_train` and `run_valid`"
+        """Call the handler of `event_name` if this callback has one, honouring `run`, `run_train` and
+        `run_valid`"""
         if not self.takes_part(event_name, getattr(self.learn, 'training', False)): return
         if name_is_own(self, event_name): return getattr(self, event_name)()
 
@@ -344,7 +362,8 @@ class Callback:
         if name in _dispatch_attrs: return self._set_dispatch_attr(name, value)
         if self._shadows(name): warnings.warn(
             f"{type(self).__name__}: assigning self.{name} creates an attribute on the callback that shadows "
-            f"learn.{name}; to change the learner's value write self.learn.{name} = ...", UserWarning, stacklevel=2)
+            f"learn.{name}; to change the learner's value write self.learn.{name} = ...", UserWarning,
+            stacklevel=2)
         object.__setattr__(self, name, value)
 
     def _shadows(self, name):
@@ -366,13 +385,15 @@ class Callback:
 
     def misspelled_handlers(self):
         "`(method, closest_event)` for each method named like a misspelled event or another library's event"
-        methods = {n for c in type(self).__mro__ if c is not Callback for n,v in vars(c).items() if callable(v)}
+        methods = {n for c in type(self).__mro__ if c is not Callback for n,v in vars(c).items()
+                   if callable(v)}
         methods |= {n for n,v in vars(self).items() if isinstance(v, MethodType)}
         return [(m,close) for m in sorted(methods) if m not in event and not m.startswith('_')
                 and (close := closest_event(m, cutoff=0.85))]
 
     def make_step(self):
-        "The `Step` this callback wants the fit to run (`learn.compile(step=True)`'s compiled one), or `None`: asked after `before_fit`"
+        """The `Step` this callback wants the fit to run (`learn.compile(step=True)`'s compiled one), or
+        `None`: asked after `before_fit`"""
         return None
 
     def state_dict(self):
@@ -384,7 +405,8 @@ class Callback:
         for k,v in state.items(): object.__setattr__(self, k, v)
 
     def rank_state(self, states, rank):
-        "The state to load on `rank` when a run resumes on another number of processes, from every saved rank's `states`"
+        """The state to load on `rank` when a run resumes on another number of processes, from every saved
+        rank's `states`"""
         return states[rank] if rank < len(states) else states[0]
 
     def live_state(self):
@@ -396,11 +418,14 @@ class Callback:
     def load_live_state(self, state):
         "Take what a live peer's `live_state` returned (after `load_state_dict` loaded its checkpoint part)"
 
-    def __repr__(self): return type(self).__name__ if self._name is None else f'{type(self).__name__}({self._name!r})'
+    def __repr__(self):
+        return type(self).__name__ if self._name is None else f'{type(self).__name__}({self._name!r})'
 
 # %% ../nbs/00_core.ipynb #100a3833
-fit_attrs = {'epoch': 0, 'n_epoch': 1, 'train_iter': 0, 'pct_train': 0., 'skipped_batches': (), 'skipped_items': ()}
+fit_attrs = {'epoch': 0, 'n_epoch': 1, 'train_iter': 0, 'pct_train': 0., 'skipped_batches': (),
+             'skipped_items': ()}
 "Where a fit is, with the values before any fit: what a checkpoint's loop position restores"
-phase_attrs = {'dl': None, 'iter': 0, 'n_iter': 0, 'batch': None, 'xb': None, 'yb': None, 'pred': None, 'loss': None,
+phase_attrs = {'dl': None, 'iter': 0, 'n_iter': 0, 'batch': None, 'xb': None, 'yb': None, 'pred': None,
+               'loss': None,
                'loss_grad': None, 'step_taken': None}
 "What the current phase and batch hold, with the values before any fit"

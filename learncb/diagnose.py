@@ -19,7 +19,8 @@ from .internals import batchnorm_types
 
 # %% ../nbs/02d_diagnose.ipynb #e023fcd2
 def describe_value(o):
-    "`o` in a few words for an error message: a tensor's shape, a sequence's length, a dict's keys, a number's value"
+    """`o` in a few words for an error message: a tensor's shape, a sequence's length, a dict's keys, a
+    number's value"""
     if isinstance(o, torch.Tensor): return f"a tensor of shape {tuple(o.shape)}"
     if isinstance(o, (tuple, list)):
         what = 'tensors' if o and all(isinstance(t, torch.Tensor) for t in o) else 'elements'
@@ -31,7 +32,8 @@ def describe_value(o):
 
 # %% ../nbs/02d_diagnose.ipynb #79b386d9
 class FailedBatch:
-    "What the loop recorded on an error from a batch: what it was running (`where`), the batch, its index, stage, dl"
+    """What the loop recorded on an error from a batch: what it was running (`where`), the batch, its index,
+    stage, dl"""
     def __init__(self, where): self.where,self.batch,self.iter,self.stage,self.dl = where,None,None,None,None
     def __repr__(self): return f'FailedBatch(where={self.where!r}, iter={self.iter!r}, stage={self.stage!r})'
 
@@ -41,9 +43,11 @@ def failed_batch(e):
     return f if isinstance(f, FailedBatch) and f.stage is not None else None
 
 def note_where(e, where):
-    "Record on `e` what the batch was running when it raised (`'model'`, `'loss'`, ...): the innermost record wins"
+    """Record on `e` what the batch was running when it raised (`'model'`, `'loss'`, ...): the innermost
+    record wins"""
     try:
-        if not isinstance(getattr(e, 'learncb_failure', None), FailedBatch): e.learncb_failure = FailedBatch(where)
+        if not isinstance(getattr(e, 'learncb_failure', None), FailedBatch):
+            e.learncb_failure = FailedBatch(where)
     except AttributeError: pass          # an exception that takes no attributes is left unexplained
 
 def note_batch(e, batch, i, stage, dl):
@@ -54,7 +58,8 @@ def note_batch(e, batch, i, stage, dl):
 
 # %% ../nbs/02d_diagnose.ipynb #5d01fdb1
 def is_oom(e):
-    "Whether `e` is an out-of-memory error: `torch.OutOfMemoryError` (CUDA), or the CPU allocator's `RuntimeError`"
+    """Whether `e` is an out-of-memory error: `torch.OutOfMemoryError` (CUDA), or the CPU allocator's
+    `RuntimeError`"""
     if isinstance(e, (torch.OutOfMemoryError, MemoryError)): return True
     return isinstance(e, RuntimeError) and ("can't allocate memory" in str(e) or 'out of memory' in str(e))
 
@@ -62,19 +67,25 @@ def is_oom(e):
 def _batch_kind_note(b, n_inp):
     if isinstance(b, Mapping): return (
         f"learncb: the batch is {describe_value(b)}. A dict batch goes to the model as keyword arguments, "
-        f"model(**batch), with batch['labels'] (learn.label_key) as the target, as Hugging Face models take them. "
-        f"For a model that takes its inputs by position, give the DataLoader a collate_fn that returns a tuple "
-        f"(inputs first, then targets), e.g. collate_fn=lambda items: tuple(default_collate(items).values()) with "
+        f"model(**batch), with batch['labels'] (learn.label_key) as the target, as Hugging Face models take "
+        f"them. "
+        f"For a model that takes its inputs by position, give the DataLoader a collate_fn that returns a "
+        f"tuple "
+        f"(inputs first, then targets), e.g. collate_fn=lambda items: tuple(default_collate(items).values()) "
+        f"with "
         f"torch.utils.data.default_collate")
     return (f"learncb: the batch is {describe_value(b)}, not a tuple or list. learncb splits a batch into "
             f"xb = batch[:n_inp], the model's inputs, and yb = batch[n_inp:], the targets passed to the loss "
-            f"(n_inp={n_inp}); any other batch is passed whole to the model as its one input, with no target, so no "
-            f"loss can be computed. To use it, make the dataset return (x, y) pairs, or give the DataLoader a "
+            f"(n_inp={n_inp}); any other batch is passed whole to the model as its one input, with no "
+            f"target, so no "
+            f"loss can be computed. To use it, make the dataset return (x, y) pairs, or give the DataLoader "
+            f"a "
             f"collate_fn that returns a tuple")
 
 def _n_inp_note(b, n_inp):
     k,m = len(b[:n_inp]),len(b[n_inp:])
-    fix = (f"if the model takes {len(b) - 1} inputs, pass Learner(..., n_inp={len(b) - 1})" if len(b) > 2 and n_inp == 1
+    fix = (f"if the model takes {len(b) - 1} inputs, pass Learner(..., n_inp={len(b) - 1})" if len(b) > 2
+           and n_inp == 1
            else "pass Learner(..., n_inp=k) for a model that takes k inputs")
     return (f"learncb: the batch has {len(b)} elements and n_inp={n_inp}, so the model got {_n(k, 'input')}, "
             f"model(*batch[:{n_inp}]), and the loss got pred and {_n(m, 'target')}, "
@@ -83,11 +94,14 @@ def _n_inp_note(b, n_inp):
 def _n(k, noun): return f"{k} {noun}{'' if k == 1 else 's'}"
 
 def _is_state_name(name):
-    "Whether a forward's argument is named as a state carried across batches (`hidden`, `state`, `hx`, `mems`, ...)"
-    return 'hid' in name or 'state' in name or name in {'h', 'hx', 'h0', 'hc', 'memory', 'mems', 'carry', 'past'}
+    """Whether a forward's argument is named as a state carried across batches (`hidden`, `state`, `hx`,
+    `mems`, ...)"""
+    return 'hid' in name or 'state' in name or name in {'h', 'hx', 'h0', 'hc', 'memory', 'mems', 'carry',
+                                                        'past'}
 
 def _missing_state(e):
-    "The arguments a `TypeError` says the model's forward missed, when they are named as a state the batch cannot hold"
+    """The arguments a `TypeError` says the model's forward missed, when they are named as a state the batch
+    cannot hold"""
     if not isinstance(e, TypeError): return None
     m = re.search(r"missing \d+ required positional arguments?: (.+)$", str(e))
     names = re.findall(r"'(\w+)'", m.group(1)) if m else []
@@ -95,9 +109,12 @@ def _missing_state(e):
 
 def _state_note(missing):
     args = ', '.join(map(repr, missing))
-    return (f"learncb: the model's forward also takes {args}, which is not in the batch: a state carried from one "
-            f"batch to the next (output, hidden = model(data, hidden))? HiddenStateCallback(init) passes each batch "
-            f"the state the last one returned; for a value the data holds, return it in the batch, before the targets, "
+    return (f"learncb: the model's forward also takes {args}, which is not in the batch: a state carried "
+            f"from one "
+            f"batch to the next (output, hidden = model(data, hidden))? HiddenStateCallback(init) passes "
+            f"each batch "
+            f"the state the last one returned; for a value the data holds, return it in the batch, before "
+            f"the targets, "
             f"and count it in n_inp")
 
 def check_target_shape(pred, yb):
@@ -151,8 +168,10 @@ def _loss_inputs_note(learn, b):
 
 def _loss_value_note(value):
     alone = ' alone' if isinstance(value, (tuple, list, dict)) else ''
-    return (f"learncb: loss_func returned {describe_value(value)}, not a tensor. learncb calls loss.backward() to "
-            f"compute the gradients, so the loss must be the tensor computed from pred: return it{alone} as it is, "
+    return (f"learncb: loss_func returned {describe_value(value)}, not a tensor. learncb calls "
+            f"loss.backward() to "
+            f"compute the gradients, so the loss must be the tensor computed from pred: return it{alone} as "
+            f"it is, "
             f"without .item(), float() or numpy")
 
 def _batchnorm_note(f):
@@ -160,13 +179,16 @@ def _batchnorm_note(f):
     n,bs = len(getattr(dl, 'dataset', ())),getattr(dl, 'batch_size', None)
     where = f"batch {f.iter + 1} of {n_iter}" + (f": {n} items in batches of {bs} leave 1 for the last one"
                                                if bs and n % bs == 1 else '')
-    return (f"learncb: this training batch has 1 item ({where}), and BatchNorm cannot normalise a single item in "
-            f"training mode; pass drop_last=True to the training DataLoader, or pick a batch size that does not "
+    return (f"learncb: this training batch has 1 item ({where}), and BatchNorm cannot normalise a single "
+            f"item in "
+            f"training mode; pass drop_last=True to the training DataLoader, or pick a batch size that does "
+            f"not "
             f"leave one item")
 
 # %% ../nbs/02d_diagnose.ipynb #0c28b82f
 def explain_batch_error(learn, e):
-    "Add notes to `e` in learncb's words when it came from a batch that does not fit the loop (data, model or loss)"
+    """Add notes to `e` in learncb's words when it came from a batch that does not fit the loop (data, model
+    or loss)"""
     try: notes = batch_notes(learn, e)
     except Exception: return                     # an explanation must never hide the error it explains
     for note in notes: add_note(e, note)
@@ -189,7 +211,8 @@ def batch_notes(learn, e):
         notes.append(_n_inp_note(b, learn.n_inp))
     if where == 'loss value' and isinstance(e, AttributeError) and getattr(e, 'name', None) == 'detach':
         notes.append(_loss_value_note(e.obj))
-    if is_oom(e) and f.stage == 'train' and not any(type(cb).__name__ == 'AutoMicrobatch' for cb in learn.cbs):
+    if is_oom(e) and f.stage == 'train' and not any(type(cb).__name__ == 'AutoMicrobatch' for cb
+                                                    in learn.cbs):
         notes.append(_oom_note(f))
     if (where == 'model' and f.stage == 'train' and find_bs(b) == 1
             and any(isinstance(m, batchnorm_types) for m in learn.model.modules())):
@@ -198,28 +221,36 @@ def batch_notes(learn, e):
 
 def _oom_note(f):
     "What to do about a training batch that ran out of memory"
-    return (f"learncb: training batch {f.iter} ran out of memory ({describe_value(f.batch)}). AutoMicrobatch() splits "
-            f"a batch that does not fit into micro-batches whose gradients add up to the whole batch's, so the fit "
+    return (f"learncb: training batch {f.iter} ran out of memory ({describe_value(f.batch)}). "
+            f"AutoMicrobatch() splits "
+            f"a batch that does not fit into micro-batches whose gradients add up to the whole batch's, so "
+            f"the fit "
             f"takes the same steps: learn.fit(..., cbs=AutoMicrobatch()). Or lower the batch size")
 
 # %% ../nbs/02d_diagnose.ipynb #a540eb3e
 def why_no_grad(learn):
     "Why the loss of `learn` has no gradient, and what to do"
     if not torch.is_grad_enabled():
-        return ("the loss has no gradient because gradients are turned off: fit was called inside torch.no_grad() "
+        return ("the loss has no gradient because gradients are turned off: fit was called inside "
+                "torch.no_grad() "
                 "or after torch.set_grad_enabled(False); call it outside")
     params = list(learn.model.parameters())
     if not any(p.requires_grad for p in params):
-        frozen = (f"all its {len(params)} parameter tensors have requires_grad=False (the model is frozen); unfreeze "
+        frozen = (f"all its {len(params)} parameter tensors have requires_grad=False (the model is frozen); "
+                  f"unfreeze "
                   f"what should train, e.g. for p in model.parameters(): p.requires_grad_(True)") if params else \
                  "it has no parameters at all"
         return f"the loss has no gradient because nothing in the model can be trained: {frozen}"
     if not any(t.requires_grad for t in tensors_of(learn.pred)):
-        return ("the loss has no gradient because the model's output has none: its forward detaches its result "
-                "(.detach(), .item(), .numpy(), torch.tensor(...)) or runs under torch.no_grad(); return the output "
+        return ("the loss has no gradient because the model's output has none: its forward detaches its "
+                "result "
+                "(.detach(), .item(), .numpy(), torch.tensor(...)) or runs under torch.no_grad(); return the "
+                "output "
                 "of its layers as it is")
-    return ("the loss has no gradient: loss_func returned a tensor cut off from pred (by .detach(), .item() then "
-            "torch.tensor(...), numpy, or torch.no_grad()); compute it from pred with torch operations and return it "
+    return ("the loss has no gradient: loss_func returned a tensor cut off from pred (by .detach(), .item() "
+            "then "
+            "torch.tensor(...), numpy, or torch.no_grad()); compute it from pred with torch operations and "
+            "return it "
             "as it is")
 
 def device_note(learn, where):
@@ -229,16 +260,19 @@ def device_note(learn, where):
     on_one = f"the model is on {model_devs[0] if model_devs else learn.device}: do not move it during a fit"
     split = on_one if len(model_devs) < 2 else \
             f"the model is split over {', '.join(model_devs)}: put all of it on one device"
-    return (f"learncb: {where} failed with the batch on {', '.join(batch_devs)}; learncb moves batches to the "
+    return (f"learncb: {where} failed with the batch on {', '.join(batch_devs)}; learncb moves batches to "
+            f"the "
             f"device of the model's first parameter, decided when fit starts, and {split} "
             f"(Learner(device=...) moves the whole model).")
 
 _what = {'model': 'the model', 'loss': 'the loss function'}
 
 def note_failure(learn, e, where):
-    "Record on `e` that `where` (`'model'`, `'loss'`) failed, with a note on devices when its error is about them"
+    """Record on `e` that `where` (`'model'`, `'loss'`) failed, with a note on devices when its error is about
+    them"""
     note_where(e, where)
-    if isinstance(e, RuntimeError) and 'device' in str(e) and where in _what: add_note(e, device_note(learn, _what[where]))
+    if isinstance(e, RuntimeError) and 'device' in str(e) and where in _what:
+        add_note(e, device_note(learn, _what[where]))
 
 # %% ../nbs/02d_diagnose.ipynb #68dce2ea
 def missing_labels(b, label_key, own_loss=False):
@@ -255,17 +289,21 @@ def missing_labels(b, label_key, own_loss=False):
             f"{keys}: {fix}")
 
 def no_targets_message(b, n_inp, label_key='labels'):
-    "Why training batch `b` has no loss, though the learner has a `loss_func`: nothing of it is left for targets"
+    """Why training batch `b` has no loss, though the learner has a `loss_func`: nothing of it is left for
+    targets"""
     missing = missing_labels(b, label_key)
     if missing: return "this training batch has no targets for loss_func: " + missing
     n = len(b) if isinstance(b, (tuple, list)) else None
-    got = (f"the batch has {n} elements and n_inp={n_inp}, so all of them are the model's inputs" if n is not None else
+    got = (f"the batch has {n} elements and n_inp={n_inp}, so all of them are the model's inputs"
+           if n is not None else
            f"the batch is {describe_value(b)}, which goes whole to the model as its one input")
     fix = (f"the last elements are the targets, pass Learner(..., n_inp={n - 1})" if n and n > 1 else
            "the batch holds the targets, make it a tuple (inputs, targets)")
-    return (f"this training batch has no targets for loss_func: {got}, and loss_func(pred, *targets) gets none. If "
+    return (f"this training batch has no targets for loss_func: {got}, and loss_func(pred, *targets) gets "
+            f"none. If "
             f"{fix}; if the model takes its targets as inputs and computes its "
-            f"own loss, leave loss_func out (Learner(dls, model, n_inp={n_inp}) without loss_func): learncb then "
+            f"own loss, leave loss_func out (Learner(dls, model, n_inp={n_inp}) without loss_func): learncb "
+            f"then "
             f"reads the loss from the model's output")
 
 def no_model_loss_message(out, loss_key='loss', b=None, label_key='labels'):
@@ -273,8 +311,12 @@ def no_model_loss_message(out, loss_key='loss', b=None, label_key='labels'):
     if missing := missing_labels(b, label_key, own_loss=True):
         return "this Learner has no loss_func, and the model computed no loss for this training batch: " + \
                missing
-    return (f"this Learner has no loss_func, so the loss must come from the model's output, and the model's output "
-            f"(its prediction: {describe_value(out)}) holds no loss (learncb reads a dict's {loss_key!r} entry, an object's "
-            f".{loss_key}, or the one 0-dim tensor of a tuple such as (logits, loss)). Pass a loss_func, e.g. "
-            f"Learner(dls, model, loss_func=nn.CrossEntropyLoss()), or give the model its targets (n_inp counts them "
+    return (f"this Learner has no loss_func, so the loss must come from the model's output, and the model's "
+            f"output "
+            f"(its prediction: {describe_value(out)}) holds no loss (learncb reads a dict's {loss_key!r} "
+            f"entry, an object's "
+            f".{loss_key}, or the one 0-dim tensor of a tuple such as (logits, loss)). Pass a loss_func, "
+            f"e.g. "
+            f"Learner(dls, model, loss_func=nn.CrossEntropyLoss()), or give the model its targets (n_inp "
+            f"counts them "
             f"among its inputs) so that it returns its loss")

@@ -1,4 +1,4 @@
-"""`CallbackHost`, the part of `Learner` that holds the callbacks: adding and removing them, the dispatch tables, firing events, `learn.on`.
+"""`CallbackHost`, the callbacks of `Learner`: adding and removing them, dispatch tables, events, `learn.on`.
 
 Docs: https://learncb.github.io/learncb/dispatch.html.md"""
 
@@ -23,11 +23,13 @@ def check_event_name(name):
     if name in event: return name
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"an event name must be an identifier like 'after_batch', not {name!r}")
-    if closest_event(name, cutoff=0.85): raise ValueError(f"unknown event {name!r}{did_you_mean(name, cutoff=0.85)}")
+    if closest_event(name, cutoff=0.85):
+        raise ValueError(f"unknown event {name!r}{did_you_mean(name, cutoff=0.85)}")
     return name
 
 class _Handlers(dict):
-    "Dispatch table `event name -> tuple of bound handlers`, in callback order, filled on first use of each event"
+    """Dispatch table `event name -> tuple of bound handlers`, in callback order, filled on first use of each
+    event"""
     def __init__(self, learn, training): super().__init__(); self.learn,self.training = learn,training
     def __missing__(self, name):
         handlers = tuple(_handler(cb, name) for cb in self.learn.ordered_cbs(name)
@@ -37,15 +39,18 @@ class _Handlers(dict):
         return handlers
 
 def _on_this_rank(cb):
-    "Whether `cb` runs in this process: not if it draws or logs (`rank0_only`) and this is not rank 0 of a run"
+    """Whether `cb` runs in this process: not if it draws or logs (`rank0_only`) and this is not rank 0 of a
+    run"""
     return not cb.rank0_only or is_rank0()
 
 def overrides_call(cb):
-    "Whether `cb`'s class overrides `Callback.__call__`: then the learner calls `cb(event_name)` for every event"
+    """Whether `cb`'s class overrides `Callback.__call__`: then the learner calls `cb(event_name)` for every
+    event"""
     return type(cb).__call__ is not Callback.__call__
 
 def _handler(cb, name):
-    "What firing `name` calls on `cb`: its method, or its own `__call__` given the name (still a method of `cb`)"
+    """What firing `name` calls on `cb`: its method, or its own `__call__` given the name (still a method of
+    `cb`)"""
     return MethodType(lambda self: self(name), cb) if overrides_call(cb) else getattr(cb, name)
 
 # %% ../nbs/02a_dispatch.ipynb #00d96713
@@ -56,16 +61,19 @@ def _not_a_callback(cb):
     elif callable(cb) and hasattr(cb, '__name__'): what = f"the function {cb.__name__}"
     else: what = repr(cb)
     ev = cb.__name__ if callable(cb) and getattr(cb, '__name__', None) in event else 'after_batch'
-    return TypeError(f"{what} is not a Callback: pass a Callback instance or subclass; for a function, wrap it: "
+    return TypeError(f"{what} is not a Callback: pass a Callback instance or subclass; for a function, wrap "
+                     f"it: "
                      f"Callback({ev}=fn) (fn(cb) reads the learner through cb), or register it: "
                      f"learn.on(event.{ev})(fn) (fn(learn)); or subclass Callback")
 
 def as_callback(cb):
-    "`cb` as a `Callback` instance: a class is called with no arguments; anything else raises saying what to pass"
+    """`cb` as a `Callback` instance: a class is called with no arguments; anything else raises saying what to
+    pass"""
     if isinstance(cb, type) and issubclass(cb, Callback):
         try: cb = cb()
         except TypeError as e:
-            add_note(e, f"learncb: the class {cb.__name__} was given as a callback, and {cb.__name__}() failed: pass "
+            add_note(e, f"learncb: the class {cb.__name__} was given as a callback, and {cb.__name__}() "
+                        f"failed: pass "
                         f"an instance, {cb.__name__}(...), with its arguments")
             raise
     if not isinstance(cb, Callback): raise _not_a_callback(cb)
@@ -95,8 +103,10 @@ class CallbackHost:
         self._tables = (_Handlers(self, False), _Handlers(self, True))
 
     def ordered_cbs(self, event_name):
-        "The callbacks that handle `event_name` (those that override `__call__` handle all public events), in order"
-        takes = lambda cb: name_is_own(cb, event_name) or (overrides_call(cb) and not event_name.startswith('_'))
+        """The callbacks that handle `event_name` (those that override `__call__` handle all public events),
+        in order"""
+        takes = lambda cb: name_is_own(cb, event_name) or (overrides_call(cb)
+                                                           and not event_name.startswith('_'))
         return [cb for cb in sorted(self.cbs, key=lambda cb: cb.order) if takes(cb)]
 
     def __call__(self, event_name):
@@ -110,7 +120,7 @@ class CallbackHost:
         try:
             for handler in self._tables[self.training][event_name]: handler()
         except BaseException as e:
-            self._raised_in = event_name       # so that an error of `after_fit` does not fire `after_fit` again
+            self._raised_in = event_name  # so that an error of `after_fit` does not fire `after_fit` again
             if handler is not None and isinstance(e, Exception) and not isinstance(e, loop_signals):
                 add_note(e, f"learncb: raised by {getattr(handler, '__self__', handler)!r} in {event_name!r}")
                 note_where(e, 'callback')
@@ -121,7 +131,8 @@ class CallbackHost:
         for handler in self._tables[self.training][event_name]:
             try: handler()
             except BaseException as handler_error:
-                add_note(e, f"learncb: while handling this, {event_name} raised {type(handler_error).__name__}: "
+                add_note(e, f"learncb: while handling this, {event_name} raised "
+                            f"{type(handler_error).__name__}: "
                             f"{handler_error} (in {getattr(handler, '__self__', handler)!r})")
 
     def add_cb(self, cb):
@@ -155,7 +166,8 @@ class CallbackHost:
         return self
 
     def _remove(self, cb):
-        "Take `cb` off; during a fit it keeps `cb.learn` until the fit ends, for its handlers of the event firing now"
+        """Take `cb` off; during a fit it keeps `cb.learn` until the fit ends, for its handlers of the event
+        firing now"""
         self.cbs.remove(cb)
         self._hide(cb)
         if self.fitting: self._removed_in_fit.append(cb)
@@ -168,9 +180,12 @@ class CallbackHost:
         who,name = _firing_now(self.cbs)
         by = f"{who!r} removed it in {name!r}" if who is not None else "it was removed"
         return RuntimeError(
-            f"{type(cb).__name__} cannot be removed during a fit: {by} (epoch {self.epoch}, iter {self.iter}), and the "
-            f"loop and other callbacks read learn.{cb.name} until the fit ends. Remove it before the fit or after it "
-            f"(learn.remove_cb), make the learner without it (default_cbs=False), or set it aside for a while inside "
+            f"{type(cb).__name__} cannot be removed during a fit: {by} (epoch {self.epoch}, iter "
+            f"{self.iter}), and the "
+            f"loop and other callbacks read learn.{cb.name} until the fit ends. Remove it before the fit or "
+            f"after it "
+            f"(learn.remove_cb), make the learner without it (default_cbs=False), or set it aside for a "
+            f"while inside "
             f"the fit with `with learn.removed_cbs(cb): ...`, which puts it back")
 
     @contextmanager
@@ -192,15 +207,18 @@ class CallbackHost:
         try: yield self
         finally:
             for cb in gone: cb.learn = self
-            self.cbs = [cb for cb in before if cb in gone or cb in self.cbs] + [cb for cb in self.cbs if cb not in before]
+            self.cbs = [cb for cb in before if cb in gone or cb in self.cbs] + [cb for cb in self.cbs
+                if cb not in before]
             for cb in gone: self._expose(cb)
             self.cbs_changed()
 
     def _expose(self, cb):
         "Make `cb` reachable as `learn.<cb.name>` unless that would hide a learner attribute"
-        if not hasattr(self, cb.name) or isinstance(getattr(self, cb.name), Callback): setattr(self, cb.name, cb)
+        if not hasattr(self, cb.name) or isinstance(getattr(self, cb.name), Callback):
+            setattr(self, cb.name, cb)
         else: warnings.warn(f"callback {cb!r} is not available as learn.{cb.name}: the learner already has a "
-                            f"{cb.name!r} attribute; find it in learn.cbs or pass name=... to give it another name",
+                            f"{cb.name!r} attribute; find it in learn.cbs or pass name=... to give it "
+                            f"another name",
                             UserWarning, stacklevel=4)
 
     def _hide(self, cb):
@@ -210,13 +228,16 @@ class CallbackHost:
             if other.name == cb.name: self._expose(other)
 
     def on(self, event_name, every=None, once=None, filter_fn=None):
-        "Decorator: call `fn(learn)` at `event_name`, on every `every`-th call, only the `once`-th, or when `filter_fn`"
+        """Decorator: call `fn(learn)` at `event_name`, on every `every`-th call, only the `once`-th, or when
+        `filter_fn`"""
         if event_name not in event: raise ValueError(
-            f"learn.on: {event_name!r} is not an event{did_you_mean(str(event_name), cutoff=0.6)}; pass one of "
+            f"learn.on: {event_name!r} is not an event{did_you_mean(str(event_name), cutoff=0.6)}; pass one "
+            f"of "
             f"`event` (event.after_batch, event.before_epoch, ...). For an event of your own, fired with "
             f"learn({event_name!r}), give a Callback a method of that name")
         if sum(o is not None for o in (every, once, filter_fn)) > 1:
-            raise ValueError(f"learn.on: every={every!r}, once={once!r} and filter_fn={filter_fn!r} are exclusive; "
+            raise ValueError(f"learn.on: every={every!r}, once={once!r} and filter_fn={filter_fn!r} are "
+                             f"exclusive; "
                              f"pass one")
         for k,v in (('every', every), ('once', once)): check_int(v, k, ge=1, allow_none=True, who='learn.on')
         def register(fn):
@@ -231,19 +252,22 @@ class CallbackHost:
         for line in loop_outline:
             if line.startswith('Start'): print(' ' * indent + line); indent += 2
             elif line.startswith('End'): indent -= 2; print(' ' * indent + line)
-            else: print(' ' * indent + f" - {line:<22}: {[type(cb).__name__ for cb in self.ordered_cbs(line)]}")
+            else:
+                print(' ' * indent + f" - {line:<22}: {[type(cb).__name__ for cb in self.ordered_cbs(line)]}")
 
 # %% ../nbs/02a_dispatch.ipynb #58f4f88a
 def _check_takes_learner(fn, event_name):
     "Refuse, when it is registered, a function that `learn.on` could not call as `fn(learn)`"
     name = getattr(fn, '__name__', repr(fn))
-    if not callable(fn): raise TypeError(f"learn.on({event_name!r}) registers a function called as fn(learn), not "
+    if not callable(fn):
+        raise TypeError(f"learn.on({event_name!r}) registers a function called as fn(learn), not "
                                          f"{type(fn).__name__} {fn!r}: pass a function of the learner")
     try: sig = inspect.signature(fn)
-    except (TypeError, ValueError): return              # no signature to read (a builtin): its first call will tell
+    except (TypeError, ValueError): return  # no signature to read (a builtin): its first call will tell
     try: sig.bind(None)
     except TypeError: raise TypeError(
-        f"learn.on({event_name!r}): {name}{sig} cannot be called as {name}(learn), which is how it is called at each "
+        f"learn.on({event_name!r}): {name}{sig} cannot be called as {name}(learn), which is how it is called "
+        f"at each "
         f"{event_name}: give it one argument, the learner (def {name}(learn): ...)") from None
 
 class EventFilter(Callback):

@@ -19,7 +19,8 @@ from .internals import state_metadata, set_state_metadata
 
 # %% ../nbs/01a_files.ipynb #7e795095
 def atomic_save(obj, path):
-    "`torch.save` `obj` to `path` so that a crash leaves either the old file or the new one, never half of one"
+    """`torch.save` `obj` to `path` so that a crash leaves either the old file or the new one, never half of
+    one"""
     path = Path(path)
     if not is_rank0(): return path          # in a distributed run, rank 0 alone writes files
     return atomic_write(serialized(obj, path), path)
@@ -33,10 +34,12 @@ def ref_name(ref):
     return Path(str(ref)).name
 
 def serialized(obj, path='the file'):
-    "The bytes `torch.save` writes for `obj` (made in memory: one write then is much faster than many small ones)"
+    """The bytes `torch.save` writes for `obj` (made in memory: one write then is much faster than many small
+    ones)"""
     buf = io.BytesIO()
     try: torch.save(obj, buf)
-    except Exception as e: raise add_note(e, f"learncb: while saving {path}: only tensors, numbers, strings and "
+    except Exception as e:
+        raise add_note(e, f"learncb: while saving {path}: only tensors, numbers, strings and "
                                              f"containers of them can be saved")
     return buf.getbuffer()
 
@@ -62,10 +65,14 @@ def _write_error(e, path, size):
     err = OSError(e.errno, e.strerror, str(path)) if e.errno else OSError(f"cannot write {path}: {e}")
     if e.errno == errno.ENOSPC:
         free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
-        return add_note(err, f"learncb: {path} was not written (any file there is unchanged): the disk is full; it "
-                             f"needs {size:,} bytes and {free:,} are free there. Free space, or write elsewhere")
-    return add_note(err, f"learncb: {path} was not written (any file there is unchanged): check that its folder "
-                         f"exists and can be written, that no folder has that name, and that the disk has space")
+        return add_note(err, f"learncb: {path} was not written (any file there is unchanged): the disk is "
+                             f"full; it "
+                             f"needs {size:,} bytes and {free:,} are free there. Free space, or write "
+                             f"elsewhere")
+    return add_note(err, f"learncb: {path} was not written (any file there is unchanged): check that its "
+                         f"folder "
+                         f"exists and can be written, that no folder has that name, and that the disk has "
+                         f"space")
 
 def _fsync_dir(d):
     try: fd = os.open(d, os.O_RDONLY)
@@ -81,7 +88,8 @@ class CorruptFileError(ValueError):
     "A file that cannot be read back as it was written: truncated, corrupt, or not matching its checksum"
 
 def state_checksum(state):
-    "A SHA-256 of everything in `state`: tensors' bytes, dtypes and shapes, numbers, strings, and their nesting"
+    """A SHA-256 of everything in `state`: tensors' bytes, dtypes and shapes, numbers, strings, and their
+    nesting"""
     h = hashlib.sha256()
     _feed(h, state)
     return 'sha256:' + h.hexdigest()
@@ -107,28 +115,35 @@ def with_checksum(state):
     return {**state, 'checksum': state_checksum(state)}
 
 def check_checksum(state, path, required=False):
-    "`state` if it matches its `'checksum'` (if it has one, or must have one: `required`); else a `CorruptFileError`"
+    """`state` if it matches its `'checksum'` (if it has one, or must have one: `required`); else a
+    `CorruptFileError`"""
     saved = state.get('checksum')
     if saved is None and not required: return state
-    if saved is None or state_checksum({k: v for k,v in state.items() if k != 'checksum'}) != saved: raise _damaged(path)
+    if saved is None or state_checksum({k: v for k,v in state.items() if k != 'checksum'}) != saved:
+        raise _damaged(path)
     return state
 
 def _damaged(path):
-    return CorruptFileError(f"{path} is damaged: its content does not match the checksum written with it (its bytes "
-                            f"changed after it was saved: a disk, copy or transfer error). Use another copy of it, or "
+    return CorruptFileError(f"{path} is damaged: its content does not match the checksum written with it "
+                            f"(its bytes "
+                            f"changed after it was saved: a disk, copy or transfer error). Use another copy "
+                            f"of it, or "
                             f"an older file")
 
 # %% ../nbs/01a_files.ipynb #032935f3
 import collections, math, pickle, sys
 
 def _stored_tensor(offset, dtype, shape):
-    "Stands for a tensor in a snapshot's pickled structure; only `read_snapshot` turns it back into the tensor"
-    raise pickle.UnpicklingError("a learncb snapshot is read with load_torch_file, which puts its tensors back")
+    """Stands for a tensor in a snapshot's pickled structure; only `read_snapshot` turns it back into the
+    tensor"""
+    raise pickle.UnpicklingError("a learncb snapshot is read with load_torch_file, which puts its tensors "
+                                 "back")
 
 _plain_types = (int, float, str, bytes, bool, complex)
 _safe_classes = (collections.OrderedDict, set, frozenset, complex, slice, torch.Size, torch.device)
 
-class _NotPackable(Exception): "A tensor that a snapshot cannot hold as plain bytes: the state is saved by `torch.save`"
+class _NotPackable(Exception): """A tensor that a snapshot cannot hold as plain bytes: the state is saved by
+    `torch.save`"""
 
 class _SnapshotPickler(pickle.Pickler):
     "Pickles a state's structure at C speed; each tensor becomes an `_stored_tensor` reference to its bytes"
@@ -136,18 +151,24 @@ class _SnapshotPickler(pickle.Pickler):
         super().__init__(f, protocol=4)
         self.tensors,self.nbytes = [],0
 
-    def reducer_override(self, o):     # called for objects other than None, bools, numbers, strings, lists, tuples, dicts
+    # called for objects other than None, bools, numbers, strings, lists, tuples, dicts
+    def reducer_override(self, o):
         if isinstance(o, torch.Tensor): return self._store(o)
         if isinstance(o, (*_safe_classes, torch.dtype)) or o is _stored_tensor: return NotImplemented
         if isinstance(o, type) and (o in _safe_classes or o in _plain_types): return NotImplemented
-        if isinstance(o, _plain_types): return (_plain_type(o), (_plain_type(o)(o),))   # e.g. an IntEnum, numpy.float64
-        if type(o).__module__ == 'numpy' and getattr(o, 'ndim', None) == 0: return self.reducer_override(o.item())
-        raise TypeError(f"a checkpoint holds tensors, numbers, strings, None, and lists, tuples, dicts and sets of them; "
-                        f"this state also holds a {type(o).__module__}.{type(o).__qualname__} ({_short_repr(o)}). Have "
+        # e.g. an IntEnum, numpy.float64
+        if isinstance(o, _plain_types): return (_plain_type(o), (_plain_type(o)(o),))
+        if type(o).__module__ == 'numpy' and getattr(o, 'ndim', None) == 0:
+            return self.reducer_override(o.item())
+        raise TypeError(f"a checkpoint holds tensors, numbers, strings, None, and lists, tuples, dicts and "
+                        f"sets of them; "
+                        f"this state also holds a {type(o).__module__}.{type(o).__qualname__} "
+                        f"({_short_repr(o)}). Have "
                         f"the `state_dict` that returns it give plain values instead")
 
     def _store(self, t):
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.is_quantized or t.is_meta:
+        if type(t) not in (torch.Tensor,
+                           torch.nn.Parameter) or t.layout != torch.strided or t.is_quantized or t.is_meta:
             raise _NotPackable(type(t).__name__)
         self.tensors.append(t)
         offset,self.nbytes = self.nbytes,self.nbytes + t.numel() * t.element_size()
@@ -162,11 +183,14 @@ def _plain(t):
     return t.resolve_conj().resolve_neg() if t.dtype.is_complex else t
 
 def _bytes_of(tensors, buffer=None):
-    "The bytes of every tensor of `tensors`, one after another, copied now into a uint8 CPU tensor; and the memory used"
+    """The bytes of every tensor of `tensors`, one after another, copied now into a uint8 CPU tensor; and the
+    memory used"""
     parts = [_plain(t).reshape(-1).view(torch.uint8) for t in tensors]
     n = sum(p.numel() for p in parts)
-    if not _reusable(buffer, n): buffer = torch.empty(n + n // 8, dtype=torch.uint8)    # room for a history that grows
-    out = torch.empty(0, dtype=torch.uint8).set_(buffer.untyped_storage()[:n])  # n bytes of it, saved as n bytes
+    # room for a history that grows
+    if not _reusable(buffer, n): buffer = torch.empty(n + n // 8, dtype=torch.uint8)
+    # n bytes of it, saved as n bytes
+    out = torch.empty(0, dtype=torch.uint8).set_(buffer.untyped_storage()[:n])
     if not parts: return out,buffer
     device = parts[0].device
     if not all(p.device == device for p in parts): torch.cat([p.cpu() for p in parts], out=out)
@@ -176,21 +200,27 @@ def _bytes_of(tensors, buffer=None):
 
 def _reusable(buffer, n):
     "Whether `buffer`, an earlier snapshot's memory, can hold `n` bytes"
-    return isinstance(buffer, torch.Tensor) and buffer.dtype == torch.uint8 and buffer.device.type == 'cpu' and \
+    return isinstance(buffer,
+                      torch.Tensor) and buffer.dtype == torch.uint8 and buffer.device.type == 'cpu' and \
            buffer.is_contiguous() and buffer.storage_offset() == 0 and buffer.numel() >= n
 
 class StateSnapshot:
-    "A copy of `state` (a dict) taken now, in a form that is fast to make; `write` saves it later, from any thread"
-    def __init__(self, state, buffer=None):     # `buffer`: an earlier snapshot's, written: its memory is copied into again
+    """A copy of `state` (a dict) taken now, in a form that is fast to make; `write` saves it later, from any
+    thread"""
+    # `buffer`: an earlier snapshot's, written: its memory is copied into again
+    def __init__(self, state, buffer=None):
         f = io.BytesIO()
         pickler = _SnapshotPickler(f)
         try:
             pickler.dump(state)
-            self.meta,(self.data,self.buffer),self.fallback = f.getvalue(),_bytes_of(pickler.tensors, buffer),None
-        except _NotPackable: self.meta,self.data,self.buffer,self.fallback = None,None,None,serialized(with_checksum(state))
+            self.meta,(self.data,self.buffer),self.fallback = f.getvalue(),_bytes_of(pickler.tensors,
+                buffer),None
+        except _NotPackable:
+            self.meta,self.data,self.buffer,self.fallback = None,None,None,serialized(with_checksum(state))
 
     def write(self, path):
-        "Write the snapshot to `path` atomically, with a checksum of all of it: `load_torch_file` reads it back"
+        """Write the snapshot to `path` atomically, with a checksum of all of it: `load_torch_file` reads it
+        back"""
         if self.fallback is not None: return atomic_write(self.fallback, path)
         return atomic_write(serialized(_packed(self.meta, self.data), path), path)
 
@@ -221,54 +251,64 @@ class _SnapshotUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if (module, name) == (__name__, '_stored_tensor'): return self._tensor
         found = getattr(sys.modules.get(module), name, None)
-        if (found in _safe_classes or found in _plain_types) and module in ('builtins', 'collections', 'torch'):
+        if (found in _safe_classes or found in _plain_types) and module in ('builtins', 'collections',
+                'torch'):
             return found
         if module == 'torch' and isinstance(found, torch.dtype): return found
         raise pickle.UnpicklingError(f"refused global {module}.{name}")
 
 def read_snapshot(obj, path='the file'):
-    "The state in `obj`, a snapshot read back by `torch.load`, if it matches its checksum; else a `CorruptFileError`"
+    """The state in `obj`, a snapshot read back by `torch.load`, if it matches its checksum; else a
+    `CorruptFileError`"""
     if not isinstance(obj.get('meta'), bytes) or not isinstance(obj.get('data'), torch.Tensor) or \
        _snapshot_checksum(obj['meta'], obj['data']) != obj.get('checksum'):
         raise _damaged(path)
     try: return _SnapshotUnpickler(io.BytesIO(obj['meta']), obj['data']).load()
     except pickle.UnpicklingError as e:
-        raise ValueError(f"refused to load {path}: it contains objects that would run code when unpickled ({e}); only "
+        raise ValueError(f"refused to load {path}: it contains objects that would run code when unpickled "
+                         f"({e}); only "
                          f"load files you trust") from None
 
 # %% ../nbs/01a_files.ipynb #5c31b34c
 def load_torch_file(path, map_location=None, unpack=True):
-    "`torch.load(path, weights_only=True)`, with errors that name the file and say what was wrong; a snapshot unpacked"
+    """`torch.load(path, weights_only=True)`, with errors that name the file and say what was wrong; a
+    snapshot unpacked"""
     path = Path(path)
     if not path.exists():
         near = sorted(p.name for p in path.parent.glob('*.pth')) if path.parent.exists() else []
-        raise FileNotFoundError(f"no such file: {path}" + (f" (files there: {', '.join(near)})" if near else ''))
+        raise FileNotFoundError(f"no such file: {path}" + (f" (files there: {', '.join(near)})" if near
+                                                           else ''))
     if path.is_dir():
         inside = sorted(p.name for p in path.iterdir() if p.suffix in ('.pth', '.pt') and p.is_file())[:5]
         raise IsADirectoryError(f"{path} is a directory, not a file: pass the path of a file" +
                                 (f" in it ({', '.join(inside)})" if inside else ''))
     try: f = open(path, 'rb')
     except PermissionError: raise PermissionError(
-        f"permission denied: cannot read {path}: this user may not read it. Give it read access (chmod u+r, or "
+        f"permission denied: cannot read {path}: this user may not read it. Give it read access (chmod u+r, "
+        f"or "
         f"ask the file's owner), or read a copy") from None
     try:
         with f: obj = torch.load(f, map_location=map_location, weights_only=True)
     except Exception as e:
         if 'GLOBAL' in str(e) or 'Unsupported global' in str(e):
-            raise ValueError(f"refused to load {path}: it contains objects that would run code when unpickled "
-                             f"(weights_only=True allows tensors, dicts, lists and numbers only); only load files "
+            raise ValueError(f"refused to load {path}: it contains objects that would run code when "
+                             f"unpickled "
+                             f"(weights_only=True allows tensors, dicts, lists and numbers only); only load "
+                             f"files "
                              f"you trust, and write them with Learner.save") from None
         raise CorruptFileError(f"cannot read {path}: it is truncated, corrupt or not a torch file "
                                f"({type(e).__name__}: {e})") from e
     return read_snapshot(obj, path) if unpack and is_snapshot(obj) else obj
 
 # %% ../nbs/01a_files.ipynb #5550f412
-_wrappers = ('module', '_orig_mod')      # what DistributedDataParallel and torch.compile put before the model's keys
+# what DistributedDataParallel and torch.compile put before the model's keys
+_wrappers = ('module', '_orig_mod')
 
 def _wrapper_prefix(keys):
     "The wrappers' prefix that every key of `keys` starts with: `'module.'`, `'_orig_mod.'`, ... or `''`"
     keys,prefix = list(keys),''
-    while keys and (head := keys[0].split('.', 1)[0]) in _wrappers and all(k.startswith(head + '.') for k in keys):
+    while keys and (head := keys[0].split('.', 1)[0]) in _wrappers and all(k.startswith(head + '.') for k
+            in keys):
         prefix,keys = prefix + head + '.',[k[len(head) + 1:] for k in keys]
     return prefix
 
@@ -284,14 +324,16 @@ def _swap_prefix(state, theirs, ours):
     return out
 
 def match_prefix(state, saved_keys, model_keys):
-    "`state` with the wrappers' prefix of `saved_keys` (`module.`, `_orig_mod.`, ...) replaced by that of `model_keys`"
+    """`state` with the wrappers' prefix of `saved_keys` (`module.`, `_orig_mod.`, ...) replaced by that of
+    `model_keys`"""
     return _swap_prefix(state, _wrapper_prefix(saved_keys), _wrapper_prefix(model_keys))
 
 
 
 # %% ../nbs/01a_files.ipynb #1591de51
 def check_model_state(model, state, path='the file', strict=True):
-    "`state`, keyed as `model`'s (through wrappers' prefixes), if it loads into `model`; else an error naming `path`"
+    """`state`, keyed as `model`'s (through wrappers' prefixes), if it loads into `model`; else an error
+    naming `path`"""
     own = model.state_dict()
     state = match_prefix(state, state, own)
     missing,unexpected = [k for k in own if k not in state],[k for k in state if k not in own]
@@ -302,17 +344,21 @@ def check_model_state(model, state, path='the file', strict=True):
                  f'unexpected keys {short_list(unexpected)}' if unexpected else '',
                  f'shape mismatches [{"; ".join(shapes)}]' if shapes else '']
         raise ValueError(f"{path} was saved from a different model: {', '.join(p for p in parts if p)}. "
-                         f"Load it into the model it was saved from" + ('' if shapes else ', or pass strict=False'))
+                         f"Load it into the model it was saved from" + ('' if shapes else ', or pass '
+            'strict=False'))
     if own and len(missing) == len(own):
         raise ValueError(f"{path} has no key in common with the model, even with strict=False: the file has "
-                         f"{short_list(state)}, the model {short_list(own)}. It holds another model's weights: load it into "
+                         f"{short_list(state)}, the model {short_list(own)}. It holds another model's "
+                         f"weights: load it into "
                          f"that model, or rename its keys to the model's")
     if missing or unexpected:
         warn_user(f"{path}: strict=False loaded {len(own) - len(missing)} of the model's {len(own)} entries; "
-                      f"left as they were (not in the file): {short_list(missing)}; ignored (not in the model): "
+                      f"left as they were (not in the file): {short_list(missing)}; ignored (not in the "
+                      f"model): "
                       f"{short_list(unexpected)}", UserWarning)
     return state
 
 def load_model_state(model, state, path='the checkpoint', strict=True):
-    "`model.load_state_dict(state)` after `check_model_state`: errors list the missing, unexpected and mismatched keys"
+    """`model.load_state_dict(state)` after `check_model_state`: errors list the missing, unexpected and
+    mismatched keys"""
     model.load_state_dict(check_model_state(model, state, path, strict=strict), strict=strict)

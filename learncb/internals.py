@@ -1,4 +1,4 @@
-"""Every use learncb makes of torch's private API, in one module: each with the torch versions it was checked on and a public path taken when the private one is missing or switched off.
+"""Every use of torch's private API, in one module, with the versions it was checked on and a public fallback.
 
 Docs: https://learncb.github.io/learncb/internals.html.md"""
 
@@ -36,15 +36,19 @@ def _use(private_path_there):
 from torch.optim import optimizer as _torch_optimizer
 _Optimizer = torch.optim.Optimizer
 _has_step_privates = (all(hasattr(_torch_optimizer, f'_global_optimizer_{w}_hooks') for w in ('pre', 'post'))
-                      and hasattr(_Optimizer, '_optimizer_step_code') and hasattr(torch.autograd, '_profiler_enabled'))
+                      and hasattr(_Optimizer, '_optimizer_step_code') and hasattr(torch.autograd,
+    '_profiler_enabled'))
 
 def unwrapped_step(opt):
-    """torch's step function of `opt`'s class, to call as `step(opt)` without torch's wrapper, when nothing needs that
+    """torch's step function of `opt`'s class, to call as `step(opt)` without torch's wrapper, when nothing
+    needs that
     wrapper (step hooks, a step set on the instance, the profiler); else `None`: call `opt.step()`"""
     step = type(opt).step
-    if not (_private and _has_step_privates and getattr(step, 'hooked', False)) or 'step' in vars(opt): return None
-    try:                                     # an optimizer without torch's hook attributes: through the wrapper
-        if (opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or _torch_optimizer._global_optimizer_pre_hooks
+    if not (_private and _has_step_privates and getattr(step, 'hooked', False)) or 'step' in vars(opt):
+        return None
+    try:  # an optimizer without torch's hook attributes: through the wrapper
+        if (opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks
+            or _torch_optimizer._global_optimizer_pre_hooks
             or _torch_optimizer._global_optimizer_post_hooks or torch.autograd._profiler_enabled()
             or type(opt)._optimizer_step_code is not _Optimizer._optimizer_step_code): return None
     except AttributeError: return None
@@ -61,14 +65,17 @@ def foreach_norm(tensors):
     return [torch.linalg.vector_norm(t) for t in tensors]
 
 def flag_non_finite(value, flag, one):
-    "Set `flag` (a 0-dim float tensor) to 1 where `value` is not finite, on the device (no host sync); else leave it. `one`: a 0-dim 1 beside it, made once"
+    """Set `flag` (a 0-dim float tensor) to 1 where `value` is not finite, on the device (no host sync); else
+    leave it. `one`: a 0-dim 1 beside it, made once"""
     if _use(hasattr(torch, '_amp_foreach_non_finite_check_and_unscale_')):
         return torch._amp_foreach_non_finite_check_and_unscale_([value.float().reshape(1)], flag, one)
     torch.maximum(flag, (~torch.isfinite(value)).any().to(flag.dtype), out=flag)
 
 def skips_on_device(opt):
-    "Whether `opt` skips its step when its `found_inf` flag is 1, as a fused torch optimizer does (`False` if unknown)"
-    return _use(True) and bool(getattr(opt, 'defaults', {}).get('fused')) and getattr(opt, '_step_supports_amp_scaling', False)
+    """Whether `opt` skips its step when its `found_inf` flag is 1, as a fused torch optimizer does (`False`
+    if unknown)"""
+    return _use(True) and bool(getattr(opt, 'defaults', {}).get('fused')) and getattr(opt,
+        '_step_supports_amp_scaling', False)
 
 def set_found_inf(opt, flag):
     "Give fused optimizer `opt` the flag its steps read"
@@ -152,8 +159,10 @@ def compiled_wrapped(model):
 _compile_settings = ('trace_autograd_ops', 'fail_on_recompile_limit_hit')
 
 def compile_settings(trace_backward):
-    """`{setting: value before}` after setting, for a compiled fit, whether dynamo traces the backward into the step's graph
-    and whether reaching its recompile limit is an error (then the fit falls back, saying so); `{}` when not set"""
+    """`{setting: value before}` after setting, for a compiled fit, whether dynamo traces the backward into
+    the step's graph
+    and whether reaching its recompile limit is an error (then the fit falls back, saying so); `{}` when not
+    set"""
     cfg = getattr(getattr(torch, '_dynamo', None), 'config', None)
     if not _use(cfg is not None and all(hasattr(cfg, k) for k in _compile_settings)): return {}
     before = {k: getattr(cfg, k) for k in _compile_settings}
@@ -174,10 +183,12 @@ def _dynamo_exc():
     return exc if _use(exc is not None) else None
 
 def compiler_error(e):
-    "Whether `e` comes from torch.compile itself (dynamo, a backend, its recompile limit), not from the model or a callback"
+    """Whether `e` comes from torch.compile itself (dynamo, a backend, its recompile limit), not from the
+    model or a callback"""
     if recompile_limit_hit(e): return True
     exc = _dynamo_exc()
-    return exc is not None and isinstance(e, exc.TorchDynamoException) and not isinstance(e, exc.TorchRuntimeError)
+    return exc is not None and isinstance(e, exc.TorchDynamoException) and not isinstance(e,
+        exc.TorchRuntimeError)
 
 def recompile_limit_hit(e):
     "Whether `e` is torch.compile's recompile limit reached"
@@ -185,9 +196,11 @@ def recompile_limit_hit(e):
     return exc is not None and isinstance(e, getattr(exc, 'FailOnRecompileLimitHit', ()))
 
 def own_function(fn):
-    """A copy of function `fn` on a copy of its code, the functions it closes over copied likewise: torch.compile keeps
+    """A copy of function `fn` on a copy of its code, the functions it closes over copied likewise:
+    torch.compile keeps
     its graphs per code object, so a copy per learner keeps each learner's apart (public path: `fn` itself)"""
     if not _use(True): return fn
-    cells = fn.__closure__ and tuple(CellType(own_function(c.cell_contents)) if isinstance(c.cell_contents, FunctionType)
+    cells = fn.__closure__ and tuple(CellType(own_function(c.cell_contents)) if isinstance(c.cell_contents,
+        FunctionType)
                                      else c for c in fn.__closure__)
     return FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, cells)

@@ -1,4 +1,4 @@
-"""`Learner` and its loop: the fit session, the loop top-down, phases and batches, validation aside, built from the hosts of callbacks, the optimizer, weights and predictions.
+"""`Learner` and its loop: the fit top-down, phases and batches, validation aside, the hosts it is built from.
 
 Docs: https://learncb.github.io/learncb/learner.html.md"""
 
@@ -47,8 +47,10 @@ def to_dls(dls):
     if isinstance(dls, DataLoaders): return dls
     if isinstance(dls, (tuple, list)) and len(dls) in (1, 2): return DataLoaders(*dls)
     if hasattr(dls, 'train'): return DataLoaders(dls.train, getattr(dls, 'valid', None))
-    raise TypeError(f"dls must be DataLoaders(train, valid), a (train, valid) tuple or an object with .train and "
-                    f".valid, not {type(dls).__name__}; wrap your dataloaders: DataLoaders(train_dl, valid_dl)")
+    raise TypeError(f"dls must be DataLoaders(train, valid), a (train, valid) tuple or an object with .train "
+                    f"and "
+                    f".valid, not {type(dls).__name__}; wrap your dataloaders: DataLoaders(train_dl, "
+                    f"valid_dl)")
 
 def print_row(row):
     "The default `learn.logger`: print a row of the epoch table with aligned columns"
@@ -58,11 +60,12 @@ def print_row(row):
 class TrainEvalCallback(Callback):
     "Keeps the training counters (`train_iter`, `pct_train`) and puts the model in train or eval mode"
     order,run_valid,_pct_step = Order.TRAIN_EVAL,False,0.    # its batch handler counts training batches only
-    removable_in_fit = False                                 # the loop's counters: `remove_cb` refuses it during a fit
+    removable_in_fit = False  # the loop's counters: `remove_cb` refuses it during a fit
     def before_fit(self):
         self.learn.train_iter,self.learn.pct_train = 0,0.
     def before_train(self):
-        "Train mode, and the epoch given to the sampler that has `set_epoch` (a `DistributedSampler`: each epoch its order)"
+        """Train mode, and the epoch given to the sampler that has `set_epoch` (a `DistributedSampler`: each
+        epoch its order)"""
         self.learn.model.train()
         for s in _samplers(self.learn.dl):
             if callable(getattr(s, 'set_epoch', None)): s.set_epoch(self.learn.epoch)
@@ -83,12 +86,14 @@ def _given(cb_cls, cbs):
     return any(cb is cb_cls or isinstance(cb, cb_cls) for cb in listify(cbs))
 
 class defaults:
-    "Library-wide defaults: `callbacks` are added to every `Learner` made with `default_cbs=True`, unless in its `cbs`"
+    """Library-wide defaults: `callbacks` are added to every `Learner` made with `default_cbs=True`, unless in
+    its `cbs`"""
     callbacks = [TrainEvalCallback, Recorder, ProgressCallback]
 
     @classmethod
     def add_callback(cls, cb_cls):
-        "Add `cb_cls` to the default callbacks, replacing a class of the same name (so reloading a module is safe)"
+        """Add `cb_cls` to the default callbacks, replacing a class of the same name (so reloading a module is
+        safe)"""
         cls.callbacks = [c for c in cls.callbacks if c.__name__ != cb_cls.__name__] + [cb_cls]
 
 # %% ../nbs/02_learner.ipynb #bf3a9ba1
@@ -98,32 +103,39 @@ _running_lock = threading.Lock()
 def _busy_error(what, running, me):
     "The error for `what`, called in thread `me` while `running` runs on the learner"
     if running.thread == me.ident: return RuntimeError(
-        f"{what} was called during {running.what} of this learner (from a callback?): it cannot run inside it, and "
-        f"{running.what} goes on if this error is caught. To look at the model during a fit use learn.validate() or "
+        f"{what} was called during {running.what} of this learner (from a callback?): it cannot run inside "
+        f"it, and "
+        f"{running.what} goes on if this error is caught. To look at the model during a fit use "
+        f"learn.validate() or "
         f"learn.get_preds(), which can run inside it; to train more, call {what} after {running.what} returns")
     return RuntimeError(
-        f"{what} was called in thread {me.name!r} while thread {running.name!r} runs {running.what} on this learner: "
-        f"a learner runs one fit at a time. Wait for that thread to end (thread.join()), or give this thread a "
+        f"{what} was called in thread {me.name!r} while thread {running.name!r} runs {running.what} on this "
+        f"learner: "
+        f"a learner runs one fit at a time. Wait for that thread to end (thread.join()), or give this thread "
+        f"a "
         f"Learner and a model of its own")
 
 _phase_names = {'train': 'training', 'validate': 'validation'}
-_unprepared,_look = 'unprepared','look'    # batches moved as `one_batch` by hand needs; looked at on the first batch
+# batches moved as `one_batch` by hand needs; looked at on the first batch
+_unprepared,_look = 'unprepared','look'
 
 def _no_dl(what): return f"there is no {what} dataloader: pass one in DataLoaders(train, valid)"
-def _empty_dl(what): return (f"the {what} dataloader is empty (len 0): check that its dataset has samples and that "
+def _empty_dl(what):
+    return (f"the {what} dataloader is empty (len 0): check that its dataset has samples and that "
                              f"batch_size is not larger than the dataset with drop_last=True")
 
 # %% ../nbs/02_learner.ipynb #6f97df10
 class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
-    "Trains `model` on `dls` with `loss_func` and `opt_func`; every stage of the loop fires events for callbacks"
+    """Trains `model` on `dls` with `loss_func` and `opt_func`; every stage of the loop fires events for
+    callbacks"""
     label_key,pred_key,loss_key = 'labels','logits','loss'     # the entries of dict batches and dict outputs
-    step_class = Step                                          # the eager step: a subclass of `Step` changes it
+    step_class = Step  # the eager step: a subclass of `Step` changes it
     def __init__(self, dls, model, loss_func=None, opt_func=fast_adam, lr=None, splitter=None, cbs=None,
                  metrics=None, path='.', model_dir='models', wd=None, device=None, default_cbs=True, n_inp=1,
                  vocab=None, train_bn=True, label_key=None, pred_key=None, loss_key=None):
         self.dls,self.model = to_dls(dls),check_model(model)
         for k,v in dict(label_key=label_key, pred_key=pred_key, loss_key=loss_key).items():
-            if v is not None: setattr(self, k, v)                # else the class's: 'labels', 'logits', 'loss'
+            if v is not None: setattr(self, k, v)  # else the class's: 'labels', 'logits', 'loss'
         self.loss_func,self.opt_func = check_loss_func(loss_func, allow_none=True),check_opt_func(opt_func)
         self.lr = check_lr(default_lr(opt_func, lr), who='Learner')
         self.wd = check_wd(wd, who='Learner')
@@ -131,11 +143,12 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         self.n_inp,self.model_dir,self.path = n_inp,model_dir,Path(path)
         self.metrics = check_metrics(metrics)
         self.device = torch.device(device) if device is not None else default_device()
-        if not meta_tensors(self.model): self.model.to(self.device)     # a model on `meta` is refused by `fit`
+        if not meta_tensors(self.model): self.model.to(self.device)  # a model on `meta` is refused by `fit`
         self.opt,self.state,self.logger,self.exception,self.cbs = None,AttrDict(),print_row,None,[]
         self.fitting,self.validating_aside,self.stop_reason,self.resume_from = False,0,None,None
         self.strategy = SingleProcess()               # how fits run: `distrib_ctx` sets another
-        self._running,self._opts_made = None,weakref.WeakKeyDictionary()  # who runs a fit now; the optimizers create_opt made
+        # who runs a fit now; the optimizers create_opt made
+        self._running,self._opts_made = None,weakref.WeakKeyDictionary()
         self._removed_in_fit,self._rows_of,self._taken = [],None,None      # see _fit_session and _end_fit
         for k,v in {**fit_attrs, **phase_attrs}.items(): setattr(self, k, v)
         self.training,self.start_epoch,self.start_iter,self._out_loss,self.turn = False,0,0,None,None
@@ -149,7 +162,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
 
     # The loop, top-down
     def fit(self, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, resume=None):
-        "Train `n_epoch` epochs; `cbs` are added for this fit only; `resume` (a checkpoint, `True`, `'auto'`) continues a run"
+        """Train `n_epoch` epochs; `cbs` are added for this fit only; `resume` (a checkpoint, `True`,
+        `'auto'`) continues a run"""
         with self._fit_session(n_epoch, lr, wd, cbs, reset_opt, resume):
             self._with_events(self._do_fit, 'fit', CancelFitException)
 
@@ -165,7 +179,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         if self.dls.valid is not None: self._do_phase(self.dls.valid, 'validate')
 
     def _do_phase(self, dl, stage):
-        "One pass over `dl`: the training phase (`stage='train'`) or a validation (`'validate'`, without gradients)"
+        """One pass over `dl`: the training phase (`stage='train'`) or a validation (`'validate'`, without
+        gradients)"""
         self._set_dl(dl, stage)
         self.training = stage == 'train'
         if self.training: self._with_events(self.all_batches, 'train', CancelTrainException)
@@ -173,7 +188,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             with torch.no_grad(): self._with_events(self.all_batches, 'validate', CancelValidException)
 
     def all_batches(self):
-        "Run `one_batch` on the batches of `self.dl` from `start_iter` (0 unless resuming); after a rollback, from its batch"
+        """Run `one_batch` on the batches of `self.dl` from `start_iter` (0 unless resuming); after a
+        rollback, from its batch"""
         start,self.start_iter = self.start_iter,0
         while True:
             try: return self._run_batches(start)
@@ -184,7 +200,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         i = start - 1
         for i,b in steered_batches(self, self._batches(start), start):
             if b is not None: self.one_batch(i, b)
-        if i < 0: raise ValueError(f"the dataloader {self.dl!r} yielded no batches: check its dataset and sampler")
+        if i < 0:
+            raise ValueError(f"the dataloader {self.dl!r} yielded no batches: check its dataset and sampler")
 
     def one_batch(self, i, b):
         "Move batch `b` to the model's device, split it into `xb`/`yb` and run it with its events"
@@ -219,7 +236,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
     # Around the loop: the fit session
     @contextmanager
     def _fit_session(self, n_epoch, lr, wd, cbs, reset_opt, resume):
-        "Set up a fit; on an error fire `after_exception` then `after_fit`; leave the learner ready for the next fit"
+        """Set up a fit; on an error fire `after_exception` then `after_fit`; leave the learner ready for the
+        next fit"""
         with self._exclusive('learn.fit()'):
             n_epoch = self._check_fit(n_epoch, lr, wd, 'fit')
             with self.added_cbs(cbs):
@@ -239,12 +257,15 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
                     finally: self._end_fit()
 
     def _after_exception(self, e):
-        "Store `e`, explain it, fire `after_exception` (and `after_fit`), attaching any error of those handlers to `e`"
+        """Store `e`, explain it, fire `after_exception` (and `after_fit`), attaching any error of those
+        handlers to `e`"""
         self.exception = e
         if isinstance(e, loop_signals):
-            where = ("a training batch's events (after_batch), where the training phase goes back to its batch"
+            where = ("a training batch's events (after_batch), where the training phase goes back to its "
+                     "batch"
                      if isinstance(e, RollbackException) else "the stage it cancels")
-            add_note(e, f"learncb: {type(e).__name__} reached fit without a stage of its kind around it (epoch "
+            add_note(e, f"learncb: {type(e).__name__} reached fit without a stage of its kind around it "
+                        f"(epoch "
                         f"{self.epoch}, iter {self.iter}); raise it only inside {where}")
         elif isinstance(e, Exception): explain_batch_error(self, e)
         after_fit_failed = self._raised_in == 'after_fit'
@@ -252,7 +273,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             self._fire_unwinding(name, e)
 
     def _end_fit(self):
-        "Put the learner back in its resting state: not fitting, not resuming, every callback running, not training"
+        """Put the learner back in its resting state: not fitting, not resuming, every callback running, not
+        training"""
         self.fitting,self.resume_from,self.stepper = False,None,self._resting_step
         give_order_back(self, self._taken)
         for cb in self._removed_in_fit:
@@ -263,7 +285,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         self.training = False
 
     def stop_fit(self, reason='stop_fit was called'):
-        "Stop the fit at the end of this epoch, after every `after_epoch` handler; `learn.stop_reason` keeps `reason`"
+        """Stop the fit at the end of this epoch, after every `after_epoch` handler; `learn.stop_reason` keeps
+        `reason`"""
         self.stop_reason = reason
 
     def loop_state(self):
@@ -281,7 +304,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         if check_loss_func(self.loss_func, allow_none=True) is None:
             check_computes_loss(self.model, self.label_key, self.n_inp)
         metrics = check_metrics(self.metrics)
-        if not isinstance(self.metrics, list): self.metrics = metrics      # set by hand to one metric: keep a list
+        # set by hand to one metric: keep a list
+        if not isinstance(self.metrics, list): self.metrics = metrics
         self._check_data()
         return n_epoch
 
@@ -295,7 +319,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
 
     @contextmanager
     def _exclusive(self, what, lends=False, inside=False):
-        "Context manager: `what` runs alone on the learner; a fit called meanwhile (nested or in another thread) raises"
+        """Context manager: `what` runs alone on the learner; a fit called meanwhile (nested or in another
+        thread) raises"""
         me = threading.current_thread()
         with _running_lock:
             before = self._running
@@ -311,8 +336,10 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         return (b[self.label_key],) if self.label_key in b else ()
 
     def forward_batch(self, model=None):
-        """The model's output on the current batch (`model(*xb)`, `model(**xb[0])` for a dict batch), no events: from a
-        dict output its `pred_key` entry; without `loss_func`, what is left once the model's own loss is taken out.
+        """The model's output on the current batch (`model(*xb)`, `model(**xb[0])` for a dict batch), no
+        events: from a
+        dict output its `pred_key` entry; without `loss_func`, what is left once the model's own loss is taken
+        out.
         `model`: what to call in place of `learn.model` (a step hook's, as AutoMicrobatch's micro-batches)"""
         model = self.model if model is None else model
         out = model(**self.xb[0]) if self._kw else model(*self.xb)
@@ -322,7 +349,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         return out if type(out) is torch.Tensor else model_pred(out, self.pred_key, self._kw)
 
     def _batch_loss_func(self):
-        "The loss of this batch: `loss_func` with targets, the model's own loss, or none (predictions only, not in training)"
+        """The loss of this batch: `loss_func` with targets, the model's own loss, or none (predictions only,
+        not in training)"""
         if self.loss_func is not None:
             if self.yb or not self.training: return self.loss_func if self.yb else None
             raise ValueError(no_targets_message(self.batch, self.n_inp, self.label_key))
@@ -344,23 +372,27 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         if self.n_iter == 0: raise ValueError(_empty_dl(what))
 
     def _prepare_fit(self):
-        "Work done once per fit rather than once per batch: where batches go (on the CPU, looked at on the first batch)"
+        """Work done once per fit rather than once per batch: where batches go (on the CPU, looked at on the
+        first batch)"""
         device = model_device(self.model, self.device)
         self._batch_device = device if device.type != 'cpu' else _look
 
     def _first_move(self, b):
-        "The first batch of a CPU model, which says whether batches need moving; or a batch run by hand before any fit"
+        """The first batch of a CPU model, which says whether batches need moving; or a batch run by hand
+        before any fit"""
         device = model_device(self.model, self.device)
-        if self._batch_device is _unprepared:          # `one_batch(i, b)` called by hand gets what a fit would
+        if self._batch_device is _unprepared:  # `one_batch(i, b)` called by hand gets what a fit would
             if self.training and self.opt is None: self.create_opt()
         else: self._batch_device = device if any(t.device.type != 'cpu' for t in tensors_of(b)) else None
         return to_device(b, device)
 
     def _step_for_fit(self):
-        "The step this fit runs: the one a callback makes (`make_step`: `learn.compile(step=True)`'s), else the eager `Step`"
+        """The step this fit runs: the one a callback makes (`make_step`: `learn.compile(step=True)`'s), else
+        the eager `Step`"""
         made = [(cb, step) for cb in self.cbs if (step := cb.make_step()) is not None]
         if len(made) > 1: raise ValueError(
-            f"{', '.join(type(cb).__name__ for cb,_ in made)} each make the step of this fit: one callback at most may "
+            f"{', '.join(type(cb).__name__ for cb,_ in made)} each make the step of this fit: one callback "
+            f"at most may "
             f"(make_step); fit with one of them")
         step = made[0][1] if made else self.step_class(self)
         step.check_fit()
@@ -371,7 +403,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         return step
 
     def _batches(self, start):
-        "The batches of `self.dl`, with `before_fetch`/`after_fetch` around taking each one when a callback handles them"
+        """The batches of `self.dl`, with `before_fetch`/`after_fetch` around taking each one when a callback
+        handles them"""
         table = self._tables[self.training]
         return self._fetched(start) if table['before_fetch'] or table['after_fetch'] else self.dl
 
@@ -400,7 +433,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
 
     @property
     def smooth_loss(self):
-        "The smoothed training loss, a tensor on the device (no host sync), kept by the `Recorder`; `None` without one"
+        """The smoothed training loss, a tensor on the device (no host sync), kept by the `Recorder`; `None`
+        without one"""
         rec = getattr(self, 'recorder', None)
         return rec.smooth_loss_tensor() if hasattr(rec, 'smooth_loss_tensor') else None
 
@@ -408,7 +442,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
     @contextmanager
     def _saved_loop_state(self):
         "Save the loop position, phase and model mode; restore them on exit (for validation inside a fit)"
-        saved,training,model_mode = {k: getattr(self, k) for k in phase_attrs},self.training,self.model.training
+        saved,training,model_mode = {k: getattr(self, k) for k
+                                     in phase_attrs},self.training,self.model.training
         try: yield
         finally:
             for k,v in saved.items(): setattr(self, k, v)
@@ -416,7 +451,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             self.model.train(model_mode)
 
     def run_validation(self, dl):
-        "Fire the validation stage on `dl`, leaving a running fit's state alone (what `validate` and `get_preds` run)"
+        """Fire the validation stage on `dl`, leaving a running fit's state alone (what `validate` and
+        `get_preds` run)"""
         with self._exclusive('learn.validate() or learn.get_preds()', inside=True), self._saved_loop_state():
             self._prepare_fit()
             self.validating_aside += 1
@@ -424,10 +460,13 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             finally: self.validating_aside -= 1
 
     def dl_for(self, ds_idx):
-        "The dataloader of `ds_idx`: 0 for the training one, 1 for the validation one (an error if there is none)"
-        check_choice(ds_idx, 'ds_idx', (0, 1), hint='0: the training dataloader, 1: the validation one; or pass dl=')
+        """The dataloader of `ds_idx`: 0 for the training one, 1 for the validation one (an error if there is
+        none)"""
+        check_choice(ds_idx, 'ds_idx', (0, 1), hint='0: the training dataloader, 1: the validation one; or '
+                                                    'pass dl=')
         dl = self.dls[ds_idx]
-        if dl is None: raise ValueError(f"there is no {'train' if ds_idx == 0 else 'valid'} dataloader; pass dl=...")
+        if dl is None:
+            raise ValueError(f"there is no {'train' if ds_idx == 0 else 'valid'} dataloader; pass dl=...")
         return dl
 
     @contextmanager

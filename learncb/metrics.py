@@ -51,7 +51,8 @@ def metric_name(m):
     return name if isinstance(name, str) else snake_name(type(m).__name__)
 
 def is_stateful_metric(m):
-    "Whether `m` accumulates itself (`update`/`compute`/`reset`, like a `torchmetrics.Metric`), not a function"
+    """Whether `m` accumulates itself (`update`/`compute`/`reset`, like a `torchmetrics.Metric`), not a
+    function"""
     return all(callable(getattr(m, a, None)) for a in ('update', 'compute', 'reset'))
 
 def is_fastai_metric(m):
@@ -71,7 +72,8 @@ def weighted_means(cols, bss, names=None):
     stacked = torch.stack([_stack_scalars(c, n, device) for c,n in zip(cols, names)])
     stacked = stacked.to(torch.promote_types(stacked.dtype, torch.float32))    # float64 values stay float64
     w = items_tensor(bss, stacked.dtype, stacked.device)
-    totals = sum_across_ranks(torch.cat([(stacked * w).sum(1), w.sum().reshape(1)]))   # over all ranks of a run
+    # over all ranks of a run
+    totals = sum_across_ranks(torch.cat([(stacked * w).sum(1), w.sum().reshape(1)]))
     return (totals[:-1] / totals[-1]).tolist()
 
 def items_tensor(items, dtype=None, device=None):
@@ -84,23 +86,28 @@ def items_tensor(items, dtype=None, device=None):
 def _stack_scalars(col, name, device):
     if all(isinstance(v, torch.Tensor) and v.ndim == 0 for v in col): return torch.stack(col).to(device)
     for i,v in enumerate(col): check_metric_value(v, name, f'validation batch {i}')
-    if not any(isinstance(v, torch.Tensor) for v in col): return torch.tensor([float(v) for v in col], device=device)
+    if not any(isinstance(v, torch.Tensor) for v in col):
+        return torch.tensor([float(v) for v in col], device=device)
     return torch.stack([v.reshape(()).float().to(device) if isinstance(v, torch.Tensor)
                         else torch.tensor(float(v), device=device) for v in col])
 
 # %% ../nbs/03_metrics.ipynb #1db4be47
 def _is_numpy_scalar(v):
     "Whether `v` is a NumPy number or 0-d array of numbers (told without importing NumPy)"
-    return type(v).__module__ == 'numpy' and getattr(v, 'ndim', None) == 0 and getattr(v, 'dtype', None) is not None \
+    return type(v).__module__ == 'numpy' and getattr(v, 'ndim', None) == 0 and getattr(v, 'dtype',
+        None) is not None \
            and v.dtype.kind in 'biuf'
 
 def check_metric_value(v, name, where):
     "Raise if `v`, the value of column `name` on `where` (e.g. `'validation batch 3'`), is not one number"
     if isinstance(v, torch.Tensor):
         if v.numel() == 1: return
-        raise ValueError(f"{name} gave a tensor of shape {tuple(v.shape)} on {where}, but losses and metrics must "
+        raise ValueError(f"{name} gave a tensor of shape {tuple(v.shape)} on {where}, but losses and metrics "
+                         f"must "
                          f"be scalars: reduce it (e.g. .mean()) or use a loss with reduction='mean'")
     if is_number(v) or isinstance(v, bool) or _is_numpy_scalar(v): return
     hint = ('does the function end with a return?' if v is None else
-            'return the number, not its text' if isinstance(v, (str, bytes)) else 'return a float or a scalar tensor')
-    raise TypeError(f"{name} returned {v!r} on {where}, but a metric must return a number or a scalar tensor ({hint})")
+            'return the number, not its text' if isinstance(v, (str, bytes)) else 'return a float or a '
+        'scalar tensor')
+    raise TypeError(f"{name} returned {v!r} on {where}, but a metric must return a number or a scalar tensor "
+                    f"({hint})")

@@ -1,4 +1,4 @@
-"""`OptimizerHost`, the part of `Learner` that makes the optimizer: parameter groups, lr and wd per group, freezing.
+"""`OptimizerHost`, how `Learner` makes its optimizer: parameter groups, lr and wd per group, freezing.
 
 Docs: https://learncb.github.io/learncb/optim.html.md"""
 
@@ -33,8 +33,10 @@ def group_values(value, opt, name='lr'):
     if isinstance(value, slice): return spread_lr(value, n)
     if not isinstance(value, (list, tuple)): return [value] * n
     if len(value) == n: return list(value)
-    raise ValueError(f"{name}={value!r} gives {len(value)} values, but {type(opt).__name__} has {n} param group"
-                     f"{'s' if n > 1 else ''}: pass one {name}, or one per param group (the splitter makes the "
+    raise ValueError(f"{name}={value!r} gives {len(value)} values, but {type(opt).__name__} has {n} param "
+                     f"group"
+                     f"{'s' if n > 1 else ''}: pass one {name}, or one per param group (the splitter makes "
+                     f"the "
                      f"groups)")
 
 def opt_names(opt):
@@ -56,7 +58,8 @@ def _one_optimizer(value, name):
                       f"with several optimizers")
 
 def spread_lr(lr, n_groups):
-    "The lrs of `n_groups` param groups for `lr`: `slice(lo, hi)` geometric from lo to hi, `slice(hi)` hi/10 then hi"
+    """The lrs of `n_groups` param groups for `lr`: `slice(lo, hi)` geometric from lo to hi, `slice(hi)` hi/10
+    then hi"""
     if not isinstance(lr, slice): return lr if isinstance(lr, (list, tuple)) else [lr] * n_groups
     if n_groups == 1: return [lr.stop]
     if not lr.start: return [lr.stop / 10] * (n_groups - 1) + [lr.stop]
@@ -71,30 +74,37 @@ def _flat_params(params):
     return [p for g in params for p in (g['params'] if isinstance(g, dict) else [g])]
 
 def fusable(params):
-    "Whether torch has a fused optimizer kernel for every one of `params` (their device and dtype; not sharded)"
+    """Whether torch has a fused optimizer kernel for every one of `params` (their device and dtype; not
+    sharded)"""
     devices = fused_devices()
-    return all(type(p) in (torch.Tensor, nn.Parameter) and p.device.type in devices and p.dtype in _fused_dtypes
+    return all(type(p) in (torch.Tensor, nn.Parameter) and p.device.type in devices and p.dtype
+               in _fused_dtypes
                for p in params)
 
 def fast_adam(params, **kwargs):
-    "`torch.optim.Adam`, fused where the parameters' device and dtypes have a fused kernel, else foreach: the default"
+    """`torch.optim.Adam`, fused where the parameters' device and dtypes have a fused kernel, else foreach:
+    the default"""
     params = list(params)
     if 'fused' not in kwargs and 'foreach' not in kwargs:
         kwargs['fused' if fusable(_flat_params(params)) else 'foreach'] = True
     return torch.optim.Adam(params, **kwargs)
 
 def hyper_number(v):
-    "A hyper-parameter as a number: a compiled step holds Adam's `lr` and `betas` as 0-dim CPU tensors, changed in place"
+    """A hyper-parameter as a number: a compiled step holds Adam's `lr` and `betas` as 0-dim CPU tensors,
+    changed in place"""
     return v.item() if isinstance(v, torch.Tensor) else v
 
 def clear_grads(opt):
-    "`opt.zero_grad()`: for torch's own optimizers the same loop (gradients to `None`) without its profiler annotation"
+    """`opt.zero_grad()`: for torch's own optimizers the same loop (gradients to `None`) without its profiler
+    annotation"""
     if type(opt).zero_grad is not torch.optim.Optimizer.zero_grad or profiling(): return opt.zero_grad()
-    for pg in opt.param_groups:           # `zero_grad` opens a `record_function` each call: 8 us, a tiny model's step's 3%
+    # `zero_grad` opens a `record_function` each call: 8 us, a tiny model's step's 3%
+    for pg in opt.param_groups:
         for p in pg['params']: p.grad = None
 
 def opt_step(opt):
-    "`opt.step()`; for a torch optimizer without step hooks, and no profiler on, its step itself without the annotation"
+    """`opt.step()`; for a torch optimizer without step hooks, and no profiler on, its step itself without the
+    annotation"""
     step = unwrapped_step(opt)
     return opt.step() if step is None else step(opt)
 
@@ -109,24 +119,30 @@ def needs_closure(opt):
     return _step_needs_closure(type(opt).step)
 
 def bare_step(opt):
-    "The function `opt_step(opt)` calls, bound to `opt`: torch's step without its wrapper, or `opt.step` when it needs it"
+    """The function `opt_step(opt)` calls, bound to `opt`: torch's step without its wrapper, or `opt.step`
+    when it needs it"""
     step = unwrapped_step(opt)
     return opt.step if step is None else MethodType(step, opt)
 
 _implementation = ('fused', 'foreach', 'capturable')
 
 def keep_implementation(state, opt):
-    "Optimizer `state` (a `state_dict`) set to run as `opt` runs: its param groups take `opt`'s fused, foreach, capturable"
+    """Optimizer `state` (a `state_dict`) set to run as `opt` runs: its param groups take `opt`'s fused,
+    foreach, capturable"""
     groups = state.get('param_groups') if isinstance(state, dict) else None
     if not isinstance(groups, list) or len(groups) != len(opt.param_groups): return state
     mine = [{k: g[k] for k in _implementation if k in g} for g in opt.param_groups]
-    return {**state, 'param_groups': [{**_typed_like(g, own), **m} for g,m,own in zip(groups, mine, opt.param_groups)]}
+    return {**state, 'param_groups': [{**_typed_like(g, own), **m} for g,m,own in zip(groups, mine,
+        opt.param_groups)]}
 
 def _typed_like(group, own):
-    "Saved `group`'s numbers as `own` holds them: tensors where a compiled step made them tensors, else numbers"
+    """Saved `group`'s numbers as `own` holds them: tensors where a compiled step made them tensors, else
+    numbers"""
     def like(v, o):
-        if isinstance(o, tuple) and isinstance(v, (tuple, list)) and len(o) == len(v): return tuple(map(like, v, o))
-        if isinstance(o, torch.Tensor) and o.ndim == 0 and is_number(v): return torch.tensor(float(v), dtype=o.dtype)
+        if isinstance(o, tuple) and isinstance(v, (tuple, list)) and len(o) == len(v):
+            return tuple(map(like, v, o))
+        if isinstance(o, torch.Tensor) and o.ndim == 0 and is_number(v):
+            return torch.tensor(float(v), dtype=o.dtype)
         if is_number(o) and isinstance(v, torch.Tensor) and v.ndim == 0: return v.item()
         return v
     return {k: like(v, own[k]) if k in own and k != 'params' else v for k,v in group.items()}
@@ -275,7 +291,8 @@ def norm_params(model):
 
 # %% ../nbs/02b_optim.ipynb #51860f06
 class OptimizerHost:
-    "The optimizer of a learner: its parameter groups, their lr and wd, freezing, and whether it still fits the model"
+    """The optimizer of a learner: its parameter groups, their lr and wd, freezing, and whether it still fits
+    the model"""
     def param_groups(self):
         """The model's parameters split by `splitter` into lists, one per param group (one group without a
         splitter); with several optimizers, the groups of each in turn"""
@@ -295,7 +312,8 @@ class OptimizerHost:
             f"group, e.g. [list(model.parameters())]")
         flat = [p for gs in named.values() for g in gs for p in g]
         if len({id(p) for p in flat}) < len(flat):
-            raise ValueError(f"splitter {self.splitter!r} puts a parameter in more than one group: each parameter "
+            raise ValueError(f"splitter {self.splitter!r} puts a parameter in more than one group: each "
+                             f"parameter "
                              f"must be in one group only")
         return named
 
@@ -317,8 +335,9 @@ class OptimizerHost:
         if any(isinstance(v, (list, tuple, slice, dict)) for v in (lr, wd)): self._set_hypers(lr, wd, opt)
         groups = [g for gs in split.values() for g in gs]
         self.opt = opt
-        try: self._opts_made[opt] = [weakref.ref(p) for g in groups for p in g]     # the parameters it was made for
-        except TypeError: pass                                                     # an optimizer no weakref can point to
+        # the parameters it was made for
+        try: self._opts_made[opt] = [weakref.ref(p) for g in groups for p in g]
+        except TypeError: pass  # an optimizer no weakref can point to
 
     def _named_opt(self, name, groups):
         "The optimizer `name` of several, made by its `opt_func` with its `lr` and `wd`"
@@ -338,7 +357,8 @@ class OptimizerHost:
         n = check_int(n, 'n', who='freeze_to', hint='the index of the first param group that trains')
         idx = n if n >= 0 else max(len(groups) + n, 0)
         if idx >= len(groups): warn_user(
-            f"freeze_to({n}): the model has {len(groups)} param group{'s' if len(groups) > 1 else ''}, so all of it "
+            f"freeze_to({n}): the model has {len(groups)} param group{'s' if len(groups) > 1 else ''}, so "
+            f"all of it "
             f"is frozen and nothing will train; pass a splitter to Learner to make groups", UserWarning)
         keep = norm_params(self.model) if train_bn else set()
         for i,g in enumerate(groups):
@@ -349,7 +369,8 @@ class OptimizerHost:
         return self
 
     def freeze(self, train_bn=None):
-        "Freeze every param group but the last (norm layers keep training if `train_bn`, by default `learn.train_bn`)"
+        """Freeze every param group but the last (norm layers keep training if `train_bn`, by default
+        `learn.train_bn`)"""
         return self.freeze_to(-1, train_bn=train_bn)
 
     def unfreeze(self):
@@ -358,11 +379,13 @@ class OptimizerHost:
 
     @property
     def owns_opt(self):
-        "Whether `opt` is an optimizer `create_opt` made from `opt_func`, not one set by hand (`learn.opt = ...`)"
+        """Whether `opt` is an optimizer `create_opt` made from `opt_func`, not one set by hand (`learn.opt =
+        ...`)"""
         return self.opt in self._opts_made
 
     def _opt_fits_model(self):
-        "Whether `opt` trains `model` as it is: made for these very parameters (set by hand: it holds only model tensors)"
+        """Whether `opt` trains `model` as it is: made for these very parameters (set by hand: it holds only
+        model tensors)"""
         params = [p for g in self.param_groups() for p in g]
         if self.owns_opt:
             refs = self._opts_made[self.opt]
@@ -371,17 +394,23 @@ class OptimizerHost:
         return all(id(p) in own for pg in self.opt.param_groups for p in pg['params'])
 
     def _opt_for_fit(self, reset_opt=False):
-        "The optimizer the next fit uses: made now if there is none, with `reset_opt`, or when the model has changed"
+        """The optimizer the next fit uses: made now if there is none, with `reset_opt`, or when the model has
+        changed"""
         if reset_opt or self.opt is None: self.create_opt()
         elif not self._opt_fits_model():
             name = type(self.opt).__name__
             if not self.owns_opt:
-                raise ValueError(f"learn.opt ({name}, set by hand) updates tensors that are not parameters of "
-                                 f"learn.model (was the model replaced?), so the model would not train: set learn.opt "
-                                 f"to an optimizer of learn.model.parameters(), or pass reset_opt=True to make one "
+                raise ValueError(f"learn.opt ({name}, set by hand) updates tensors that are not parameters "
+                                 f"of "
+                                 f"learn.model (was the model replaced?), so the model would not train: set "
+                                 f"learn.opt "
+                                 f"to an optimizer of learn.model.parameters(), or pass reset_opt=True to "
+                                 f"make one "
                                  f"with opt_func")
-            warn_user(f"learn.model (or some of its parameters) changed since the optimizer was made: a new {name} "
-                          f"is made for this fit, with a fresh state (momentum, running averages); pass reset_opt=True "
+            warn_user(f"learn.model (or some of its parameters) changed since the optimizer was made: a new "
+                      f"{name} "
+                          f"is made for this fit, with a fresh state (momentum, running averages); pass "
+                          f"reset_opt=True "
                           f"to do this without a warning", UserWarning)
             self.create_opt()
         return self.opt

@@ -1,4 +1,4 @@
-"""`get_preds` and `validate` on any dataloader, gathering into preallocated memory; `FetchPredsCallback` during a fit.
+"""`get_preds` and `validate` on any dataloader, gathered into preallocated memory; `FetchPredsCallback`.
 
 Docs: https://learncb.github.io/learncb/preds.html.md"""
 
@@ -37,15 +37,20 @@ def n_samples(dl):
 def _is_loss(t): return isinstance(t, torch.Tensor) and t.ndim == 0 and t.is_floating_point()
 
 def model_loss(out, loss_key='loss', pred_key='logits'):
-    """`(pred, loss)` from the output of a model that computes its own loss: a dict's `loss_key` entry (`pred` its
-    `pred_key` entry), an object's `.loss`, or the one 0-dim floating tensor of a tuple (`pred` the rest: one tensor
-    alone); `loss` is `None` when there is none. Two 0-dim tensors in a tuple are an error: which is the loss?"""
+    """`(pred, loss)` from the output of a model that computes its own loss: a dict's `loss_key` entry (`pred`
+    its
+    `pred_key` entry), an object's `.loss`, or the one 0-dim floating tensor of a tuple (`pred` the rest: one
+    tensor
+    alone); `loss` is `None` when there is none. Two 0-dim tensors in a tuple are an error: which is the
+    loss?"""
     if isinstance(out, Mapping): return (out[pred_key] if pred_key in out else out),out.get(loss_key)
     if isinstance(out, (tuple, list)):
         where = [i for i,t in enumerate(out) if _is_loss(t)]
         if len(where) > 1: raise ValueError(
-            f"the model returned {len(out)} values, {len(where)} of them 0-dim tensors (at {where}): learncb cannot "
-            f"tell which is the loss. Return one loss, or pass loss_func=lambda out, *yb: out[{where[0]}] (the one "
+            f"the model returned {len(out)} values, {len(where)} of them 0-dim tensors (at {where}): learncb "
+            f"cannot "
+            f"tell which is the loss. Return one loss, or pass loss_func=lambda out, *yb: out[{where[0]}] "
+            f"(the one "
             f"that is the loss)")
         rest = [t for i,t in enumerate(out) if i not in where and t is not None]
         return (rest[0] if len(rest) == 1 else type(out)(rest)),(out[where[0]] if where else None)
@@ -114,7 +119,8 @@ class Gatherer:
         "Everything gathered so far, as one tensor (or a tuple of them)"
         if self.kids is not None: return tuple(k.result() for k in self.kids)
         if self.cuda: torch.cuda.synchronize()
-        if self.buf is not None: return self.buf if self.pos == self.n else self.buf.narrow(self.dim, 0, self.pos)
+        if self.buf is not None:
+            return self.buf if self.pos == self.n else self.buf.narrow(self.dim, 0, self.pos)
         if not self.parts: return None
         if self.parts[0].ndim == 0: return torch.stack(self.parts)
         longest = [max(p.shape[d] for p in self.parts) for d in range(self.parts[0].ndim)]
@@ -160,7 +166,7 @@ class GatherPredsCallback(Callback):
 
     def after_batch(self):
         learn = self.learn
-        if self._cancelled:              # a callback cancelled this batch: its pred (or loss) may be the last batch's
+        if self._cancelled:  # a callback cancelled this batch: its pred (or loss) may be the last batch's
             self._cancelled = False
             return
         try:
@@ -185,7 +191,8 @@ class GatherPredsCallback(Callback):
         return row_means(loss, bs, learn.yb[0], ignore if isinstance(ignore, int) else None).to(loss.dtype)
 
     def _save(self, o, folder):
-        torch.save(to_device(o, 'cpu'), Path(folder)/f'{self.learn.iter}.pth', pickle_protocol=self.pickle_protocol)
+        torch.save(to_device(o, 'cpu'), Path(folder)/f'{self.learn.iter}.pth',
+                   pickle_protocol=self.pickle_protocol)
 
     def all_tensors(self):
         "`[inputs (if with_input), preds, targets, losses (if with_loss)]`, each gathered into one tensor"
@@ -195,7 +202,8 @@ class GatherPredsCallback(Callback):
         return res
 
     def _explain(self, e):
-        "Add a note to the error `e` of gathering a batch when the model's output or the loss cannot be gathered"
+        """Add a note to the error `e` of gathering a batch when the model's output or the loss cannot be
+        gathered"""
         try: notes = self._notes()
         except Exception: return                     # an explanation must never hide the error it explains
         for note in notes: add_note(e, note)
@@ -203,13 +211,17 @@ class GatherPredsCallback(Callback):
     def _notes(self):
         learn,notes = self.learn,[]
         if self.with_preds and not isinstance(learn.pred, (torch.Tensor, tuple, list)):
-            notes.append(f"learncb: get_preds gathers the model's output of each batch, a tensor or a tuple of tensors, "
-                         f"but the model returned {describe_value(learn.pred)}: make it return a tensor (or a tuple), or "
+            notes.append(f"learncb: get_preds gathers the model's output of each batch, a tensor or a tuple "
+                         f"of tensors, "
+                         f"but the model returned {describe_value(learn.pred)}: make it return a tensor (or "
+                         f"a tuple), or "
                          f"pass with_preds=False and collect its outputs in a callback")
         loss,bs = learn.loss,(find_bs(learn.yb) if learn.yb else None)
         if self.with_loss and isinstance(loss, torch.Tensor) and bs and loss.numel() % bs:
-            notes.append(f"learncb: with_loss=True gathers one loss per item, so get_preds asks loss_func for unreduced "
-                         f"losses (reduction='none'), but it returned {describe_value(loss)} for a batch of {bs} items: "
+            notes.append(f"learncb: with_loss=True gathers one loss per item, so get_preds asks loss_func "
+                         f"for unreduced "
+                         f"losses (reduction='none'), but it returned {describe_value(loss)} for a batch of "
+                         f"{bs} items: "
                          f"make loss_func honour a reduction argument or attribute, or leave with_loss out")
         return notes
 
@@ -226,10 +238,12 @@ def _own_losses(learn):
 
 # %% ../nbs/05_preds.ipynb #ab349933
 def loss_kind(loss_func):
-    "`'cross_entropy'`, `'bce_with_logits'` or `None`: what `loss_func` is (a loss module, a torch function, a partial)"
+    """`'cross_entropy'`, `'bce_with_logits'` or `None`: what `loss_func` is (a loss module, a torch function,
+    a partial)"""
     f = getattr(loss_func, 'func', loss_func)          # through a functools.partial
     if isinstance(f, nn.CrossEntropyLoss) or f is F.cross_entropy: return 'cross_entropy'
-    if isinstance(f, nn.BCEWithLogitsLoss) or f is F.binary_cross_entropy_with_logits: return 'bce_with_logits'
+    if isinstance(f, nn.BCEWithLogitsLoss) or f is F.binary_cross_entropy_with_logits:
+        return 'bce_with_logits'
     return None
 
 def head_loss(learn):
@@ -264,11 +278,13 @@ def in_order(dl):
 
 # %% ../nbs/05_preds.ipynb #b99025bb
 class PredsHost:
-    "Predictions and validation on any dataloader, `get_preds` and `validate`: the part of `Learner` that predicts"
+    """Predictions and validation on any dataloader, `get_preds` and `validate`: the part of `Learner` that
+    predicts"""
 
     @property
     def vocab(self):
-        "The class names: given as `Learner(vocab=...)`, else `dls.vocab`, else the training dataset's `classes`"
+        """The class names: given as `Learner(vocab=...)`, else `dls.vocab`, else the training dataset's
+        `classes`"""
         if self._vocab is not None: return list(self._vocab)
         found = getattr(self.dls, 'vocab', None)
         if found is None: found = getattr(getattr(self.dls.train, 'dataset', None), 'classes', None)
@@ -287,7 +303,8 @@ class PredsHost:
 
     @contextmanager
     def _validation_aside(self):
-        "Around `get_preds` or `validate`: an error is explained, and fires `after_validate_exception` for callbacks to clean up"
+        """Around `get_preds` or `validate`: an error is explained, and fires `after_validate_exception` for
+        callbacks to clean up"""
         try: yield
         except BaseException as e:
             if isinstance(e, Exception): explain_batch_error(self, e)
@@ -304,7 +321,8 @@ class PredsHost:
         gather = GatherPredsCallback(with_input=with_input, with_loss=with_loss, save_preds=save_preds,
                                      save_targs=save_targs, with_preds=with_preds, with_targs=with_targs,
                                      concat_dim=concat_dim, pickle_protocol=pickle_protocol)
-        with _recorders_off(self), self.added_cbs([gather, *listify(cbs)]), self.no_logging(), self._validation_aside():
+        with _recorders_off(self), self.added_cbs([gather,
+                                                   *listify(cbs)]), self.no_logging(), self._validation_aside():
             if with_loss and self.loss_func is not None:
                 with self.loss_not_reduced(), _noting_reduction(): self.run_validation(dl)
             else: self.run_validation(dl)
@@ -383,7 +401,8 @@ def _recorders_off(learn):
 
 # %% ../nbs/05_preds.ipynb #3b9b010e
 def _over_ranks(learn, dl):
-    "`(dl, None)` in one process; in a distributed run this rank's share of `dl` in order, and `collect(res)` of the shares"
+    """`(dl, None)` in one process; in a distributed run this rank's share of `dl` in order, and
+    `collect(res)` of the shares"""
     if num_distrib() == 1: return dl,None
     strategy = learn.strategy          # a process group started without `distrib_ctx`: shared out in order
     user = strategy.user_dl(dl)
@@ -395,7 +414,8 @@ def _noting_reduction():
     try: yield
     except TypeError as e:
         if 'reduction' in str(e):
-            add_note(e, "learncb: get_preds(with_loss=True) calls loss_func(pred, *yb, reduction='none') to get one "
+            add_note(e, "learncb: get_preds(with_loss=True) calls loss_func(pred, *yb, reduction='none') to "
+                        "get one "
                         "loss per item: give the loss function a reduction argument, or leave with_loss out")
         raise
 

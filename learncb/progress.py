@@ -1,4 +1,4 @@
-"""`ProgressCallback`: fastprogress bars for epochs and batches, and the table of metrics, in a terminal or in Jupyter.
+"""`ProgressCallback`: fastprogress bars for epochs and batches and the metrics table, in a terminal, Jupyter.
 
 Docs: https://learncb.github.io/learncb/progress.html.md"""
 
@@ -24,7 +24,8 @@ def can_draw_bars():
 
 # %% ../nbs/06_progress.ipynb #d2f342ed
 class ProgressCallback(Callback):
-    "Progress bars for epochs and batches (the smoothed loss as comment) and the metrics table, with fastprogress"
+    """Progress bars for epochs and batches (the smoothed loss as comment) and the metrics table, with
+    fastprogress"""
     order,remove_on_fetch,rank0_only = Order.PROGRESS,True,True     # in a distributed run, rank 0 alone draws
     refresh_every = 0.25   # seconds between bar updates: reading the loss for the comment costs a host sync
     mbar = pbar = _old_logger = None
@@ -48,7 +49,8 @@ class ProgressCallback(Callback):
     def _launch(self):
         if not can_draw_bars(): return
         learn = self.learn
-        self.pbar = progress_bar(range(learn.n_iter) if learn.n_iter else learn.dl, total=learn.n_iter or 'noinfer',
+        self.pbar = progress_bar(range(learn.n_iter) if learn.n_iter else learn.dl, total=learn.n_iter
+                                 or 'noinfer',
                                  parent=self.mbar, leave=False)
         self.pbar.update(0)
         self._next = clock.now() + self.refresh_every

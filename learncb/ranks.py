@@ -1,4 +1,4 @@
-"""The facts and collectives of a distributed run's process group (rank, world size, sums, gathers) and the sharded tensors of FSDP: what every layer may ask, below the strategies.
+"""A distributed run's process group (rank, world size, sums, gathers) and FSDP's sharded tensors.
 
 Docs: https://learncb.github.io/learncb/ranks.html.md"""
 
@@ -55,13 +55,16 @@ def group_ended():
     for fn in _group_end_hooks: fn()
 
 def local_model(learn):
-    "The model this rank computes with: `learn.model` without the wrapper that reduces gradients (its strategy's answer)"
+    """The model this rank computes with: `learn.model` without the wrapper that reduces gradients (its
+    strategy's answer)"""
     return learn.strategy.local_model(learn.model)
 
 def _collective_device():
-    "Where tensors must be for the process group's collectives: the current CUDA device for NCCL, else the CPU"
+    """Where tensors must be for the process group's collectives: the current CUDA device for NCCL, else the
+    CPU"""
     import torch.distributed as dist
-    return torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
+    return torch.device('cuda',
+                        torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
 
 class PendingSum:
     "A sum over the ranks under way (`sum_across_ranks(t, wait=False)`): `wait()` gives it, on `t`'s device"
@@ -104,7 +107,8 @@ def _dtensor_class():
     return DTensor
 
 def is_sharded(t):
-    "Whether `t` is a tensor sharded over the ranks (a `DTensor`, as FSDP2 makes parameters), or a module FSDP shards"
+    """Whether `t` is a tensor sharded over the ranks (a `DTensor`, as FSDP2 makes parameters), or a module
+    FSDP shards"""
     cls = _dtensor_class()
     if cls is None: return False
     if isinstance(t, torch.nn.Module):
@@ -113,7 +117,8 @@ def is_sharded(t):
     return isinstance(t, cls)
 
 def whole_state(o, rank0=True):
-    "`o` (a tensor, or dicts and lists of them) with sharded tensors gathered whole, on the CPU; `None` off rank 0 if `rank0`"
+    """`o` (a tensor, or dicts and lists of them) with sharded tensors gathered whole, on the CPU; `None` off
+    rank 0 if `rank0`"""
     if isinstance(o, dict): return {k: whole_state(v, rank0) for k,v in o.items()}
     if isinstance(o, (list, tuple)): return type(o)(whole_state(v, rank0) for v in o)
     if not is_sharded(o): return o
@@ -121,8 +126,10 @@ def whole_state(o, rank0=True):
     return None if rank0 and not is_rank0() else t.cpu()
 
 def shard_like(t, like):
-    "This rank's shard of whole tensor `t`, laid out as sharded `like` (`t` itself when `like` is not sharded)"
-    if not is_sharded(like) or is_sharded(t) or not isinstance(t, torch.Tensor) or t.shape != like.shape: return t
+    """This rank's shard of whole tensor `t`, laid out as sharded `like` (`t` itself when `like` is not
+    sharded)"""
+    if not is_sharded(like) or is_sharded(t) or not isinstance(t, torch.Tensor) or t.shape != like.shape:
+        return t
     from torch.distributed.tensor import distribute_tensor
     return distribute_tensor(t.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
 
@@ -141,7 +148,8 @@ def mean_across_ranks(ts):
         for t,f in zip(group, flat.split([t.numel() for t in group])): t.copy_(f.view_as(t))
 
 def opt_state_like(state, opt):
-    "Optimizer `state` (from `state_dict`) with its whole per-parameter tensors cut to fit `opt`'s sharded parameters"
+    """Optimizer `state` (from `state_dict`) with its whole per-parameter tensors cut to fit `opt`'s sharded
+    parameters"""
     if named := getattr(opt, 'opts', None):         # several optimizers: each by name (load refuses others)
         return {n: opt_state_like(s, named[n]) if n in named else s for n,s in state.items()}
     params = [p for g in opt.param_groups for p in g['params']]
@@ -189,29 +197,37 @@ def shards_like(o, mesh):
 
 # %% ../nbs/01c_ranks.ipynb #e0a6a4f4
 class ShardSampler(Sampler):
-    "The indices `rank, rank + world, ...` of `n` items, in order: no item twice, shares differ by at most one"
+    """The indices `rank, rank + world, ...` of `n` items, in order: no item twice, shares differ by at most
+    one"""
     def __init__(self, n, rank, world): self.n,self.rank,self.world = n,rank,world
     def __len__(self): return len(range(self.rank, self.n, self.world))
     def __iter__(self): return iter(range(self.rank, self.n, self.world))
 
 def check_shardable(dl, what):
-    "Raise unless `dl` can be shared out over the ranks: a torch `DataLoader` with a batch size, over a sized dataset"
-    if isinstance(dl, DataLoader) and not isinstance(dl.dataset, IterableDataset) and dl.batch_size is not None: return
-    raise TypeError(f"distributed training shards the {what} dataloader by giving each rank its own sampler, so it "
-                    f"must be a torch DataLoader with a batch_size over a dataset with __len__, not {dl!r}; give it "
-                    f"one, or shard an IterableDataset yourself (torch.utils.data.get_worker_info and rank_distrib())")
+    """Raise unless `dl` can be shared out over the ranks: a torch `DataLoader` with a batch size, over a
+    sized dataset"""
+    if isinstance(dl, DataLoader) and not isinstance(dl.dataset,
+                                                     IterableDataset) and dl.batch_size is not None: return
+    raise TypeError(f"distributed training shards the {what} dataloader by giving each rank its own sampler, "
+                    f"so it "
+                    f"must be a torch DataLoader with a batch_size over a dataset with __len__, not {dl!r}; "
+                    f"give it "
+                    f"one, or shard an IterableDataset yourself (torch.utils.data.get_worker_info and "
+                    f"rank_distrib())")
 
 def shard_in_order(dl, rank=None, world=None):
     "`dl` for this rank, to validate or predict: the items `rank, rank + world, ...` in order"
     check_shardable(dl, 'validation')
     rank,world = rank_distrib() if rank is None else rank,num_distrib() if world is None else world
     if len(dl.dataset) < world: raise ValueError(
-        f"the dataloader has {len(dl.dataset)} items for {world} processes: each needs at least one to validate or "
+        f"the dataloader has {len(dl.dataset)} items for {world} processes: each needs at least one to "
+        f"validate or "
         f"predict on; use more items, or validate in one process")
     return rebuild_dataloader(dl, ShardSampler(len(dl.dataset), rank, world))
 
 def gather_in_order(o, n):
-    "Every rank's share of `n` items (tensors, tuples of them, `None`), gathered in dataset order on every rank"
+    """Every rank's share of `n` items (tensors, tuples of them, `None`), gathered in dataset order on every
+    rank"""
     if isinstance(o, (tuple, list)): return type(o)(gather_in_order(t, n) for t in o)
     parts = gather_objects(o)
     if o is None or num_distrib() == 1: return o

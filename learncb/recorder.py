@@ -1,4 +1,4 @@
-"""`Recorder` keeps losses, learning rates and metrics without a host sync per batch, in a table read by column name.
+"""`Recorder` keeps losses, learning rates and metrics with no host sync per batch, in a table read by column.
 
 Docs: https://learncb.github.io/learncb/recorder.html.md"""
 
@@ -23,10 +23,12 @@ from .optim import hyper_number
 
 # %% ../nbs/04_recorder.ipynb #bbe1a783
 class Recorder(Callback):
-    "Records losses, learning rates and metrics (of the training set too if `train_metrics`): `losses`, `values`..."
-    order,removable_in_fit = Order.RECORDER,False      # other callbacks read `learn.recorder` until the fit ends
-    deferred_events = ('after_loss',)                  # it reads the loss and predictions: after a compiled step too
-    _state_attrs = ('iters', 'values', '_pending_bs', '_smooth', '_count', '_train_sum', '_train_n', '_epoch_valid',
+    """Records losses, learning rates and metrics (of the training set too if `train_metrics`): `losses`,
+    `values`..."""
+    order,removable_in_fit = Order.RECORDER,False  # other callbacks read `learn.recorder` until the fit ends
+    deferred_events = ('after_loss',)  # it reads the loss and predictions: after a compiled step too
+    _state_attrs = ('iters', 'values', '_pending_bs', '_smooth', '_count', '_train_sum', '_train_n',
+                    '_epoch_valid',
                     '_extra', 'last_valid', '_train_cols', '_train_bs')
                     # not `_header_logged`: a resumed fit prints a new table, header first
     flush_every = 1000   # at most this many batch losses are kept on the device before they become floats
@@ -39,13 +41,14 @@ class Recorder(Callback):
 
     def _reset_history(self):
         self.lrs,self.iters,self.values,self._losses = [],[],[],[]
-        self._pending,self._pending_bs = [],[]          # training losses still on the device, and their batch sizes
+        self._pending,self._pending_bs = [],[]  # training losses still on the device, and their batch sizes
         self._smooth,self._count,self._on_device,self._loss_device = 0.,0,None,None
-        self._fit_columns = None                        # the extra columns of the history, once its fit has ended
+        self._fit_columns = None  # the extra columns of the history, once its fit has ended
         self._clear_epoch()
 
     def _clear_epoch(self):
-        "Per-epoch state, cleared when used: correct even if another callback cancelled a stage before ours began"
+        """Per-epoch state, cleared when used: correct even if another callback cancelled a stage before ours
+        began"""
         self._train_sum,self._train_n,self._epoch_valid,self._epoch_start,self._extra = 0.,0,None,None,{}
         self._train_cols,self._train_bs,self._epoch_train_metrics = [[] for _ in self._metrics],[],None
         self._clear_valid()
@@ -53,17 +56,20 @@ class Recorder(Callback):
     def _clear_valid(self): self._valid_cols,self._valid_bs = [[] for _ in range(1 + len(self._metrics))],[]
 
     @property
-    def _metrics(self): return [(metric_name(m), m) for m in (self.learn.metrics if self.learn is not None else [])]
+    def _metrics(self):
+        return [(metric_name(m), m) for m in (self.learn.metrics if self.learn is not None else [])]
 
     @property
     def valid_names(self):
-        "Names of the values of `last_valid`: `valid_loss` and the metrics (`valid_<name>` with `train_metrics`)"
+        """Names of the values of `last_valid`: `valid_loss` and the metrics (`valid_<name>` with
+        `train_metrics`)"""
         names = map(metric_name, self.learn.metrics)
         return ['valid_loss', *(f'valid_{n}' if self.train_metrics else n for n in names)]
 
     @property
     def train_names(self):
-        "Names of the training columns of `values`: `train_loss`, and `train_<metric>` for each one if `train_metrics`"
+        """Names of the training columns of `values`: `train_loss`, and `train_<metric>` for each one if
+        `train_metrics`"""
         return ['train_loss', *(f'train_{metric_name(m)}' for m in self.learn.metrics if self.train_metrics)]
 
     @property
@@ -78,15 +84,19 @@ class Recorder(Callback):
 
     @property
     def extra_columns(self):
-        "Columns asked for by other callbacks through their `recorder_columns` attribute; after a fit, that fit's"
-        if self._fit_columns is not None and not self.learn.fitting: return self._fit_columns    # its callbacks may be gone
+        """Columns asked for by other callbacks through their `recorder_columns` attribute; after a fit, that
+        fit's"""
+        # its callbacks may be gone
+        if self._fit_columns is not None and not self.learn.fitting: return self._fit_columns
         return [c for cb in self.learn.cbs
                 for c in getattr(type(cb), 'recorder_columns', None) and cb.recorder_columns or []]
 
     def record(self, name, value):
-        "Set the value of extra column `name` for the current epoch (ignored during `validate`/`get_preds` runs)"
+        """Set the value of extra column `name` for the current epoch (ignored during `validate`/`get_preds`
+        runs)"""
         if name not in self.extra_columns:
-            raise ValueError(f"{name!r} is not a column of the table; columns added by callbacks: {self.extra_columns} "
+            raise ValueError(f"{name!r} is not a column of the table; columns added by callbacks: "
+                             f"{self.extra_columns} "
                              f"(a callback adds columns with a `recorder_columns` attribute)")
         if not self.learn.validating_aside: self._extra[name] = value
 
@@ -98,17 +108,20 @@ class Recorder(Callback):
 
     @property
     def smooth_loss(self):
-        "The latest smoothed training loss as a float (reading it costs a host sync; `learn.smooth_loss` does not)"
+        """The latest smoothed training loss as a float (reading it costs a host sync; `learn.smooth_loss`
+        does not)"""
         self._flush()
         return self._losses[-1] if self._losses else None
 
     @property
     def final_record(self):
-        "The last row of `values`: the final epoch's training loss, validation loss and metrics (`None` before a fit)"
+        """The last row of `values`: the final epoch's training loss, validation loss and metrics (`None`
+        before a fit)"""
         return self.values[-1] if self.values else None
 
     def smooth_loss_tensor(self):
-        "The latest smoothed training loss as a tensor on the loss's device, without a host sync (`learn.smooth_loss`)"
+        """The latest smoothed training loss as a tensor on the loss's device, without a host sync
+        (`learn.smooth_loss`)"""
         if not self._pending:
             return torch.tensor(self._losses[-1], device=self._loss_device) if self._losses else None
         n,raw = self._on_device if self._on_device is not None else (0, None)
@@ -119,8 +132,9 @@ class Recorder(Callback):
         return raw / (1 - self.beta ** (self._count + len(self._pending)))
 
     def state_dict(self):
-        "History for checkpoints, up to the last batch the loop counted; the per-batch lists travel as tensors"
-        n = self._uncounted()            # a batch that failed before its end: not in the checkpoint, still in memory
+        """History for checkpoints, up to the last batch the loop counted; the per-batch lists travel as
+        tensors"""
+        n = self._uncounted()  # a batch that failed before its end: not in the checkpoint, still in memory
         held,self._pending = self._pending[len(self._pending) - n:],self._pending[:len(self._pending) - n]
         held_bs,self._pending_bs = self._pending_bs[len(self._pending_bs) - n:],self._pending_bs[:len(self._pending_bs) - n]
         self._flush()
@@ -132,7 +146,8 @@ class Recorder(Callback):
         return state
 
     def _uncounted(self):
-        "How many training losses are of batches the loop has not counted (`train_iter`): a batch that failed mid-way"
+        """How many training losses are of batches the loop has not counted (`train_iter`): a batch that
+        failed mid-way"""
         learn = self.learn
         if learn is None or not learn.training: return 0
         extra = self._count + len(self._pending) - learn.train_iter
@@ -141,11 +156,13 @@ class Recorder(Callback):
     def load_state_dict(self, state):
         state = dict(state)
         self.lrs,self._losses = state.pop('lrs').tolist(),state.pop('losses').tolist()
-        state.pop('_header_logged', None)      # written by older versions: the header belongs to the fit that prints
+        # written by older versions: the header belongs to the fit that prints
+        state.pop('_header_logged', None)
         super().load_state_dict(state)
 
     def rank_state(self, states, rank):
-        "On another number of processes, the epoch's partial sums of every saved rank on rank 0, none on the others"
+        """On another number of processes, the epoch's partial sums of every saved rank on rank 0, none on the
+        others"""
         state,first = dict(super().rank_state(states, rank)),rank == 0
         state['_train_sum'] = sum(s['_train_sum'] for s in states) if first else 0.
         state['_train_n'] = sum(s['_train_n'] for s in states) if first else 0
@@ -155,7 +172,8 @@ class Recorder(Callback):
         return state
 
     def _flush(self):
-        "Turn pending device losses into floats (one host sync), extending the smoothed history and the epoch sum"
+        """Turn pending device losses into floats (one host sync), extending the smoothed history and the
+        epoch sum"""
         if not self._pending: return
         pending = [_summed(l) for l in self._pending]
         (raw,items),self._loss_device = batch_losses(pending, self._pending_bs),pending[0].device
@@ -170,7 +188,7 @@ class Recorder(Callback):
         self._pending,self._pending_bs,self._on_device = [],[],None
 
     def before_fit(self):
-        if self.learn.n_epoch == 0: return     # a fit of no epoch trains nothing: the last fit's history stays
+        if self.learn.n_epoch == 0: return  # a fit of no epoch trains nothing: the last fit's history stays
         self._reset_history()
         self._metrics_unchecked = bool(self.learn.metrics)     # tried on the first training batch, see below
         self.hps = {}              # a ParamScheduler puts what it scheduled here at the end of the fit
@@ -180,7 +198,7 @@ class Recorder(Callback):
 
     def before_train(self):
         self._train_metrics = self._metrics if self.train_metrics else []
-        if self.learn.start_iter: return            # resumed part-way: the epoch's values so far were restored
+        if self.learn.start_iter: return  # resumed part-way: the epoch's values so far were restored
         self._train_cols,self._train_bs = [[] for _ in self._train_metrics],[]
         self._start_metrics(self._train_metrics)
 
@@ -236,22 +254,27 @@ class Recorder(Callback):
                 raise
 
     def _try_metrics(self):
-        "Call each metric (a copy of a metric object) on the first training batch: one that fails does so before an epoch"
+        """Call each metric (a copy of a metric object) on the first training batch: one that fails does so
+        before an epoch"""
         self._metrics_unchecked,learn = False,self.learn
         for name,m in self._metrics:
             try:
                 with torch.no_grad():
                     if is_stateful_metric(m): (c := copy.deepcopy(m)).reset(); c.update(learn.pred, *learn.yb)
                     elif is_fastai_metric(m): (c := copy.deepcopy(m)).reset(); c.accumulate(learn)
-                    else: check_metric_value(m(learn.pred, *learn.yb), f'metric {name!r}', 'the first training batch')
+                    else:
+                        check_metric_value(m(learn.pred, *learn.yb), f'metric {name!r}',
+                                           'the first training batch')
             except Exception as e:
                 _explain_metric_error(e, name, learn)
-                raise add_note(e, f"learncb: metrics are tried on the first training batch, so that one that fails "
+                raise add_note(e, f"learncb: metrics are tried on the first training batch, so that one that "
+                                  f"fails "
                                   f"does so before an epoch is spent (this batch has not updated the weights)")
 
     def after_validate(self):
         aside = self.learn.validating_aside
-        began = not aside or (self._valid_stack and self._valid_stack[-1][0] == aside)  # our before_validate ran
+        # our before_validate ran
+        began = not aside or (self._valid_stack and self._valid_stack[-1][0] == aside)
         self.last_valid = self._valid_values() if began and self._valid_bs else None
         if not aside:
             self._epoch_valid = self.last_valid
@@ -259,7 +282,8 @@ class Recorder(Callback):
         elif began: self._pop_valid()        # a validate() inside a fit: the epoch's values stay
 
     def _push_valid(self):
-        "Keep the accumulators of a validation in progress (and stateful metrics' state) while another one runs"
+        """Keep the accumulators of a validation in progress (and stateful metrics' state) while another one
+        runs"""
         stateful = [(m, copy.deepcopy(m.__dict__)) for _,m in self._valid_metrics if is_stateful_metric(m)]
         level = self.learn.validating_aside       # how deep this validation is: see `after_validate`
         self._valid_stack.append((level, self._valid_cols, self._valid_bs, self._valid_metrics, stateful))
@@ -282,22 +306,27 @@ class Recorder(Callback):
         train = self._mean_train_loss()
         if train is not None and not math.isfinite(train): self._warn_not_finite(train)
         extra = [self._extra.get(c) for c in self.extra_columns]
-        train_metrics = (self._epoch_train_metrics or [None] * len(self._metrics)) if self.train_metrics else []
-        self.values.append([train, *train_metrics, *(self._epoch_valid or [None] * len(self._valid_cols)), *extra])
+        train_metrics = (self._epoch_train_metrics
+                         or [None] * len(self._metrics)) if self.train_metrics else []
+        self.values.append([train, *train_metrics, *(self._epoch_valid or [None] * len(self._valid_cols)),
+                            *extra])
         self.iters.append(len(self._losses))
         row = [str(self.learn.epoch), *(_fmt(v) for v in self.values[-1])]
-        if self.add_time: row.append('' if self._epoch_start is None else format_time(clock.now() - self._epoch_start))
+        if self.add_time:
+            row.append('' if self._epoch_start is None else format_time(clock.now() - self._epoch_start))
         self._log(row)
         self._clear_epoch()
 
     def _mean_train_loss(self):
         "The epoch's mean training loss, over every rank of a distributed run (one collective per epoch)"
         total,n = self._train_sum,self._train_n
-        if num_distrib() > 1: total,n = sum_across_ranks(torch.tensor([total, float(n)], dtype=torch.float64)).tolist()
+        if num_distrib() > 1:
+            total,n = sum_across_ranks(torch.tensor([total, float(n)], dtype=torch.float64)).tolist()
         return total / n if n else None
 
     def _log(self, row):
-        "Send `row` to `learn.logger`, after the header the first time in a fit (to the logger active by then)"
+        """Send `row` to `learn.logger`, after the header the first time in a fit (to the logger active by
+        then)"""
         if not self._header_logged:
             self.learn.logger(self.metric_names)
             self._header_logged = True
@@ -305,31 +334,35 @@ class Recorder(Callback):
 
     def after_cancel_fit(self):
         "A fit stopped with a reason (`learn.stop_reason`): say it, through the learner's output"
-        if self.learn.stop_reason is not None: tell(self.learn, f"fit stopped: {self.learn.stop_reason}", warn=False)
+        if self.learn.stop_reason is not None:
+            tell(self.learn, f"fit stopped: {self.learn.stop_reason}", warn=False)
 
     def after_fit(self):
         self._flush()
-        self._fit_columns = self.extra_columns       # still fitting: this fit's columns, kept with its history
+        self._fit_columns = self.extra_columns  # still fitting: this fit's columns, kept with its history
         self.skipped,learn = tuple(self.learn.skipped_batches),self.learn
         if self.skipped or learn.skipped_items:
             tell(learn, skipped_summary(self.skipped, learn.skipped_items))
 
     def batch_numbers(self):
-        "`(xs, ends, skipped)`: the fit's batch number of each training loss, of each epoch's end, and of each batch skipped"
+        """`(xs, ends, skipped)`: the fit's batch number of each training loss, of each epoch's end, and of
+        each batch skipped"""
         per_epoch = {}
         for e,i in getattr(self, 'skipped', ()) if not self.learn.fitting else self.learn.skipped_batches:
             per_epoch.setdefault(e, set()).add(i)
         n,xs,ends,marks,start = len(self.losses),[],[],[],0
         for e,(a,b) in enumerate(zip([0, *self.iters], [*self.iters, n])):
             skip = per_epoch.get(e, set())
-            xs += [start + i for i in itertools.islice((i for i in itertools.count() if i not in skip), b - a)]
+            xs += [start + i for i in itertools.islice((i for i in itertools.count() if i not in skip),
+                                                       b - a)]
             marks += [start + i for i in sorted(skip)]
             start += b - a + len(skip)
             ends.append(start)
         return xs,ends[:len(self.iters)],marks
 
     def plot_loss(self, skip_start=5, with_valid=True, ax=None):
-        "Plot the smoothed training loss by batch number, the validation loss at the end of each epoch, and the batches skipped"
+        """Plot the smoothed training loss by batch number, the validation loss at the end of each epoch, and
+        the batches skipped"""
         import matplotlib.pyplot as plt
         if ax is None: _,ax = plt.subplots()
         losses,k = self.losses,self.value_names.index('valid_loss')
@@ -337,12 +370,14 @@ class Recorder(Callback):
         ax.plot(xs[skip_start:], losses[skip_start:], label='train')
         valid = [(x, v[k]) for x,v in zip(ends, self.values) if v[k] is not None and x > skip_start]
         if with_valid and valid: ax.plot(*zip(*valid), marker='o', label='valid')
-        for j,x in enumerate(skipped): ax.axvline(x, color='red', alpha=.4, ls=':', label=None if j else 'skipped')
+        for j,x in enumerate(skipped):
+            ax.axvline(x, color='red', alpha=.4, ls=':', label=None if j else 'skipped')
         ax.set_xlabel('batch'); ax.set_ylabel('loss'); ax.legend()
         return ax
 
     def plot_sched(self, keys=None, figsize=None):
-        "Plot the lr of every training batch of the last fit, and the other scheduled hyper-parameters (momentum...)"
+        """Plot the lr of every training batch of the last fit, and the other scheduled hyper-parameters
+        (momentum...)"""
         import matplotlib.pyplot as plt
         hps = {'lr': self.hps.get('lr', self.lrs), **{k: v for k,v in self.hps.items() if k != 'lr'}}
         keys = list(hps) if keys is None else listify(keys)
@@ -355,7 +390,8 @@ class Recorder(Callback):
 
     def after_exception(self):
         "Drop what the failed batch left half-recorded, so that `after_fit` and the history can still be read"
-        keep = [(l,bs) for l,bs in zip(self._pending, self._pending_bs) if isinstance(l, torch.Tensor) and l.numel() == 1]
+        keep = [(l,bs) for l,bs in zip(self._pending, self._pending_bs) if isinstance(l, torch.Tensor)
+                and l.numel() == 1]
         self._pending,self._pending_bs,self._on_device = [l for l,_ in keep],[bs for _,bs in keep],None
         del self.lrs[len(self._losses) + len(self._pending):]
 
@@ -369,9 +405,11 @@ class Recorder(Callback):
         self._warned_nan = True
         epoch_lrs = self.lrs[self.iters[-1] if self.iters else 0:]
         lr = f" (it went up to {max(epoch_lrs):g} in this epoch)" if epoch_lrs else ''
-        warn_user(f"the training loss of epoch {self.learn.epoch} is {train}: the training diverged, or the data or "
+        warn_user(f"the training loss of epoch {self.learn.epoch} is {train}: the training diverged, or the "
+                  f"data or "
                       f"the loss gives NaN. Try a lower learning rate{lr}, check the data, and add "
-                      f"TerminateOnNaNCallback() to stop a fit at the first batch whose loss is not finite (this warning "
+                      f"TerminateOnNaNCallback() to stop a fit at the first batch whose loss is not finite "
+                      f"(this warning "
                       f"is given once per fit)", RuntimeWarning)
 
 # %% ../nbs/04_recorder.ipynb #bc55d3be
@@ -395,7 +433,8 @@ def has_output(learn):
 
 def skipped_summary(skipped, items):
     "A line on the batches a fit skipped (`(epoch, batch)` pairs) and the dataset rows `items` it left out"
-    batches = ', '.join(f'epoch {e} batch {i}' for e,i in skipped[:8]) + (f', ... ({len(skipped)} in all)' if len(skipped) > 8 else '')
+    batches = ', '.join(f'epoch {e} batch {i}' for e,i in skipped[:8]) + (f', ... ({len(skipped)} in all)'
+        if len(skipped) > 8 else '')
     rows = f"rows {rows_text(items)} left out (learn.skipped_items: drop them from the data)" if items else ''
     if not skipped: return f"the fit trained with {rows}"
     n = f"{len(skipped)} batch{'es' if len(skipped) > 1 else ''}"
@@ -403,12 +442,15 @@ def skipped_summary(skipped, items):
 
 def _fmt(v): return '' if v is None else f'{v:.6f}'
 
-_no_targets = ("the validation batches have no targets (the dataloader yields inputs only, as learn.test_dl's do), "
-               "so there is no loss or metric to compute: use learn.get_preds(dl=...) for predictions, or validate on "
+_no_targets = ("the validation batches have no targets (the dataloader yields inputs only, as "
+               "learn.test_dl's do), "
+               "so there is no loss or metric to compute: use learn.get_preds(dl=...) for predictions, or "
+               "validate on "
                "a dataloader of (inputs, targets)")
 
 def _phase_values(metrics, cols, bss):
-    "Each `(name, metric)`'s value: batch-weighted means of the per-batch columns in one host sync, else the object's"
+    """Each `(name, metric)`'s value: batch-weighted means of the per-batch columns in one host sync, else the
+    object's"""
     is_object = lambda m: m is not None and (is_stateful_metric(m) or is_fastai_metric(m))
     kinds = ['object' if is_object(m) else 'column' for _,m in metrics]
     names = [n if m is None else f'metric {n!r}' for (n,m),k in zip(metrics, kinds) if k == 'column']
@@ -433,16 +475,20 @@ def batch_losses(pending, items=None):
     except RuntimeError:
         if all(l.numel() == 1 for l in pending): raise
     bad = next(l for l in pending if l.numel() != 1)
-    raise ValueError(f"the loss must be a scalar, but loss_func returned a tensor of shape {tuple(bad.shape)}: "
+    raise ValueError(f"the loss must be a scalar, but loss_func returned a tensor of shape "
+                     f"{tuple(bad.shape)}: "
                      f"reduce it (e.g. .mean()) or use a loss with reduction='mean'")
 
 def _explain_metric_error(e, name, learn):
-    "Add notes to the error `e` of metric `name`: where it failed, and what to do about a `pred` that is not a tensor"
+    """Add notes to the error `e` of metric `name`: where it failed, and what to do about a `pred` that is not
+    a tensor"""
     pred = learn.pred
     add_note(e, f"learncb: metric {name!r} failed on batch {learn.iter} with pred {describe_value(pred)}; "
                 f"a metric is called as metric(pred, *yb) and must return a scalar")
     if isinstance(pred, (tuple, list, dict)):
         pick = f"pred[{next(iter(pred))!r}]" if isinstance(pred, dict) and pred else 'pred[0]'
-        add_note(e, f"learncb: the model returns {describe_value(pred)}, not a tensor, and metric {name!r} takes the "
-                    f"tensor of predictions: make the model return it, or give the metric the part it needs, e.g. "
+        add_note(e, f"learncb: the model returns {describe_value(pred)}, not a tensor, and metric {name!r} "
+                    f"takes the "
+                    f"tensor of predictions: make the model return it, or give the metric the part it needs, "
+                    f"e.g. "
                     f"def my_{name}(pred, *yb): return {name}({pick}, *yb)")

@@ -1,4 +1,4 @@
-"""`fit(resume=...)`: `ResumeCallback` puts a checkpoint's state back in the fit and starts the loop where the run stopped, after checking that the checkpoint belongs to this run.
+"""`fit(resume=...)`: `ResumeCallback` checks that a checkpoint is of this run, restores it, resumes the loop.
 
 Docs: https://learncb.github.io/learncb/resume.html.md"""
 
@@ -20,8 +20,10 @@ from .state import *
 
 # %% ../nbs/16f_resume.ipynb #863dea3e
 class ResumeCallback(Callback):
-    "Restores a checkpoint in a fit, after the other callbacks' `before_fit`/`before_train`; sets where the loop starts"
-    order = Order.LAST     # after every other callback: what their before_fit and before_train reset is then overwritten
+    """Restores a checkpoint in a fit, after the other callbacks' `before_fit`/`before_train`; sets where the
+    loop starts"""
+    # after every other callback: what their before_fit and before_train reset is then overwritten
+    order = Order.LAST
     def __init__(self, state, path):
         self.state,self.path,self.at = state,path,state.get('at', 'epoch_end')
         self.epoch,self.iter,self.finished = state['loop']['epoch'],state['loop']['iter'],_finished(state) is not None
@@ -31,8 +33,8 @@ class ResumeCallback(Callback):
         learn.load_state_dict(state, where=str(self.path))
         dl = learn.dls.train
         if state.get('loader') is not None and has_state(dl):
-            dl.load_state_dict(state['loader'])                       # the dataloader's own place in its epoch
-            if state.get('loader_drain'):                             # after its last batch: finish that epoch
+            dl.load_state_dict(state['loader'])  # the dataloader's own place in its epoch
+            if state.get('loader_drain'):  # after its last batch: finish that epoch
                 for _ in _RngAfterIter(dl, rank_rng(state)): pass
         self.run = False        # restored once: out of the dispatch tables for the rest of the fit
 
@@ -48,23 +50,29 @@ class ResumeCallback(Callback):
         self._restore()
         learn,start = self.learn,self.iter + 1
         dl,learn.start_iter,rng = learn.dl,start,rank_rng(self.state)
-        learn.epoch_rng = epoch_rng = rank_epoch_rng(self.state)     # where this epoch started, for its next checkpoints
+        # where this epoch started, for its next checkpoints
+        learn.epoch_rng = epoch_rng = rank_epoch_rng(self.state)
         if self.state.get('loader') is not None and has_state(dl): learn.dl = _RngAfterIter(dl, rng)
         elif sampler_of(dl) is not None: replay_pass(learn, dl, start, rng)
         else:
             if epoch_rng is None: warn_user(
-                f"the training dataloader cannot skip batches ({cannot_resume_reason(dl)}), and this checkpoint does not "
-                f"hold the random state its epoch started with (an older learncb wrote it): the first {start} batches "
-                f"are read again from the random state at hand and dropped, so the order is the same only if it does "
+                f"the training dataloader cannot skip batches ({cannot_resume_reason(dl)}), and this "
+                f"checkpoint does not "
+                f"hold the random state its epoch started with (an older learncb wrote it): the first "
+                f"{start} batches "
+                f"are read again from the random state at hand and dropped, so the order is the same only if "
+                f"it does "
                 f"not depend on the random state. Checkpoints written now resume exactly")
             learn.dl = replayed_from(dl, start, epoch_rng, rng)
 
 # %% ../nbs/16f_resume.ipynb #6b9f7b89
 def replay_pass(learn, dl, start, rng):
-    "Make `learn.dl` the pass of `dl` its `ResumableSampler` has loaded, from batch `start`, with the random state `rng` once its iterator is made"
+    """Make `learn.dl` the pass of `dl` its `ResumableSampler` has loaded, from batch `start`, with the random
+    state `rng` once its iterator is made"""
     sampler = sampler_of(dl)
-    sampler.resume(start * dl.batch_size)            # the epoch's order again, from its seed, without the done batches
-    if type(dl).__iter__ is DataLoader.__iter__: learn.dl = _RngAfterIter(dl, rng)   # its iterator draws: then rng
+    sampler.resume(start * dl.batch_size)  # the epoch's order again, from its seed, without the done batches
+    # its iterator draws: then rng
+    if type(dl).__iter__ is DataLoader.__iter__: learn.dl = _RngAfterIter(dl, rng)
     else: learn.dl = _CheckedStart(dl, sampler, start, rng)
 
 class _RngAfterIter:
@@ -76,16 +84,18 @@ class _RngAfterIter:
         yield from it
 
 class _CheckedStart:
-    "The rest of an epoch of `dl`, whose `sampler` skips `n` batches (if `dl` does not read it, they are dropped); then `rng`"
+    """The rest of an epoch of `dl`, whose `sampler` skips `n` batches (if `dl` does not read it, they are
+    dropped); then `rng`"""
     def __init__(self, dl, sampler, n, rng): self.dl,self.sampler,self.n,self.rng = dl,sampler,n,rng
     def __iter__(self):
         it = iter(self.dl)
         set_rng_state(self.rng)
         first = list(itertools.islice(it, 1))
-        if self.sampler.start:          # still there after a batch: the dataloader does not draw from its sampler
+        if self.sampler.start:  # still there after a batch: the dataloader does not draw from its sampler
             self.sampler.start = 0
             warn_user(f"{type(self.dl).__name__} does not take its order from its batch sampler: the first "
-                          f"{self.n} batches of the epoch are read again and dropped, and its order is the same only "
+                          f"{self.n} batches of the epoch are read again and dropped, and its order is the "
+                          f"same only "
                           f"if it does not depend on the random state")
             it,first = itertools.islice(itertools.chain(first, it), self.n, None),[]
         yield from itertools.chain(first, it)
@@ -95,7 +105,8 @@ def _finished(state):
     if state.get('at', 'epoch_end') != 'epoch_end': return None
     loop = state['loop']
     if loop['epoch'] >= loop['n_epoch'] - 1: return f"all its {loop['n_epoch']} epochs are done"
-    if loop.get('stop_reason') is not None: return f"it was stopped after epoch {loop['epoch']}: {loop['stop_reason']}"
+    if loop.get('stop_reason') is not None:
+        return f"it was stopped after epoch {loop['epoch']}: {loop['stop_reason']}"
     return None
 
 # %% ../nbs/16f_resume.ipynb #856b3719
@@ -106,66 +117,88 @@ def _describe(shape):
 def _processes(n): return f"{n} process{'es' if n > 1 else ''}"
 
 def _check_global_batch(bs, world, now_bs, path):
-    "Refuse to go on over another number of processes unless the global batch (per-process batch x processes) is kept"
+    """Refuse to go on over another number of processes unless the global batch (per-process batch x
+    processes) is kept"""
     now_world = num_distrib()
     if None in (bs, now_bs) or bs * world == now_bs * now_world: return
     fix = (f"a batch size of {bs * world // now_world} per process" if bs * world % now_world == 0 else
            f"{_processes(world)}")
-    raise ValueError(f"{path} was taken with a global batch of {bs * world} ({bs} per process x {_processes(world)}), "
-                     f"but this run's is {now_bs * now_world} ({now_bs} x {_processes(now_world)}): a run goes on over "
-                     f"another number of processes only with the same global batch, so that it sees the same batches "
+    raise ValueError(f"{path} was taken with a global batch of {bs * world} ({bs} per process x "
+                     f"{_processes(world)}), "
+                     f"but this run's is {now_bs * now_world} ({now_bs} x {_processes(now_world)}): a run "
+                     f"goes on over "
+                     f"another number of processes only with the same global batch, so that it sees the same "
+                     f"batches "
                      f"in the same order. Resume with {fix}")
 
 def check_same_run(learn, state, path):
-    "Refuse checkpoint `state` if it is of another run: another number of epochs, another global batch, other data"
+    """Refuse checkpoint `state` if it is of another run: another number of epochs, another global batch,
+    other data"""
     n_epoch = state['loop']['n_epoch']
     if n_epoch != learn.n_epoch:
-        raise ValueError(f"{path} was taken in a fit of {n_epoch} epochs, but this fit has {learn.n_epoch}: resume "
+        raise ValueError(f"{path} was taken in a fit of {n_epoch} epochs, but this fit has {learn.n_epoch}: "
+                         f"resume "
                          f"the same run with learn.fit({n_epoch}, resume=...)")
     saved,now = state.get('data_shape') or {},data_shape(user_train_dl(learn))
-    if state.get('world_size', 1) != num_distrib():        # each process has its own batches: the global batch counts
+    # each process has its own batches: the global batch counts
+    if state.get('world_size', 1) != num_distrib():
         _check_global_batch(saved.get('batch_size'), state.get('world_size', 1), now['batch_size'], path)
         saved,now = {'n_items': saved.get('n_items')},{'n_items': now['n_items']}
     if any(saved.get(k) is not None and v is not None and saved[k] != v for k,v in now.items()):
-        raise ValueError(f"{path} was taken with training data of {_describe(saved)}, but the training data now has "
-                         f"{_describe(now)}: resume with the data the run was trained on (the same dataset, batch_size "
-                         f"and drop_last). To train on this data from the checkpoint's weights, start a new fit: "
+        raise ValueError(f"{path} was taken with training data of {_describe(saved)}, but the training data "
+                         f"now has "
+                         f"{_describe(now)}: resume with the data the run was trained on (the same dataset, "
+                         f"batch_size "
+                         f"and drop_last). To train on this data from the checkpoint's weights, start a new "
+                         f"fit: "
                          f"learn.load_checkpoint(path), then learn.fit(n)")
 
 # %% ../nbs/16f_resume.ipynb #37dd00c1
 def _newest_intact(store):
     "The newest checkpoint in `store` that reads back intact, and its state (warns of newer damaged ones)"
     found,damaged = store.list(),[]
-    if not found: raise FileNotFoundError(f"resume=True but there is no checkpoint in {store_place(store)}: start the run "
+    if not found:
+        raise FileNotFoundError(f"resume=True but there is no checkpoint in {store_place(store)}: start the "
+                                f"run "
                                           f"without resume, or pass the checkpoint's path")
     for ref in found:
         try: state = read_checkpoint(store, ref)
         except CorruptFileError:
             damaged.append(ref_name(ref))
             continue
-        if damaged: warn_user(f"resume=True: the newest checkpoints in {store_place(store)} are damaged or incomplete "
-                                  f"(truncated, corrupt, changed since written, or a sharded one whose shards were not "
-                                  f"all written): {damaged}; resuming from {ref_name(ref)}, the newest intact one. The "
+        if damaged:
+            warn_user(f"resume=True: the newest checkpoints in {store_place(store)} are damaged or "
+                      f"incomplete "
+                                  f"(truncated, corrupt, changed since written, or a sharded one whose "
+                                  f"shards were not "
+                                  f"all written): {damaged}; resuming from {ref_name(ref)}, the newest "
+                                  f"intact one. The "
                                   f"damaged ones are left as they are")
         return ref,state
-    raise CorruptFileError(f"resume=True but every checkpoint in {store_place(store)} is damaged or incomplete (truncated, "
-                           f"corrupt, changed since written, or not all of its shards written): {damaged}; start the "
+    raise CorruptFileError(f"resume=True but every checkpoint in {store_place(store)} is damaged or "
+                           f"incomplete (truncated, "
+                           f"corrupt, changed since written, or not all of its shards written): {damaged}; "
+                           f"start the "
                            f"run again without resume")
 
 def resumed_from(cbs):
-    "The checkpoint a fit with callbacks `cbs` (from `resume_cbs`) resumes from, or `None`: what `learn.resume_from` holds"
+    """The checkpoint a fit with callbacks `cbs` (from `resume_cbs`) resumes from, or `None`: what
+    `learn.resume_from` holds"""
     return next((cb.path for cb in cbs if isinstance(cb, ResumeCallback)), None)
 
 def resume_cbs(learn, resume):
-    "What `fit(resume=...)` adds: a `ResumeCallback` of `resume` (`True`: the newest), a `CheckpointCallback` if none"
+    """What `fit(resume=...)` adds: a `ResumeCallback` of `resume` (`True`: the newest), a
+    `CheckpointCallback` if none"""
     if resume is None or resume is False: return []
-    from learncb.checkpoint.callback import CheckpointCallback, store_for     # the checkpoint layer, when a fit resumes
+    # the checkpoint layer, when a fit resumes
+    from learncb.checkpoint.callback import CheckpointCallback, store_for
     from learncb.checkpoint.store import url_parent
     auto = resume == 'auto'
     if auto:                         # the same command for the first run and every restart
         store = store_for(learn)
         if not store.list():
-            if is_rank0(): print(f"resume='auto': no checkpoint in {store_place(store)}: starting the run", flush=True)
+            if is_rank0():
+                print(f"resume='auto': no checkpoint in {store_place(store)}: starting the run", flush=True)
             return []
         resume = True
     if resume is True: path,state = _newest_intact(store_for(learn))
@@ -174,12 +207,13 @@ def resume_cbs(learn, resume):
         if str(path) not in {str(r) for r in store.list()}: store = store_for(learn, url_parent(path))
         state = read_checkpoint(store, path)
     check_same_run(learn, state, path)
-    learn.check_state(state, path)                   # the model and the optimizer take it: nothing is changed yet
+    learn.check_state(state, path)  # the model and the optimizer take it: nothing is changed yet
     if (why := _finished(state)):
         warn_user(f"{path} is the end of a run that is over ({why}): there is nothing left to train, and the "
                       f"learner gets that run's final state. To train more, start a new fit without resume")
     if not state.get('exact', True):
-        warn_user(f"{path} was written after an error in the middle of a batch: the run continues from the last "
+        warn_user(f"{path} was written after an error in the middle of a batch: the run continues from the "
+                  f"last "
                       f"complete batch, but may not end exactly as an uninterrupted run would")
     if resume is not True: _warn_newer(store, path)
     if auto and is_rank0(): print(f"resume='auto': resuming the run from {path}", flush=True)
@@ -192,6 +226,8 @@ def _warn_newer(store, ref):
     from learncb.checkpoint.store import checkpoint_key, is_checkpoint_name
     if not is_checkpoint_name(ref): return
     newer = [ref_name(r) for r in store.list()[::-1] if checkpoint_key(r) > checkpoint_key(ref)]
-    if newer: warn_user(f"resuming from {ref_name(ref)}, but {store_place(store)} holds newer checkpoints of the run that "
+    if newer:
+        warn_user(f"resuming from {ref_name(ref)}, but {store_place(store)} holds newer checkpoints of the "
+                  f"run that "
                             f"went on from it: {newer}. This run removes them as it passes them; until then, "
                             f"resume=True would take the newest of them")

@@ -1,4 +1,4 @@
-"""`ResumableSampler` and `resumable_dataloader`: the order torch's samplers give a training dataloader, kept in checkpoints, so that a run resumes in the middle of an epoch with the batches it would have seen.
+"""`ResumableSampler`: a training dataloader's order kept in checkpoints, so a run resumes mid-epoch exactly.
 
 Docs: https://learncb.github.io/learncb/sampler.html.md"""
 
@@ -19,7 +19,8 @@ from .utils import *
 
 # %% ../nbs/16e_sampler.ipynb #66758e89
 class ResumableSampler(Sampler):
-    "The order of torch's `RandomSampler` (`seed=None`) or `DistributedSampler` (`seed`), saved and resumed part-way"
+    """The order of torch's `RandomSampler` (`seed=None`) or `DistributedSampler` (`seed`), saved and resumed
+    part-way"""
     def __init__(self, n, shuffle=True, seed=None, generator=None, rank=0, world=1):
         self.n,self.shuffle,self.seed,self.generator,self.rank,self.world = n,shuffle,seed,generator,rank,world
         self.epoch,self.start,self._pass,self._saved_pass,self._replay,self.order = 0,0,None,None,None,None
@@ -42,18 +43,22 @@ class ResumableSampler(Sampler):
         else:
             g,self._pass = self._replayed(replay) if replay is not None else self._drawn()
             idx = torch.randperm(self.n, generator=g).tolist()
-        self.order = idx                                      # the pass's order, every rank's: which items a batch holds
+        self.order = idx  # the pass's order, every rank's: which items a batch holds
         if self.world > 1: idx = self._share(idx)
         yield from idx[start:]
-        if self.shuffle and g is self.generator: torch.randperm(self.n, generator=g)   # as RandomSampler: its generator moves on
+        # as RandomSampler: its generator moves on
+        if self.shuffle and g is self.generator: torch.randperm(self.n, generator=g)
 
     def _share(self, idx, rank=None):
-        "A rank's every `world`-th index of the order (this one's by default), padded with its start to equal shares (`DistributedSampler`'s)"
+        """A rank's every `world`-th index of the order (this one's by default), padded with its start to
+        equal shares (`DistributedSampler`'s)"""
         total = len(self) * self.world
-        return (idx * math.ceil(total / max(self.n, 1)))[:total][self.rank if rank is None else rank::self.world]
+        return (idx * math.ceil(total / max(self.n, 1)))[:total][self.rank if rank is None
+                                                                 else rank::self.world]
 
     def batch_items(self, i, bs):
-        "The dataset indices of batch `i` (of `bs` items per rank) of the current pass, on every rank, sorted; `None` before a pass"
+        """The dataset indices of batch `i` (of `bs` items per rank) of the current pass, on every rank,
+        sorted; `None` before a pass"""
         if self.order is None: return None
         shares = [self._share(self.order, r) for r in range(self.world)] if self.world > 1 else [self.order]
         return sorted({k for share in shares for k in share[i * bs:(i + 1) * bs]})
@@ -77,7 +82,8 @@ class ResumableSampler(Sampler):
         return placed
 
     def _drawn(self):
-        "The generator of a new pass, and what replays it: a seed (`seed + epoch`, or drawn), or the generator's state"
+        """The generator of a new pass, and what replays it: a seed (`seed + epoch`, or drawn), or the
+        generator's state"""
         if self.seed is not None: s = self.seed + self.epoch
         elif self.generator is not None: return self.generator,self.generator.get_state()
         else: s = int(torch.empty((), dtype=torch.int64).random_().item())     # RandomSampler's draw
@@ -98,11 +104,13 @@ class ResumableSampler(Sampler):
 
     def load_state_dict(self, state):
         "Take the order of `state`, ready to `resume` its pass (a rank of several keeps its fixed seed)"
-        state = to_device(state, 'cpu')                 # a checkpoint read onto the GPU: generators live on the CPU
-        if 'pass' not in state: state = {**state, 'pass': state['seed'] + state['epoch']}   # written before 0.2.1
+        state = to_device(state, 'cpu')  # a checkpoint read onto the GPU: generators live on the CPU
+        # written before 0.2.1
+        if 'pass' not in state: state = {**state, 'pass': state['seed'] + state['epoch']}
         if state['seed'] is not None or self.world == 1: self.seed = state['seed']
         self.epoch,self._saved_pass = state['epoch'],state['pass']
-        if state.get('generator') is not None and self.generator is not None: self.generator.set_state(state['generator'])
+        if state.get('generator') is not None and self.generator is not None:
+            self.generator.set_state(state['generator'])
 
 RowsOut = namedtuple('RowsOut', 'positions emptied kept', defaults=({}, set(), {}))
 RowsOut.__doc__ = """Where rows left out of a pass are: `positions` (`{batch: their positions in this
@@ -118,7 +126,8 @@ def _positions(share, out, bs):
 
 # %% ../nbs/16e_sampler.ipynb #afc4c430
 def has_state(dl):
-    "Whether `dl` keeps its own position, with `state_dict` and `load_state_dict` (torchdata's `StatefulDataLoader`)"
+    """Whether `dl` keeps its own position, with `state_dict` and `load_state_dict` (torchdata's
+    `StatefulDataLoader`)"""
     return callable(getattr(dl, 'state_dict', None)) and callable(getattr(dl, 'load_state_dict', None))
 
 def sampler_of(dl):
@@ -151,7 +160,8 @@ def data_shape(dl):
     return {'n_batches': n_batches(dl), 'batch_size': getattr(dl, 'batch_size', None), 'n_items': n_items}
 
 def batch_items(dl, i):
-    "The dataset indices of batch `i` of `dl`'s current pass, on every rank, sorted; `None` when no `ResumableSampler` orders it"
+    """The dataset indices of batch `i` of `dl`'s current pass, on every rank, sorted; `None` when no
+    `ResumableSampler` orders it"""
     sampler,bs = sampler_of(dl),getattr(dl, 'batch_size', None)
     return None if sampler is None or not bs else sampler.batch_items(i, bs)
 
@@ -195,7 +205,8 @@ def user_train_dl(learn):
 
 # %% ../nbs/16e_sampler.ipynb #64003cf8
 def resumable_sampler(dl, seed=None):
-    "A `ResumableSampler` giving the order `dl`'s sampler gives; with `seed`, a shuffled one is `DistributedSampler`'s"
+    """A `ResumableSampler` giving the order `dl`'s sampler gives; with `seed`, a shuffled one is
+    `DistributedSampler`'s"""
     s,n = dl.sampler,len(dl.dataset)
     if not isinstance(s, DistributedSampler):
         gen = None if seed is not None else getattr(s, 'generator', None)
@@ -205,23 +216,27 @@ def resumable_sampler(dl, seed=None):
     return sampler
 
 def resumable_dataloader(dl):
-    "`dl` ordered by a `ResumableSampler`, as its own sampler orders it: a `DataLoader` rebuilt, a subclass changed in place"
+    """`dl` ordered by a `ResumableSampler`, as its own sampler orders it: a `DataLoader` rebuilt, a subclass
+    changed in place"""
     if sampler_of(dl) is not None: return dl
     sampler = resumable_sampler(dl)
     if type(dl) is DataLoader: return rebuild_dataloader(dl, sampler, dl.generator)
-    sampler.replaced,dl.batch_sampler.sampler = dl.batch_sampler.sampler,sampler   # the user's class: same object
+    # the user's class: same object
+    sampler.replaced,dl.batch_sampler.sampler = dl.batch_sampler.sampler,sampler
     return dl
 
 def restore_order(dl):
     "Give a dataloader that `resumable_dataloader` changed in place its own sampler back"
     sampler = getattr(getattr(dl, 'batch_sampler', None), 'sampler', None)
-    if isinstance(sampler, ResumableSampler) and hasattr(sampler, 'replaced'): dl.batch_sampler.sampler = sampler.replaced
+    if isinstance(sampler, ResumableSampler) and hasattr(sampler, 'replaced'):
+        dl.batch_sampler.sampler = sampler.replaced
 
 def take_order(learn):
-    "Order `learn`'s training dataloader by a `ResumableSampler` for a fit: `(the user's, the ordered one)`, or `None` (nothing to do, or it cannot be)"
+    """Order `learn`'s training dataloader by a `ResumableSampler` for a fit: `(the user's, the ordered one)`,
+    or `None` (nothing to do, or it cannot be)"""
     dl = learn.dls.train
     if user_train_dl(learn) is not dl or has_state(dl) or cannot_resume_reason(dl) is not None: return None
-    learn.dls.train = ordered = resumable_dataloader(dl)      # a strategy's share for the fit is ordered already
+    learn.dls.train = ordered = resumable_dataloader(dl)  # a strategy's share for the fit is ordered already
     return dl,ordered
 
 def give_order_back(learn, taken):
@@ -233,14 +248,19 @@ def give_order_back(learn, taken):
 
 # %% ../nbs/16e_sampler.ipynb #0d8db992
 def epoch_start_state(dl):
-    "The random state an epoch of `dl` starts from: the global generators', and those `dl` draws from (its own, its samplers')"
+    """The random state an epoch of `dl` starts from: the global generators', and those `dl` draws from (its
+    own, its samplers')"""
     return {'rng': rng_state(), 'dl': [g.get_state() for g in dl_generators(dl)]}
 
 class replayed_from:
-    """An epoch of `dl` from batch `n`, for a dataloader that cannot skip: its first `n` batches are read again from the
-    random state the epoch started with (`start`, an `epoch_start_state`) and dropped, then the run's random state `rng`
-    is put back. Exact for any `dl` that reading again gives the same batches (a list, a sampler, a stream that draws
-    from torch's, numpy's or Python's generators); `start=None` (an older checkpoint) replays from the state at hand"""
+    """An epoch of `dl` from batch `n`, for a dataloader that cannot skip: its first `n` batches are read
+    again from the
+    random state the epoch started with (`start`, an `epoch_start_state`) and dropped, then the run's random
+    state `rng`
+    is put back. Exact for any `dl` that reading again gives the same batches (a list, a sampler, a stream
+    that draws
+    from torch's, numpy's or Python's generators); `start=None` (an older checkpoint) replays from the state
+    at hand"""
     def __init__(self, dl, n, start, rng): self.dl,self.n,self.start,self.rng = dl,n,start,rng
     def __iter__(self):
         if self.start is not None:

@@ -1,4 +1,4 @@
-"""`StateHost`: `learn.state_dict()` and `learn.load_state_dict()`: everything a run depends on, checked whole before anything changes; `save_checkpoint` and `load_checkpoint` by hand.
+"""`StateHost`: `learn.state_dict()`, checked whole before anything changes; `save_checkpoint` by hand.
 
 Docs: https://learncb.github.io/learncb/state.html.md"""
 
@@ -29,12 +29,16 @@ def _cb_keys(cbs):
     return keys
 
 def _per_rank(cbs, epoch_rng):
-    "In a distributed run, every rank's random states and callbacks' state (rank 0 writes them all); `None` alone"
-    return None if num_distrib() == 1 else gather_objects({'rng': rng_state(), 'epoch_rng': epoch_rng, 'cbs': cbs})
+    """In a distributed run, every rank's random states and callbacks' state (rank 0 writes them all); `None`
+    alone"""
+    return None if num_distrib() == 1 else gather_objects({'rng': rng_state(), 'epoch_rng': epoch_rng,
+                                                           'cbs': cbs})
 
 def _saved_ranks(state):
-    "Every saved rank's random states and callbacks' state in checkpoint `state` (one, for a run of one process)"
-    return state.get('ranks') or [{'rng': state['rng'], 'epoch_rng': state.get('epoch_rng'), 'cbs': state['cbs']}]
+    """Every saved rank's random states and callbacks' state in checkpoint `state` (one, for a run of one
+    process)"""
+    return state.get('ranks') or [{'rng': state['rng'], 'epoch_rng': state.get('epoch_rng'),
+                                   'cbs': state['cbs']}]
 
 def _this_rank(state):
     ranks = _saved_ranks(state)
@@ -45,11 +49,13 @@ def rank_rng(state):
     return _this_rank(state)['rng']
 
 def rank_epoch_rng(state):
-    "This rank's random state at the start of the checkpoint's epoch, for a dataloader replayed to resume (`None`: not kept)"
+    """This rank's random state at the start of the checkpoint's epoch, for a dataloader replayed to resume
+    (`None`: not kept)"""
     return _this_rank(state).get('epoch_rng')
 
 def _rank_cb_states(state, cbs):
-    "This rank's state of each callback: its own, or, on another number of processes, what `rank_state` makes of every rank's"
+    """This rank's state of each callback: its own, or, on another number of processes, what `rank_state`
+    makes of every rank's"""
     ranks,rank = _saved_ranks(state),rank_distrib()
     if len(ranks) == num_distrib(): return ranks[rank]['cbs']
     by_key = dict(zip(_cb_keys(cbs), cbs))
@@ -57,7 +63,8 @@ def _rank_cb_states(state, cbs):
             for k,v in ranks[0]['cbs'].items()}
 
 def _opt_param_names(learn):
-    "The name of each parameter the optimizer updates, in its order (the parameter groups' if it is not made yet)"
+    """The name of each parameter the optimizer updates, in its order (the parameter groups' if it is not made
+    yet)"""
     names = {id(p): n for n,p in plain_model(learn.model).named_parameters()}
     groups = [g['params'] for g in learn.opt.param_groups] if learn.opt is not None else learn.param_groups()
     return [names.get(id(p), f'<unnamed {i}>') for i,p in enumerate(p for g in groups for p in g)]
@@ -70,7 +77,8 @@ def check_format(state, where):
         raise ValueError(f"{where} is not a learncb checkpoint "
                          "(written by Learner.save_checkpoint or CheckpointCallback)")
     if (lacking := [k for k in _parts if k not in state]):
-        raise ValueError(f"{where} is a learncb checkpoint without {lacking}: it was cut or edited; use another one")
+        raise ValueError(f"{where} is a learncb checkpoint without {lacking}: it was cut or edited; use "
+                         f"another one")
 
 def read_checkpoint(store, ref):
     "The state of checkpoint `ref` in `store`: a learncb checkpoint, intact"
@@ -80,7 +88,8 @@ def read_checkpoint(store, ref):
 
 # %% ../nbs/16c_state.ipynb #8539fee3
 class StateHost:
-    "The run's state as one dict, `state_dict` and `load_state_dict`, and checkpoints by hand: the part of `Learner` that saves and resumes"
+    """The run's state as one dict, `state_dict` and `load_state_dict`, and checkpoints by hand: the part of
+    `Learner` that saves and resumes"""
     def state_dict(self, live=False):
         """Everything a run depends on: model, optimizer, gradients, loop position, random generators, data
         order, callbacks; `live`: with what a peer that joins during a batch needs too (`live_state`)"""
@@ -88,31 +97,39 @@ class StateHost:
         sampler = sampler_of(dl)
         state = {'format': 'learncb-checkpoint', 'version': 2,
                 'model': plain_model(self.model).state_dict(),
-                'opt': None if self.opt is None else self.opt.state_dict(), 'opt_params': _opt_param_names(self),
-                'grads': {n: p.grad for n,p in plain_model(self.model).named_parameters() if p.grad is not None},
+                'opt': None if self.opt is None else self.opt.state_dict(),
+                'opt_params': _opt_param_names(self),
+                'grads': {n: p.grad for n,p in plain_model(self.model).named_parameters()
+                          if p.grad is not None},
                 'loop': self.loop_state(),
                 'rng': rng_state(), 'world_size': num_distrib(),
                 'data': None if sampler is None else sampler.state_dict(),
                 'loader': dl.state_dict() if has_state(dl) else None,
                 'data_shape': data_shape(user_train_dl(self)),
-                'epoch_rng': (epoch_rng := getattr(self, 'epoch_rng', None)),    # a replayed dataloader's epoch start
-                'cbs': (cbs := {k: s for k,cb in zip(_cb_keys(self.cbs), self.cbs) if (s := cb.state_dict())}),
+                # a replayed dataloader's epoch start
+                'epoch_rng': (epoch_rng := getattr(self, 'epoch_rng', None)),
+                'cbs': (cbs := {k: s for k,cb in zip(_cb_keys(self.cbs), self.cbs)
+                                if (s := cb.state_dict())}),
                 'ranks': _per_rank(cbs, epoch_rng),
                 'state': dict(self.state),
                 'frozen': {'idx': self.frozen_idx, 'train_bn': self.train_bn,
-                           'params': [n for n,p in plain_model(self.model).named_parameters() if not p.requires_grad]}}
+                           'params': [n for n,p in plain_model(self.model).named_parameters()
+                                      if not p.requires_grad]}}
         if live: state['live'] = {k: s for k,cb in zip(_cb_keys(self.cbs), self.cbs) if (s:=cb.live_state())}
         return state
 
     def load_state_dict(self, state, strict=True, where='the checkpoint'):
-        "Put back what `state_dict` returned if all of it fits this learner; else raise naming `where`, changing nothing"
-        from learncb.checkpoint.store import tensors_pending, read_tensors     # a sharded checkpoint's tensors, if any
+        """Put back what `state_dict` returned if all of it fits this learner; else raise naming `where`,
+        changing nothing"""
+        # a sharded checkpoint's tensors, if any
+        from learncb.checkpoint.store import tensors_pending, read_tensors
         weights,grads = self.check_state(state, where, strict=strict, with_opt=False)
         current = plain_model(self.model).state_dict()
-        if tensors_pending(state):       # a sharded checkpoint: its tensors are read now, laid out as the model's
+        if tensors_pending(state):  # a sharded checkpoint: its tensors are read now, laid out as the model's
             state = read_tensors(state, plain_model(self.model), _opt_param_names(self))
             weights,grads = match_prefix(state['model'], state['model'], current),state['grads']
-        weights = {k: shard_like(v, current[k]) if k in current else v for k,v in weights.items()}   # whole into shards
+        # whole into shards
+        weights = {k: shard_like(v, current[k]) if k in current else v for k,v in weights.items()}
         undos = []
         try:
             if state['opt'] is not None: undos.append(self._load_opt_state(state['opt'], where))
@@ -132,17 +149,23 @@ class StateHost:
         return self
 
     def check_state(self, state, where, strict=True, with_opt=True):
-        "The weights and gradients of checkpoint `state`, if it fits this learner (and its optimizer); nothing changes"
-        from learncb.checkpoint.store import tensors_pending      # a sharded checkpoint's optimizer state: read later
+        """The weights and gradients of checkpoint `state`, if it fits this learner (and its optimizer);
+        nothing changes"""
+        # a sharded checkpoint's optimizer state: read later
+        from learncb.checkpoint.store import tensors_pending
         check_format(state, where)
         weights = check_model_state(plain_model(self.model), state['model'], where, strict=strict)
         grads = match_prefix(state['grads'], state['model'], plain_model(self.model).state_dict())
         params = dict(plain_model(self.model).named_parameters())
-        bad = [n for n,g in grads.items() if (n not in params and strict) or (n in params and g.shape != params[n].shape)]
-        if bad: raise ValueError(f"{where} has gradients that do not fit the model's parameters: {bad}; load it into "
+        bad = [n for n,g in grads.items() if (n not in params and strict) or (n in params
+            and g.shape != params[n].shape)]
+        if bad:
+            raise ValueError(f"{where} has gradients that do not fit the model's parameters: {bad}; load it "
+                             f"into "
                                  f"the model it was saved from")
         if with_opt and state['opt'] is not None and not tensors_pending(state):
-            self._load_opt_state(state['opt'], where)()          # tried, then undone (pending ones are read when loaded)
+            # tried, then undone (pending ones are read when loaded)
+            self._load_opt_state(state['opt'], where)()
         return weights,{n: g for n,g in grads.items() if n in params}
 
     def _load_sampler_state(self, data):
@@ -165,10 +188,12 @@ class StateHost:
             try: cb.load_state_dict(states[k])
             except Exception as e:
                 undo()
-                raise add_note(e, f"learncb: {where}: the state saved for callback {k!r} does not load into {cb!r}")
+                raise add_note(e, f"learncb: {where}: the state saved for callback {k!r} does not load into "
+                                  f"{cb!r}")
             done.append((cb, before))
         missing = [k for k in states if k not in keys]
-        if missing: warn_user(f"{where} has state for callbacks this learner does not have: {missing}; add them to "
+        if missing:
+            warn_user(f"{where} has state for callbacks this learner does not have: {missing}; add them to "
                                   f"restore it, or ignore this if they are gone on purpose")
         return undo
 
@@ -178,14 +203,17 @@ class StateHost:
             if k in states: cb.load_live_state(states[k])
 
     def _load_frozen(self, frozen, saved_weights):
-        "Freeze exactly the parameters a checkpoint says were frozen (nothing to do for a checkpoint without the entry)"
+        """Freeze exactly the parameters a checkpoint says were frozen (nothing to do for a checkpoint without
+        the entry)"""
         if frozen is None: return
-        names = set(match_prefix(dict.fromkeys(frozen['params']), saved_weights, plain_model(self.model).state_dict()))
+        names = set(match_prefix(dict.fromkeys(frozen['params']), saved_weights,
+                                 plain_model(self.model).state_dict()))
         for n,p in plain_model(self.model).named_parameters(): p.requires_grad_(n not in names)
         self.frozen_idx,self.train_bn = frozen['idx'],frozen['train_bn']
 
     def save_checkpoint(self, path, at=None):
-        "Write the whole state to `path`, atomically. In a fit, call it at `after_batch` (training) or `after_epoch`"
+        """Write the whole state to `path`, atomically. In a fit, call it at `after_batch` (training) or
+        `after_epoch`"""
         from learncb.checkpoint.callback import store_for
         if at is None: at = 'batch' if self.fitting and self.training else 'epoch_end'
         check_choice(at, 'at', ('batch', 'epoch_end'))
@@ -198,42 +226,52 @@ class StateHost:
         "Load a checkpoint's whole state into the learner (to continue the run, use `fit(..., resume=path)`)"
         from learncb.checkpoint.callback import store_for
         path = Path(path)
-        return self.load_state_dict(read_checkpoint(store_for(self, path.parent), path), strict=strict, where=str(path))
+        return self.load_state_dict(read_checkpoint(store_for(self, path.parent), path), strict=strict,
+                                    where=str(path))
 
 # %% ../nbs/16c_state.ipynb #7fb9b7a2
 _atoms = (int, float, bool, str, type(None))
 _atom_set = set(_atoms)
 
 def copy_into(buf, o):
-    "A copy of `o` (nested dicts, lists, tuples of tensors and values) that reuses the tensors of `buf`, an earlier copy, where they fit"
+    """A copy of `o` (nested dicts, lists, tuples of tensors and values) that reuses the tensors of `buf`, an
+    earlier copy, where they fit"""
     if type(o) in _atoms: return o
     if isinstance(o, torch.Tensor):
-        fits = isinstance(buf, torch.Tensor) and (buf.shape,buf.dtype,buf.device) == (o.shape,o.dtype,o.device)
+        fits = isinstance(buf, torch.Tensor) and (buf.shape,buf.dtype,buf.device) == (o.shape,o.dtype,
+            o.device)
         return buf.copy_(o) if fits else o.detach().clone()
-    if isinstance(o, dict): return {k: copy_into(buf.get(k) if isinstance(buf, dict) else None, v) for k,v in o.items()}
+    if isinstance(o, dict):
+        return {k: copy_into(buf.get(k) if isinstance(buf, dict) else None, v) for k,v in o.items()}
     if type(o) in (list, tuple):                    # a namedtuple or a subclass is deep-copied below
-        if set(map(type, o)) <= _atom_set: return list(o) if type(o) is list else o     # a history of numbers: one C copy
+        # a history of numbers: one C copy
+        if set(map(type, o)) <= _atom_set: return list(o) if type(o) is list else o
         bufs = buf if isinstance(buf, (list, tuple)) and len(buf) == len(o) else [None] * len(o)
         return type(o)(copy_into(b, v) for b,v in zip(bufs, o))
     return copy.deepcopy(o)
 
 def _opt_tensors(opt):
-    "`{(parameter or group, key): (container, tensor)}`: the tensors of `opt`'s state and hyper-parameters, where held"
+    """`{(parameter or group, key): (container, tensor)}`: the tensors of `opt`'s state and hyper-parameters,
+    where held"""
     if opt is None: return {}
     held = {(id(p), k): (st, v) for p,st in opt.state.items() for k,v in st.items()}
-    held.update({(i, k): (pg, v) for i,pg in enumerate(opt.param_groups) for k,v in pg.items() if k != 'params'})
+    held.update({(i, k): (pg, v) for i,pg in enumerate(opt.param_groups) for k,v in pg.items()
+                 if k != 'params'})
     return {w: cv for w,cv in held.items() if isinstance(cv[1], torch.Tensor)}
 
 def _put_back(before, after):
-    """The tensors `before` held, with the values loaded since: the optimizer keeps its tensor objects across a load
+    """The tensors `before` held, with the values loaded since: the optimizer keeps its tensor objects across
+    a load
     (a compiled step guards on them, and would compile again)"""
     for w,(c,new) in after.items():
         old = before.get(w, (None, None))[1]
-        if old is not None and old is not new and (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device):
+        if old is not None and old is not new and (old.shape, old.dtype, old.device) == (new.shape, new.dtype,
+                new.device):
             old.copy_(new); c[w[1]] = old
 
 class LearnerSnapshot:
-    "The learner's state (`state_dict`) copied in memory, with its optimizer object, modes and batch; `restore` puts it back"
+    """The learner's state (`state_dict`) copied in memory, with its optimizer object, modes and batch;
+    `restore` puts it back"""
     def __init__(self, learn, state=None):
         "A copy of `learn` as it is now, or as a peer's copy `state` (a `state_dict`) says"
         self.learn,self.state = learn,None
@@ -241,7 +279,8 @@ class LearnerSnapshot:
         else: self.load_state_dict(state)
 
     def take(self):
-        "Copy the learner's state as it is now, into the tensors of the last copy (no new memory when the shapes hold)"
+        """Copy the learner's state as it is now, into the tensors of the last copy (no new memory when the
+        shapes hold)"""
         learn = self.learn
         self.state = copy_into(self.state, learn.state_dict())
         self.dl_rng = [(g, g.get_state()) for g in dl_generators(learn.dls.train)]
@@ -270,9 +309,10 @@ class LearnerSnapshot:
     def restore(self):
         "Put the learner back as it was when the snapshot was taken"
         learn = self.learn
-        learn.opt = self.opt                    # the same object, its state loaded back (none: the trial's one goes)
+        learn.opt = self.opt  # the same object, its state loaded back (none: the trial's one goes)
         before = _opt_tensors(self.opt)
-        learn.load_state_dict(copy.deepcopy(self.state), where='the snapshot')   # the run must not write into the copy
+        # the run must not write into the copy
+        learn.load_state_dict(copy.deepcopy(self.state), where='the snapshot')
         _put_back(before, _opt_tensors(self.opt))
         for m,mode in zip(learn.model.modules(), self.modes): m.training = mode
         for k,v in self.phase.items(): setattr(learn, k, v)

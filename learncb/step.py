@@ -1,4 +1,4 @@
-"""`Step`, the seam of a batch's work: the model, the loss, backward, the optimizer step and zero_grad, with their events. A fit holds one, chosen once.
+"""`Step`, the seam of a batch's work: model, loss, backward, optimizer step and zero_grad, chosen once a fit.
 
 Docs: https://learncb.github.io/learncb/step.html.md"""
 
@@ -22,7 +22,8 @@ def _hook(learn, name):
     "The callback of `learn` that defines the step's hook `name`, or `None`; an error if several do"
     cbs = [cb for cb in learn.cbs if hasattr(type(cb), name)]
     if len(cbs) > 1: raise ValueError(
-        f"{', '.join(type(cb).__name__ for cb in cbs)} each define {name}, the step's hook: one callback at most may run "
+        f"{', '.join(type(cb).__name__ for cb in cbs)} each define {name}, the step's hook: one callback at "
+        f"most may run "
         f"the step's {name.removeprefix('step_')} in a fit; fit with one of them")
     return cbs[0] if cbs else None
 
@@ -47,7 +48,8 @@ _stage_cancels = {'backward': CancelBackwardException, 'step': CancelStepExcepti
 _cancels = tuple(_stage_cancels.values())
 
 class Step:
-    "A learner's step: the model, the loss, and in training backward, the optimizer step and zero_grad, with their events"
+    """A learner's step: the model, the loss, and in training backward, the optimizer step and zero_grad, with
+    their events"""
     items = None
     """How many items `learn.loss` is the mean of (an int, or a tensor on the device): the batch's rows, or
     what its loss counts (`items_counter`: the tokens that count for a language model)"""
@@ -84,8 +86,10 @@ class Step:
             f"({', '.join(self.turns)}), not supported yet: fit without {'it' if len(cbs) == 1 else 'them'}")
 
     def find_hooks(self):
-        "Take the step hooks (`step_forward`, `step_backward`) of the learner's callbacks now (a step kept for several fits)"
-        self.forward_hook,self.backward_hook = _hook(self.learn, 'step_forward'),_hook(self.learn, 'step_backward')
+        """Take the step hooks (`step_forward`, `step_backward`) of the learner's callbacks now (a step kept
+        for several fits)"""
+        self.forward_hook,self.backward_hook = _hook(self.learn, 'step_forward'),_hook(self.learn,
+            'step_backward')
 
     def run(self):
         "The current batch's step: one turn (`take_turn`), or with `turns` one per optimizer, in turn"
@@ -174,7 +178,8 @@ class Step:
         "`learn.loss_grad` and `learn.loss` of the batch; the loss function, or `None` (predictions only)"
         learn = self.learn
         lf = learn._batch_loss_func()
-        if lf is None: learn.loss = learn.loss_grad = None      # predictions only: no targets, no loss of the model's
+        # predictions only: no targets, no loss of the model's
+        if lf is None: learn.loss = learn.loss_grad = None
         else:
             if not self._targets_checked:             # once a fit: no cost per batch
                 check_target_shape(learn.pred, learn.yb)
@@ -218,7 +223,8 @@ class Step:
             note_where(e, 'backward')
             if not isinstance(e, RuntimeError): raise
             if learn.loss_grad.ndim: raise ValueError(
-                f"the loss must be a scalar, but loss_func returned a tensor of shape {tuple(learn.loss_grad.shape)}: "
+                f"the loss must be a scalar, but loss_func returned a tensor of shape "
+                f"{tuple(learn.loss_grad.shape)}: "
                 f"reduce it (e.g. .mean()) or use a loss with reduction='mean'") from e
             if not learn.loss_grad.requires_grad: add_note(e, f"learncb: {why_no_grad(learn)}")
             raise

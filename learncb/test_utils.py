@@ -1,4 +1,4 @@
-"""Synthetic data, a tiny learner and an event recorder: the helpers the notebooks and `tests/` use to try the loop.
+"""Synthetic data, a tiny learner and an event recorder: what notebooks and `tests/` use to try the loop.
 
 Docs: https://learncb.github.io/learncb/test_utils.html.md"""
 
@@ -34,7 +34,8 @@ def synth_dl(n=64, bs=16, seed=0, shuffle=False, n_in=2):
     return _dl(*_synth_xy(n, seed, n_in), bs, seed, shuffle)
 
 def synth_dls(n_train=64, n_valid=32, bs=16, seed=0, shuffle=False, n_in=2):
-    "`DataLoaders` of `n_train` training items and `n_valid` other ones to validate on (`n_valid=0`: no validation set)"
+    """`DataLoaders` of `n_train` training items and `n_valid` other ones to validate on (`n_valid=0`: no
+    validation set)"""
     x,y = _synth_xy(n_train + n_valid, seed, n_in)
     train = _dl(x[:n_train], y[:n_train], bs, seed, shuffle)
     valid = DataLoader(TensorDataset(x[n_train:], y[n_train:]), batch_size=bs) if n_valid else None
@@ -48,8 +49,10 @@ def _is_progress(cb):
     "Is `cb` a progress bar? By class name: a notebook may have redefined the class"
     return type(cb).__name__ == ProgressCallback.__name__
 
-def synth_learner(cbs=None, dls=None, model=None, progress=False, default_cbs=True, seed=0, logger=None, **kwargs):
-    "A CPU `Learner` of `model` (`nn.Linear(2, 2)`) on `dls` (`synth_dls()`), lr 0.1, quiet, seeded with `seed`"
+def synth_learner(cbs=None, dls=None, model=None, progress=False, default_cbs=True, seed=0, logger=None,
+                  **kwargs):
+    """A CPU `Learner` of `model` (`nn.Linear(2, 2)`) on `dls` (`synth_dls()`), lr 0.1, quiet, seeded with
+    `seed`"""
     torch.manual_seed(seed)
     if 'lr' not in getattr(kwargs.get('opt_func'), 'keywords', {}): kwargs.setdefault('lr', 0.1)
     learn = Learner(synth_dls() if dls is None else dls, nn.Linear(2, 2) if model is None else model,
@@ -64,10 +67,12 @@ def _writes_down(e):
     return lambda self: self.log.append(e)
 
 class EventLog(Callback):
-    "Writes down every event it sees in `log` (but the fetch events if `fetch=False`); runs first (order -100)"
+    """Writes down every event it sees in `log` (but the fetch events if `fetch=False`); runs first (order
+    -100)"""
     order = Order.FIRST
     def __init__(self, fetch=True):
-        super().__init__(**{e: _writes_down(e) for e in event if fetch or e not in ('before_fetch', 'after_fetch')})
+        super().__init__(**{e: _writes_down(e) for e in event if fetch or e not in ('before_fetch',
+            'after_fetch')})
         self.log = []
 
 # %% ../nbs/07_test_utils.ipynb #e159a9aa
@@ -83,14 +88,16 @@ def _regression(seed, n=512, bs=16):
     dls = DataLoaders(DataLoader(TensorDataset(x[:448], y[:448]), batch_size=bs, shuffle=True, generator=g),
                       DataLoader(TensorDataset(x[448:], y[448:]), batch_size=bs))
     torch.manual_seed(seed)
-    return Learner(dls, nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1)), nn.MSELoss(),
+    return Learner(dls, nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1)),
+                   nn.MSELoss(),
                    lr=1e-2, device='cpu')
 
 class TinyLM(nn.Module):
     "A language model that trains in a blink: embeddings, a GRU, next-token logits `(rows, tokens, vocab)`"
     def __init__(self, vocab=24, dim=32):
         super().__init__()
-        self.emb,self.rnn,self.head = nn.Embedding(vocab, dim),nn.GRU(dim, dim, batch_first=True),nn.Linear(dim, vocab)
+        self.emb,self.rnn,self.head = nn.Embedding(vocab, dim),nn.GRU(dim, dim,
+                                                                      batch_first=True),nn.Linear(dim, vocab)
     def forward(self, x): return self.head(self.rnn(self.emb(x))[0])
 
 def _lm_loss(pred, y): return nn.functional.cross_entropy(pred.flatten(0, 1), y.flatten())
@@ -128,7 +135,8 @@ def _language_model(seed, vocab=24, n=384, seq=32, bs=16):
 _problems = {'digits': _digits, 'regression': _regression, 'language model': _language_model}
 
 def clean_fit(problem, seed=0, schedule='constant', second=False, epochs=3, cbs=()):
-    "A learner of `problem` fitted `epochs` epochs with `cbs` (after a first fit without them if `second`), its output in `learn.printed`"
+    """A learner of `problem` fitted `epochs` epochs with `cbs` (after a first fit without them if `second`),
+    its output in `learn.printed`"""
     learn = _problems[problem](seed)
     learn.remove_cbs([cb for cb in learn.cbs if _is_progress(cb)])
     fit = learn.fit_one_cycle if schedule == 'one-cycle' else learn.fit
@@ -138,6 +146,7 @@ def clean_fit(problem, seed=0, schedule='constant', second=False, epochs=3, cbs=
     learn.printed = out.getvalue()
     return learn
 
-clean_fit_cases = [(p, seed, sched, second) for p in _problems for seed in (0, 1) for sched in ('constant', 'one-cycle')
+clean_fit_cases = [(p, seed, sched, second) for p in _problems for seed in (0, 1) for sched in ('constant',
+    'one-cycle')
                    for second in (False, True)]
 "`(problem, seed, schedule, second)` for `clean_fit`: 24 combinations"

@@ -1,4 +1,4 @@
-"""Small helpers that several modules share: devices, batches, lists, exception notes, argument checks, random states.
+"""Helpers several modules share: devices, batches, lists, exception notes, argument checks, random states.
 
 Docs: https://learncb.github.io/learncb/utils.html.md"""
 
@@ -25,7 +25,8 @@ def default_device():
     "CUDA if it is available (under torchrun, this process's GPU: the one of its `LOCAL_RANK`), else the CPU"
     if not torch.cuda.is_available(): return torch.device('cpu')
     local = os.environ.get('LOCAL_RANK')
-    return torch.device('cuda', int(local) % torch.cuda.device_count()) if local is not None else torch.device('cuda')
+    return torch.device('cuda',
+                        int(local) % torch.cuda.device_count()) if local is not None else torch.device('cuda')
 
 def model_device(model, default=None):
     "The device of `model`'s first parameter, or `default` for a model without parameters"
@@ -33,15 +34,18 @@ def model_device(model, default=None):
     return p.device if p is not None else default
 
 def plain_model(model):
-    "`model` without the wrappers a fit may put around it: `DistributedDataParallel` (or `DataParallel`), `torch.compile`, learncb's"
+    """`model` without the wrappers a fit may put around it: `DistributedDataParallel` (or `DataParallel`),
+    `torch.compile`, learncb's"""
     while True:
         inner = getattr(model, 'unwrapped', None) or compiled_wrapped(model)
-        if inner is None and type(model).__name__ in ('DistributedDataParallel', 'DataParallel'): inner = model.module
+        if inner is None and type(model).__name__ in ('DistributedDataParallel', 'DataParallel'):
+            inner = model.module
         if inner is None: return model
         model = inner
 
 def map_tensors(fn, o):
-    "`o` (a tensor, or tuples, lists and dicts of them, nested) with `fn(t)` in place of each tensor `t`: the one walker of nested tensors"
+    """`o` (a tensor, or tuples, lists and dicts of them, nested) with `fn(t)` in place of each tensor `t`:
+    the one walker of nested tensors"""
     if isinstance(o, torch.Tensor): return fn(o)
     if isinstance(o, (tuple, list)): return type(o)(map_tensors(fn, v) for v in o)
     if isinstance(o, dict): return {k: map_tensors(fn, v) for k,v in o.items()}
@@ -49,8 +53,10 @@ def map_tensors(fn, o):
 
 def to_device(b, device):
     "Move the tensors of `b` (a tensor or a tuple, list or dict of them, nested) to `device`"
-    non_blocking = getattr(device, 'type', device) != 'cpu'     # to the host: synchronous, so the copy is done when read
-    if isinstance(b, torch.Tensor): return b.to(device, non_blocking=non_blocking)    # the usual batch part: no walk
+    # to the host: synchronous, so the copy is done when read
+    non_blocking = getattr(device, 'type', device) != 'cpu'
+    # the usual batch part: no walk
+    if isinstance(b, torch.Tensor): return b.to(device, non_blocking=non_blocking)
     return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), b)
 
 def detached(o):
@@ -65,7 +71,8 @@ def tensors_of(o):
     return [t for e in o for t in tensors_of(e)] if isinstance(o, (tuple, list)) else []
 
 def name_of(f, detail=False):
-    """The name of a function, a class, a partial or a callable object: `Adam`, `CrossEntropyLoss`; with `detail`, as
+    """The name of a function, a class, a partial or a callable object: `Adam`, `CrossEntropyLoss`; with
+    `detail`, as
     a summary shows it: `partial(SGD, momentum=0.9)`, `CrossEntropyLoss()`"""
     if not detail:
         f = getattr(f, 'func', f)
@@ -92,7 +99,8 @@ def n_batches(dl):
 
 # %% ../nbs/01_utils.ipynb #8a9f4c0d
 def listify(o):
-    "`o` as a list: `[]` for `None`, the items of a list, tuple or iterable, else `[o]` (classes, strings, tensors)"
+    """`o` as a list: `[]` for `None`, the items of a list, tuple or iterable, else `[o]` (classes, strings,
+    tensors)"""
     if o is None: return []
     if isinstance(o, (list, tuple)): return list(o)
     if isinstance(o, (type, str, bytes, dict, torch.Tensor)) or not hasattr(o, '__iter__'): return [o]
@@ -117,17 +125,21 @@ def arg_error(value, name, what, who=None, hint=None, err=ValueError):
     return err(f"{where}{name} must be {what}, not {value!r}{why}")
 
 # %% ../nbs/01_utils.ipynb #ff0e35a7
-def check_number(value, name, *, gt=None, ge=None, finite=False, per_group=False, who=None, what=None, hint=None,
+def check_number(value, name, *, gt=None, ge=None, finite=False, per_group=False, who=None, what=None,
+                 hint=None,
                  type_error=ArgTypeError):
-    "`value` if it is a number `> gt` (or `>= ge`, finite); with `per_group`, a list of them (one per param group) too"
+    """`value` if it is a number `> gt` (or `>= ge`, finite); with `per_group`, a list of them (one per param
+    group) too"""
     if what is None:
         what = ('a positive number' if gt == 0 else f'a number > {gt}' if gt is not None else
                 f'a number >= {ge}' if ge is not None else 'a number')
         if finite: what += ' (not inf or nan)'
         if per_group: what += ' or a list with one per parameter group'
     values = value if per_group and isinstance(value, (list, tuple)) else [value]
-    if not values or not all(map(is_number, values)): raise arg_error(value, name, what, who, hint, type_error)
-    if not all((gt is None or v > gt) and (ge is None or v >= ge) and (not finite or math.isfinite(v)) for v in values):
+    if not values or not all(map(is_number, values)):
+        raise arg_error(value, name, what, who, hint, type_error)
+    if not all((gt is None or v > gt) and (ge is None or v >= ge) and (not finite or math.isfinite(v)) for v
+               in values):
         raise arg_error(value, name, what, who, hint)
     return value
 
@@ -146,16 +158,20 @@ def _check_lr_slice(lr, name, who):
     what = 'slice(hi) or slice(lo, hi) with 0 < lo <= hi'
     ok = lambda v: is_number(v) and v > 0 and math.isfinite(v)
     if lr.step is not None or not ok(lr.stop) or not (lr.start is None or ok(lr.start)):
-        raise arg_error(lr, name, what, who, 'the lrs spread over the param groups, from the first to the last')
+        raise arg_error(lr, name, what, who, 'the lrs spread over the param groups, from the first to the '
+                                             'last')
     if lr.start is not None and lr.start > lr.stop:
-        raise arg_error(lr, name, what, who, f'the first group gets lo, the last hi: slice({lr.stop}, {lr.start})')
+        raise arg_error(lr, name, what, who, f'the first group gets lo, the last hi: slice({lr.stop}, '
+                                             f'{lr.start})')
     return lr
 
 def check_wd(wd, name='wd', who=None):
-    "`wd` if it is `None` (the optimizer's default), a finite number >= 0, or a list of them, one per parameter group"
+    """`wd` if it is `None` (the optimizer's default), a finite number >= 0, or a list of them, one per
+    parameter group"""
     if wd is None: return wd
     if isinstance(wd, dict): return {n: check_wd(v, f'{name}[{n!r}]', who) for n,v in wd.items()}
-    return check_number(wd, name, ge=0, finite=True, per_group=True, who=who, hint='a weight decay such as 0.01')
+    return check_number(wd, name, ge=0, finite=True, per_group=True, who=who, hint='a weight decay such as '
+        '0.01')
 
 # %% ../nbs/01_utils.ipynb #d5287530
 def _as_int(value):
@@ -190,15 +206,18 @@ def check_choice(value, name, choices, *, who=None, what=None, hint=None):
 
 # %% ../nbs/01_utils.ipynb #8af991aa
 def numbers_tensor(xs, dtype=torch.float64):
-    "The numbers of `xs` as a 1-d CPU tensor of `dtype` (float64 or int64), made 3x faster than by `torch.tensor(xs)`"
+    """The numbers of `xs` as a 1-d CPU tensor of `dtype` (float64 or int64), made 3x faster than by
+    `torch.tensor(xs)`"""
     code = {torch.float64: 'd', torch.int64: 'q'}[dtype]
     return torch.frombuffer(array(code, xs), dtype=dtype) if len(xs) else torch.zeros(0, dtype=dtype)
 
 def rng_state():
     "The state of every random number generator a training run may use: torch (CPU and CUDA), `random`, numpy"
     version,internal,gauss = random.getstate()
-    state = {'torch': torch.get_rng_state(), 'random': (version, numbers_tensor(internal, torch.int64), gauss)}
-    if torch.cuda.is_available() and torch.cuda.is_initialized(): state['cuda'] = torch.cuda.get_rng_state_all()
+    state = {'torch': torch.get_rng_state(), 'random': (version, numbers_tensor(internal, torch.int64),
+                                                        gauss)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state['cuda'] = torch.cuda.get_rng_state_all()
     try: import numpy as np
     except ImportError: return state
     kind,keys,pos,has_gauss,gauss = np.random.get_state()
@@ -206,7 +225,8 @@ def rng_state():
     return state
 
 def set_rng_state(state):
-    "Restore what `rng_state` returned (read back onto any device: the generators take their states from the CPU)"
+    """Restore what `rng_state` returned (read back onto any device: the generators take their states from the
+    CPU)"""
     state = to_device(state, 'cpu')
     torch.set_rng_state(state['torch'])
     version,internal,gauss = state['random']
@@ -220,7 +240,8 @@ def set_rng_state(state):
 # %% ../nbs/01_utils.ipynb #3b63c001
 @contextmanager
 def rng_kept():
-    "Context manager: the generators `rng_state` covers (torch CPU and CUDA, `random`, numpy) are restored on exit"
+    """Context manager: the generators `rng_state` covers (torch CPU and CUDA, `random`, numpy) are restored
+    on exit"""
     state = rng_state()
     try: yield
     finally: set_rng_state(state)
@@ -233,18 +254,23 @@ def dl_generators(dl):
     return list({id(g): g for g in gens}.values())
 
 def rebuild_dataloader(dl, sampler, generator=None, drop_last=None, batch_size=None):
-    "A `DataLoader` like `dl` (its dataset, batches, workers, collate function) that draws its indices from `sampler`"
+    """A `DataLoader` like `dl` (its dataset, batches, workers, collate function) that draws its indices from
+    `sampler`"""
     from torch.utils.data import DataLoader
-    extra = dict(prefetch_factor=dl.prefetch_factor, persistent_workers=dl.persistent_workers) if dl.num_workers else {}
-    return DataLoader(dl.dataset, batch_size=dl.batch_size if batch_size is None else batch_size, sampler=sampler,
+    extra = dict(prefetch_factor=dl.prefetch_factor,
+                 persistent_workers=dl.persistent_workers) if dl.num_workers else {}
+    return DataLoader(dl.dataset, batch_size=dl.batch_size if batch_size is None else batch_size,
+                      sampler=sampler,
                       num_workers=dl.num_workers,
                       collate_fn=dl.collate_fn, pin_memory=dl.pin_memory, timeout=dl.timeout,
-                      drop_last=dl.drop_last if drop_last is None else drop_last, worker_init_fn=dl.worker_init_fn,
+                      drop_last=dl.drop_last if drop_last is None else drop_last,
+                      worker_init_fn=dl.worker_init_fn,
                       multiprocessing_context=dl.multiprocessing_context, generator=generator, **extra)
 
 # %% ../nbs/01_utils.ipynb #35d8b26f
 class Clock:
-    "Where learncb reads the time: `clock.now()` is seconds on a monotonic clock; `clock.replaced(f)` swaps in `f` for a while"
+    """Where learncb reads the time: `clock.now()` is seconds on a monotonic clock; `clock.replaced(f)` swaps
+    in `f` for a while"""
     def __init__(self, now=time.perf_counter): self.now = now
 
     @contextmanager
@@ -257,7 +283,8 @@ class Clock:
 clock = Clock()
 
 class FakeClock:
-    "A clock that moves only when told: `fake.advance(0.5)`; `fake()` is the time (to pass as `clock.replaced(fake)`)"
+    """A clock that moves only when told: `fake.advance(0.5)`; `fake()` is the time (to pass as
+    `clock.replaced(fake)`)"""
     def __init__(self, start=0.): self.t = float(start)
     def __call__(self): return self.t
     def advance(self, seconds):
@@ -272,7 +299,8 @@ def short_list(items, n=8):
 
 # %% ../nbs/01_utils.ipynb #a1cd4ab3
 def rows_text(items, n=12):
-    "Sorted ints `items` (dataset rows) written short for a message: runs as `a-b`, cut after `n` runs with the count left out"
+    """Sorted ints `items` (dataset rows) written short for a message: runs as `a-b`, cut after `n` runs with
+    the count left out"""
     runs = []
     for i in sorted(items):
         if runs and i == runs[-1][1] + 1: runs[-1][1] = i
@@ -283,17 +311,20 @@ def rows_text(items, n=12):
 _not_users = ('learncb', 'torch', 'contextlib', 'fastcore', 'fastprogress', 'threading', 'runpy')
 
 def user_frame(depth=1):
-    "The innermost frame of the caller's stack that is not learncb's, torch's or a library's between them and the user's code"
+    """The innermost frame of the caller's stack that is not learncb's, torch's or a library's between them
+    and the user's code"""
     f = sys._getframe(depth + 1)
     while f is not None and f.f_globals.get('__name__', '').split('.')[0] in _not_users: f = f.f_back
     return f
 
 def warn_user(message, category=UserWarning):
-    """Warn with `message` every time (not once per place, as Python does), at the line of the user's code that led here,
+    """Warn with `message` every time (not once per place, as Python does), at the line of the user's code
+    that led here,
     so the warning shows that line and never one of learncb's"""
     f = user_frame()
     if f is None: return warnings.warn(message, category, stacklevel=2)
-    warnings.warn_explicit(message, category, f.f_code.co_filename, f.f_lineno, module=f.f_globals.get('__name__'),
+    warnings.warn_explicit(message, category, f.f_code.co_filename, f.f_lineno,
+                           module=f.f_globals.get('__name__'),
                            registry={})
 
 def meta_copy(model):

@@ -1,4 +1,4 @@
-"""`WeightsHost`, the part of `Learner` that saves and loads the model's weights and the optimizer's state, all or nothing.
+"""`WeightsHost`, how `Learner` saves and loads the model's weights and the optimizer's state, all or nothing.
 
 Docs: https://learncb.github.io/learncb/weights.html.md"""
 
@@ -21,14 +21,17 @@ from .optim import keep_implementation
 class WeightsHost:
     "Saving and loading a learner's weights (and its optimizer's state) as one file, all or nothing"
     def _file(self, name):
-        "Where `save` and `load` put `name`: `path/model_dir/name.pth`, unless `name` has a folder or is absolute"
+        """Where `save` and `load` put `name`: `path/model_dir/name.pth`, unless `name` has a folder or is
+        absolute"""
         s = str(name)
         if Path(s).is_absolute() or os.sep in s or (os.altsep and os.altsep in s): return Path(s)
         return self.path/self.model_dir/(s if Path(s).suffix in ('.pth', '.pt') else f'{s}.pth')
 
     def save(self, name, with_opt=True):
-        "Save the model weights (and optimizer state) to `path/model_dir/name.pth`, atomically; returns the path"
-        state = {'model': whole_state(plain_model(self.model).state_dict())}     # sharded (FSDP): gathered to rank 0
+        """Save the model weights (and optimizer state) to `path/model_dir/name.pth`, atomically; returns the
+        path"""
+        # sharded (FSDP): gathered to rank 0
+        state = {'model': whole_state(plain_model(self.model).state_dict())}
         if with_opt and self.opt is not None: state['opt'] = whole_state(self.opt.state_dict())
         return atomic_save(with_checksum(state), self._file(name))
 
@@ -41,16 +44,19 @@ class WeightsHost:
         check_checksum(state, path)
         weights = check_model_state(plain_model(self.model), state['model'], path, strict=strict)
         own = plain_model(self.model).state_dict()
-        weights = {k: shard_like(v, own[k]) if k in own else v for k,v in weights.items()}  # FSDP: this rank's shard
+        # FSDP: this rank's shard
+        weights = {k: shard_like(v, own[k]) if k in own else v for k,v in weights.items()}
         undo = noop
         if with_opt and state.get('opt') is not None:
-            undo = self._load_opt_state(state['opt'], path, hint='or pass with_opt=False to load the weights alone')
+            undo = self._load_opt_state(state['opt'], path, hint='or pass with_opt=False to load the weights '
+                                                                 'alone')
         try: plain_model(self.model).load_state_dict(weights, strict=strict)
         except BaseException: undo(); raise
         return self
 
     def _load_opt_state(self, state, path, hint=''):
-        "Load optimizer `state` if it fits, else raise naming `path` with the optimizer as it was; returns an undo"
+        """Load optimizer `state` if it fits, else raise naming `path` with the optimizer as it was; returns
+        an undo"""
         created = self.opt is None
         if created: self.create_opt()
         opt = self.opt
@@ -66,9 +72,13 @@ class WeightsHost:
         except Exception as e:
             undo()
             groups = state.get('param_groups') if isinstance(state, dict) else None
-            saved = sorted({k for g in groups for k in g if k != 'params'}) if isinstance(groups, list) else '?'
-            raise ValueError(f"{path}: its optimizer state does not fit this learner's {type(opt).__name__} ({e}); it "
-                             f"was saved by another optimizer (its hyper-parameters: {saved}) or with other parameter "
-                             f"groups. Nothing was changed: load it into a learner with the same opt_func and "
+            saved = sorted({k for g in groups for k in g if k != 'params'}) if isinstance(groups,
+                list) else '?'
+            raise ValueError(f"{path}: its optimizer state does not fit this learner's {type(opt).__name__} "
+                             f"({e}); it "
+                             f"was saved by another optimizer (its hyper-parameters: {saved}) or with other "
+                             f"parameter "
+                             f"groups. Nothing was changed: load it into a learner with the same opt_func "
+                             f"and "
                              f"parameter groups" + (f", {hint}" if hint else '')) from e
         return undo

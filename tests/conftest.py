@@ -5,12 +5,15 @@ import pytest, torch
 from learncb.all import *
 from learncb.test_utils import synth_dls, synth_learner, EventLog   # the tests import them from here too
 
-# The tests mirror the source folders (tests/checkpoint/ for learncb/checkpoint/, ...), each folder with its helper
-# scripts. A test imports another folder's helpers by module name (`from transparent_script import make_learner`):
+# The tests mirror the source folders (tests/checkpoint/ for learncb/checkpoint/, ...), each folder with its
+# helper
+# scripts. A test imports another folder's helpers by module name (`from transparent_script import
+# make_learner`):
 # every folder is on the path here, and `child_pythonpath()` gives it to the processes a test starts.
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-test_folders = [TESTS, *(TESTS/d for d in ('callbacks', 'checkpoint', 'distributed', 'inference', 'integrations'))]
+test_folders = [TESTS, *(TESTS/d for d in ('callbacks', 'checkpoint', 'distributed', 'inference',
+                                           'integrations'))]
 for folder in reversed(test_folders):
     if str(folder) not in sys.path: sys.path.insert(0, str(folder))
 
@@ -21,10 +24,13 @@ def child_pythonpath(*first):
 _forkserver = []
 
 def _run_as_main(argv, env, cwd, out, err):
-    "In the forked process: `python *argv` (a script and its arguments, or `-m module ...`), its output to `out`, `err`"
+    """In the forked process: `python *argv` (a script and its arguments, or `-m module ...`), its output to
+    `out`, `err`"""
     import atexit, multiprocessing, runpy
-    multiprocessing.set_start_method(None, force=True)   # the platform's default, as in a new process (not forkserver:
-                                                         # a DataLoader worker started from there outlives a SIGKILL)
+    # the platform's default, as in a new process (not forkserver:
+    multiprocessing.set_start_method(None, force=True)
+                                                         # a DataLoader worker started from there outlives a
+                                                         # SIGKILL)
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC); os.dup2(fd, 1); os.close(fd)
     if err == out: os.dup2(1, 2)
     else: fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC); os.dup2(fd, 2); os.close(fd)
@@ -32,11 +38,14 @@ def _run_as_main(argv, env, cwd, out, err):
     module = argv[1] if argv[0] == '-m' else None
     sys.argv = list(argv[1:] if module else argv)
     if not module: sys.path.insert(0, str(Path(argv[0]).parent))
-    try: runpy.run_module(module, run_name='__main__', alter_sys=True) if module else runpy.run_path(argv[0], run_name='__main__')
+    try:
+        runpy.run_module(module, run_name='__main__', alter_sys=True) if module else runpy.run_path(argv[0],
+            run_name='__main__')
     finally: atexit._run_exitfuncs()      # as at the end of a process (multiprocessing's children skip them)
 
 class ForkedProcess:
-    "A process `start_forked` started, as `subprocess.Popen` shows one: `pid`, `poll`, `wait`, `kill`, `returncode`"
+    """A process `start_forked` started, as `subprocess.Popen` shows one: `pid`, `poll`, `wait`, `kill`,
+    `returncode`"""
     def __init__(self, proc, argv): self.proc, self.args = proc, [sys.executable, *argv]
     @property
     def pid(self): return self.proc.pid
@@ -51,21 +60,26 @@ class ForkedProcess:
         return self.proc.exitcode
 
 def start_forked(*argv, out, err=None, env=None):
-    """`subprocess.Popen([python, *argv], stdout=out, stderr=err or out, env=env)` with `out` and `err` file names, but
-    forked from a process that imported `learncb.all` (a forkserver): no 2 to 3 s of CPU for imports. A process of its
-    own all the same (it can SIGKILL itself: its return code is then -9), with this process's environment and folder of
+    """`subprocess.Popen([python, *argv], stdout=out, stderr=err or out, env=env)` with `out` and `err` file
+    names, but
+    forked from a process that imported `learncb.all` (a forkserver): no 2 to 3 s of CPU for imports. A
+    process of its
+    own all the same (it can SIGKILL itself: its return code is then -9), with this process's environment and
+    folder of
     now. Not for what must be set before Python starts (`MALLOC_*`, `PYTHONWARNINGS`)."""
     import multiprocessing as mp
     if not _forkserver:
         ctx = mp.get_context('forkserver'); ctx.set_forkserver_preload(['learncb.all']); _forkserver.append(ctx)
     argv = [str(a) for a in argv]
-    proc = _forkserver[0].Process(target=_run_as_main, args=(argv, dict(os.environ if env is None else env), os.getcwd(),
+    proc = _forkserver[0].Process(target=_run_as_main, args=(argv, dict(os.environ if env is None else env),
+                                                             os.getcwd(),
                                                              str(out), str(err or out)))
     proc.start()
     return ForkedProcess(proc, argv)
 
 def run_forked(*argv, timeout=300, env=None):
-    "`subprocess.run([python, *argv], capture_output=True, text=True, timeout=timeout, env=env)`, forked: `start_forked`"
+    """`subprocess.run([python, *argv], capture_output=True, text=True, timeout=timeout, env=env)`, forked:
+    `start_forked`"""
     import subprocess, tempfile
     with tempfile.TemporaryDirectory() as d:
         out, err = Path(d)/'out', Path(d)/'err'
@@ -78,7 +92,8 @@ def run_forked(*argv, timeout=300, env=None):
         return subprocess.CompletedProcess(p.args, p.returncode, said(out), said(err))
 
 def run_script(script, *args, nproc=1, timeout=240, env=None):
-    "`python script *args`, or `torchrun --nproc_per_node=nproc script *args` when `nproc` > 1, forked (`run_forked`)"
+    """`python script *args`, or `torchrun --nproc_per_node=nproc script *args` when `nproc` > 1, forked
+    (`run_forked`)"""
     from learncb.ranks import free_port
     torchrun = ('-m', 'torch.distributed.run', f'--nproc_per_node={nproc}', f'--master-port={free_port()}')
     return run_forked(*(torchrun if nproc > 1 else ()), script, *args, timeout=timeout, env=env)
@@ -103,14 +118,16 @@ class SyncCounter:
         for name, orig in self.saved.items(): setattr(torch.Tensor, name, orig)
 
 class CrashAt(Callback):
-    "Raises `RuntimeError(message)` after training batch `at` (after the checkpoint of that batch, if any, was written)"
+    """Raises `RuntimeError(message)` after training batch `at` (after the checkpoint of that batch, if any,
+    was written)"""
     order = 99
     def __init__(self, at, message='the machine went away'): self.at,self.message = at,message
     def after_batch(self):
         if self.training and self.train_iter == self.at: raise RuntimeError(self.message)
 
 class FailAfterEpoch(Callback):
-    "Raises `RuntimeError('boom')` at the end of epoch `at`: between batches, so the checkpoint it leaves is exact"
+    """Raises `RuntimeError('boom')` at the end of epoch `at`: between batches, so the checkpoint it leaves is
+    exact"""
     order = 99
     def __init__(self, at=1): self.at = at
     def after_epoch(self):

@@ -1,4 +1,5 @@
-"PyTorch's dcgan example, small (16x16 images), as its hand-written loop and as learncb's port: Adam for D, SGD for G"
+"""PyTorch's dcgan example, small (16x16 images), as its hand-written loop and as learncb's port: Adam for D,
+SGD for G"""
 import sys
 from functools import partial
 import torch, torch.nn.functional as F
@@ -28,17 +29,20 @@ class Discriminator(nn.Module):
         super().__init__()
         self.main = nn.Sequential(
             nn.Conv2d(nc, ndf, 4, 2, 1, bias=False), nn.LeakyReLU(0.2, inplace=True),
-            nn.Conv2d(ndf, ndf * 2, 4, 2, 1, bias=False), nn.BatchNorm2d(ndf * 2), nn.LeakyReLU(0.2, inplace=True),
+            nn.Conv2d(ndf, ndf * 2, 4, 2, 1, bias=False), nn.BatchNorm2d(ndf * 2), nn.LeakyReLU(0.2,
+            inplace=True),
             nn.Conv2d(ndf * 2, 1, 4, 1, 0, bias=False), nn.Sigmoid())
     def forward(self, x): return self.main(x).view(-1, 1).squeeze(1)
 
 def nets_and_data(n=64, bs=16):
-    "The generator, the discriminator and a shuffled loader of (image, label) pairs, as ImageFolder gives, all seeded"
+    """The generator, the discriminator and a shuffled loader of (image, label) pairs, as ImageFolder gives,
+    all seeded"""
     torch.manual_seed(0)
     netG, netD = Generator(), Discriminator()
     netG.apply(weights_init); netD.apply(weights_init)
     images = torch.rand(n, nc, 16, 16) * 2 - 1
-    return netG, netD, DataLoader(TensorDataset(images, torch.zeros(n, dtype=torch.long)), batch_size=bs, shuffle=True)
+    return netG, netD, DataLoader(TensorDataset(images, torch.zeros(n, dtype=torch.long)), batch_size=bs,
+                                  shuffle=True)
 
 def hand_written(n_epoch=2, lr_d=2e-4, lr_g=1e-2):
     "The example's loop, as it is written (its optimizers: Adam for D, SGD with momentum for G here)"
@@ -69,7 +73,8 @@ def hand_written(n_epoch=2, lr_d=2e-4, lr_g=1e-2):
             errG = criterion(output, label)
             errG.backward()
             optimizerG.step()
-    return {'G': netG.state_dict(), 'D': netD.state_dict(), 'opt': {'D': optimizerD.state_dict(), 'G': optimizerG.state_dict()}}
+    return {'G': netG.state_dict(), 'D': netD.state_dict(), 'opt': {'D': optimizerD.state_dict(),
+                                                                    'G': optimizerG.state_dict()}}
 
 def hand_written_with_tricks(n_epoch=2, lr_d=2e-4, lr_g=1e-2, clip=0.5, decay=0.9, skip=None, n_acc=None):
     """The example's loop as people grow it: each turn's forward and loss in bf16 autocast, each optimizer's
@@ -130,7 +135,8 @@ class DCGANStep(Step):
         else: learn.pred = (gan.D(self.fake),)
 
 def gan_loss(pred, _):
-    "D's turn: its outputs on real images against 1, on fakes against 0; G's turn: D's output on fakes against 1"
+    """D's turn: its outputs on real images against 1, on fakes against 0; G's turn: D's output on fakes
+    against 1"""
     return sum(F.binary_cross_entropy(p, torch.full_like(p, t)) for p, t in zip(pred, (1., 0.)))
 
 class GANLearner(Learner): step_class = DCGANStep
@@ -139,14 +145,16 @@ def port(lr_d=2e-4, lr_g=1e-2, **kwargs):
     netG, netD, dl = nets_and_data()
     return GANLearner(DataLoaders(dl), GAN(netG, netD), gan_loss, **{
         'lr': {'D': lr_d, 'G': lr_g},
-        'opt_func': {'D': partial(torch.optim.Adam, betas=(0.5, 0.999)), 'G': partial(torch.optim.SGD, momentum=0.9)},
+        'opt_func': {'D': partial(torch.optim.Adam, betas=(0.5, 0.999)), 'G': partial(torch.optim.SGD,
+        momentum=0.9)},
         'splitter': lambda m: {'D': m.D.parameters(), 'G': m.G.parameters()}, **kwargs})
 
 def port_state(learn):
     gan = learn.model
     return {'G': gan.G.state_dict(), 'D': gan.D.state_dict(), 'opt': learn.opt.state_dict()}
 
-if __name__ == '__main__':        # python gan_port.py FOLDER [--kill ITER] [--resume]: a checkpointed fit of 2 epochs
+# python gan_port.py FOLDER [--kill ITER] [--resume]: a checkpointed fit of 2 epochs
+if __name__ == '__main__':
     import os, signal
     folder, args = sys.argv[1], sys.argv[2:]
     class KillAt(Callback):

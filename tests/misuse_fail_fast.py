@@ -1,5 +1,6 @@
 """Failing fast, a replaced model and one run at a time: misuse is reported before the first batch,
-naming the bad value and the fix; the optimizer follows the model; a fit cannot run inside or beside another."""
+naming the bad value and the fix; the optimizer follows the model; a fit cannot run inside or beside
+another."""
 import re, threading, warnings
 import numpy as np
 import pytest, torch
@@ -41,13 +42,14 @@ def weights(learn): return [p.detach().clone() for p in learn.model.parameters()
 
 # ---------------------------------------------------------------- 1. arguments
 
-@pytest.mark.parametrize('bad', [2.5, '3', True, None, np.float64(2.0), torch.tensor(2.0), torch.tensor(True), [2]])
+@pytest.mark.parametrize('bad', [2.5, '3', True, None, np.float64(2.0), torch.tensor(2.0), torch.tensor(True),
+                                 [2]])
 def test_n_epoch_of_the_wrong_type(bad):
     learn = counted()
     with pytest.raises(TypeError) as info: learn.fit(bad)
     msg = message(info)
     assert f'n_epoch must be an int >= 0, not {bad!r}' in msg and 'a number of epochs, e.g. 3' in msg
-    assert isinstance(info.value, ValueError)            # what learncb raised before: `except ValueError` still works
+    assert isinstance(info.value, ValueError)  # what learncb raised before: `except ValueError` still works
     assert learn.train_batches.n == 0 and learn.opt is None
 
 def test_negative_n_epoch():
@@ -80,7 +82,8 @@ def test_lr_must_be_finite_and_not_negative(entry, bad):
 @pytest.mark.parametrize('entry', ['Learner', *FITS])
 def test_lr_0_trains_nothing(entry):
     "As in PyTorch and fastai, lr=0 runs the loop (losses, metrics, callbacks) without changing the weights"
-    learn = counted(lr=0, opt_func=torch.optim.SGD) if entry == 'Learner' else counted(opt_func=torch.optim.SGD)
+    learn = counted(lr=0,
+                    opt_func=torch.optim.SGD) if entry == 'Learner' else counted(opt_func=torch.optim.SGD)
     w = learn.model.weight.clone()
     if entry == 'Learner': learn.fit(1)
     else: FITS[entry](learn, lr=0)
@@ -127,15 +130,18 @@ def test_lr_list_longer_than_the_param_groups():
     assert learn.train_batches.n == 0 and 'before_fit' not in log.log
 
 def test_loss_func_class_instead_of_instance():
-    with pytest.raises(TypeError) as info: Learner(synth_dls(), nn.Linear(2, 2), nn.CrossEntropyLoss, device='cpu')
+    with pytest.raises(TypeError) as info:
+        Learner(synth_dls(), nn.Linear(2, 2), nn.CrossEntropyLoss, device='cpu')
     assert 'not the class CrossEntropyLoss: call it, loss_func=nn.CrossEntropyLoss()' in message(info)
     learn = counted()
     learn.loss_func = nn.MSELoss
-    with pytest.raises(TypeError, match=r'not the class MSELoss: call it, loss_func=nn.MSELoss\(\)'): learn.fit(1)
+    with pytest.raises(TypeError, match=r'not the class MSELoss: call it, loss_func=nn.MSELoss\(\)'):
+        learn.fit(1)
     assert learn.train_batches.n == 0
 
 def test_loss_func_not_callable():
-    with pytest.raises(TypeError, match=r"loss_func must be a function loss_func\(pred, \*yb\).*not 'cross_entropy'"):
+    with pytest.raises(TypeError, match=r"loss_func must be a function loss_func\(pred, \*yb\).*not "
+                                        r"'cross_entropy'"):
         Learner(synth_dls(), nn.Linear(2, 2), 'cross_entropy', device='cpu')
 
 def test_model_class_instead_of_instance():
@@ -143,7 +149,8 @@ def test_model_class_instead_of_instance():
         Learner(synth_dls(), nn.Linear, nn.CrossEntropyLoss(), device='cpu')
 
 @pytest.mark.parametrize('name, fix', [('accuracy', 'from learncb.metrics import accuracy; metrics=accuracy'),
-                                       ('error_rate', 'from learncb.metrics import error_rate; metrics=error_rate'),
+                                       ('error_rate', 'from learncb.metrics import error_rate; '
+                                                      'metrics=error_rate'),
                                        ('f1_score_macro', 'pass the function itself')])
 def test_metric_given_as_a_string(name, fix):
     with pytest.raises(TypeError) as info: counted(metrics=[name])
@@ -160,7 +167,8 @@ def test_metric_class_and_non_callable():
         def update(self, pred, targ): pass
         def compute(self): return 1.
         def reset(self): pass
-    with pytest.raises(TypeError, match=r'not the class Acc: pass an instance, Acc\(...\)'): counted(metrics=Acc)
+    with pytest.raises(TypeError, match=r'not the class Acc: pass an instance, Acc\(...\)'):
+        counted(metrics=Acc)
     with pytest.raises(TypeError, match=r'not 0.5'): counted(metrics=[accuracy, 0.5])
     learn = counted(metrics=[Acc(), accuracy])                 # a metric object need not be callable
     learn.fit(1)
@@ -248,14 +256,16 @@ def test_empty_dataloader_reported_when_fit_starts(which):
     assert learn.opt is None
 
 def test_drop_last_larger_than_the_validation_set():
-    small = DataLoader(TensorDataset(torch.zeros(3, 2), torch.zeros(3, dtype=torch.long)), batch_size=4, drop_last=True)
+    small = DataLoader(TensorDataset(torch.zeros(3, 2), torch.zeros(3, dtype=torch.long)), batch_size=4,
+                       drop_last=True)
     learn = counted(dls=DataLoaders(synth_dls().train, small))
     with pytest.raises(ValueError, match='validation dataloader is empty'): learn.fit(1)
     assert learn.train_batches.n == 0
 
 def test_no_training_dataloader():
     learn = counted(dls=DataLoaders(None, synth_dls().valid))
-    with pytest.raises(ValueError, match=r'there is no training dataloader: pass one in DataLoaders\(train, valid\)'):
+    with pytest.raises(ValueError, match=r'there is no training dataloader: pass one in DataLoaders\(train, '
+                                         r'valid\)'):
         learn.fit(1)
 
 SCHEDULED = {'fit_one_cycle': lambda learn: learn.fit_one_cycle(1),
@@ -302,8 +312,10 @@ def test_tracker_of_the_training_loss_without_validation():
 # ---------------------------------------------------------------- 1. handler names from other libraries
 
 FOREIGN = [('on_train_epoch_end', 'after_epoch', 'Lightning'), ('on_epoch_end', 'after_epoch', 'Keras'),
-           ('on_train_epoch_end', 'after_train', 'pytorch-accelerated'), ('on_epoch_end', 'after_train', 'Hugging Face'),
-           ('on_train_epoch_start', 'before_train', 'pytorch-accelerated'), ('on_train_epoch_begin', 'before_train', 'fastNLP'),
+           ('on_train_epoch_end', 'after_train', 'pytorch-accelerated'), ('on_epoch_end', 'after_train',
+    'Hugging Face'),
+           ('on_train_epoch_start', 'before_train', 'pytorch-accelerated'), ('on_train_epoch_begin',
+    'before_train', 'fastNLP'),
            ('on_train_batch_end', 'after_batch', 'Keras'), ('on_fit_start', 'before_fit', 'Lightning'),
            ('on_train_begin', 'before_fit', 'fastNLP'), ('on_batch_end', 'after_batch', 'fastai v1'),
            ('on_training_run_start', 'before_fit', 'pytorch-accelerated'),
@@ -319,19 +331,22 @@ def test_method_named_like_another_librarys_event_warns_when_added(name, ev, lib
         learn = synth_learner(cbs=Foreign())
     msgs = [str(o.message) for o in w if issubclass(o.category, UserWarning)]
     said = rf"Foreign.{name} is not an event and will never be called; did you mean .*{ev!r}\??( \(where)? [^)]*{lib}"
-    assert any(re.search(said, m) for m in msgs), msgs     # the event, then in parentheses the libraries firing it there
+    # the event, then in parentheses the libraries firing it there
+    assert any(re.search(said, m) for m in msgs), msgs
     assert learn.foreign in learn.cbs                                      # added all the same: a warning
 
 @pytest.mark.parametrize('name, ev, lib', FOREIGN)
 def test_learn_on_with_another_librarys_event_raises(name, ev, lib):
     learn = synth_learner()
-    with pytest.raises(ValueError, match=rf"learn.on: {name!r} is not an event; did you mean .*{ev!r}\??( \(where)? [^)]*{lib}"):
+    with pytest.raises(ValueError, match=rf"learn.on: {name!r} is not an event; did you mean .*{ev!r}\??( "
+                                         rf"\(where)? [^)]*{lib}"):
         learn.on(name)
     with pytest.raises(ValueError, match=f"did you mean .*{ev!r}"): learn(name)
 
 @pytest.mark.parametrize('name, ev, lib', FOREIGN)
 def test_callback_keyword_of_another_librarys_event_raises(name, ev, lib):
-    with pytest.raises(TypeError, match=rf"unknown keyword {name!r}; did you mean .*{ev!r}\??( \(where)? [^)]*{lib}"):
+    with pytest.raises(TypeError, match=rf"unknown keyword {name!r}; did you mean .*{ev!r}\??( \(where)? "
+                                        rf"[^)]*{lib}"):
         Callback(**{name: lambda self: None})
 
 def test_foreign_event_table():
@@ -347,7 +362,8 @@ def test_replaced_model_gets_a_new_optimizer_and_trains():
     old_opt = learn.opt
     learn.model = nn.Linear(2, 2)
     w = weights(learn)
-    with pytest.warns(UserWarning, match=r'learn.model \(or some of its parameters\) changed.*reset_opt=True'):
+    with pytest.warns(UserWarning,
+                      match=r'learn.model \(or some of its parameters\) changed.*reset_opt=True'):
         learn.fit(2)
     assert learn.opt is not old_opt and learn.opt.param_groups[0]['params'][0] is learn.model.weight
     assert not torch.equal(w[0], learn.model.weight)                      # it trained
@@ -438,12 +454,13 @@ def test_fit_from_a_callback_raises_and_the_outer_fit_goes_on(what):
     assert cb.errors[0].startswith(f'{name} was called during learn.fit() of this learner (from a callback?)')
     assert 'learn.validate() or learn.get_preds()' in cb.errors[0]
     assert (learn.epoch, learn.n_epoch, learn.train_iter) == (2, 3, 12)
-    assert all(torch.equal(a, b) for a, b in zip(weights(plain), weights(learn)))      # exactly as if not called
+    assert all(torch.equal(a, b) for a, b in zip(weights(plain), weights(learn)))  # exactly as if not called
     assert learn.recorder.values == plain.recorder.values and learn.recorder.lrs == plain.recorder.lrs
 
 def test_uncaught_nested_fit_ends_the_outer_fit_clearly_and_the_learner_is_usable():
     learn = synth_learner()
-    refit = Callback(after_epoch=lambda self: self.learn.fit(1), name='refit', order=99)     # after the Recorder's
+    # after the Recorder's
+    refit = Callback(after_epoch=lambda self: self.learn.fit(1), name='refit', order=99)
     with pytest.raises(RuntimeError) as info: learn.fit(3, cbs=refit)
     msg = message(info)
     assert 'learn.fit() was called during learn.fit()' in msg and "raised by Callback('refit') in 'after_epoch'" in msg
@@ -466,7 +483,8 @@ def test_validate_and_get_preds_inside_a_fit_still_work():
     assert len(seen) == 2 and seen[0][1] == (32, 2)
 
 def fit_in_thread(learn, n_epoch=1):
-    "Start `learn.fit` in a thread that waits in `before_fit` until released; returns (thread, release, errors)"
+    """Start `learn.fit` in a thread that waits in `before_fit` until released; returns (thread, release,
+    errors)"""
     started, release, errors = threading.Event(), threading.Event(), []
     def wait(self): started.set(); release.wait(30)
     def run():

@@ -1,7 +1,10 @@
-"""Errors in the first batch (and the Recorder's part of one run at a time): errors from the first batch speak learncb, a learncb
-handler never crashes while the loop unwinds, a diverging loss warns once, a resumed run prints its table header.
+"""Errors in the first batch (and the Recorder's part of one run at a time): errors from the first batch speak
+learncb, a learncb
+handler never crashes while the loop unwinds, a diverging loss warns once, a resumed run prints its table
+header.
 
-Each misuse asserts the exception type (torch's own, kept), that the notes name the bad value and the fix, where in
+Each misuse asserts the exception type (torch's own, kept), that the notes name the bad value and the fix,
+where in
 the run the error came (counted with a callback), and what the learner holds afterwards."""
 import io, math, warnings
 from collections import Counter
@@ -44,13 +47,15 @@ class Items(Dataset):
     def __len__(self): return 64
     def __getitem__(self, i): return self.fn(i)
 
-# ---------------------------------------------------------------- batches that are not (inputs..., targets...)
+# ---------------------------------------------------------------- batches that are not (inputs...,
+# targets...)
 
 def test_single_tensor_batch_says_what_xb_and_yb_are():
     learn, count = learner_on(Items(lambda i: X[i]))
     w = weights(learn)
-    with pytest.raises(ValueError, match=r'no targets for loss_func.*make it a tuple \(inputs, targets\)') as info:
-        learn.fit(1)                                          # at the first batch, not an IndexError of the Recorder
+    with pytest.raises(ValueError,
+                       match=r'no targets for loss_func.*make it a tuple \(inputs, targets\)') as info:
+        learn.fit(1)  # at the first batch, not an IndexError of the Recorder
     n = notes(info.value)
     assert 'the batch is a tensor of shape (16, 2), not a tuple or list' in n
     assert 'xb = batch[:n_inp]' in n and 'yb = batch[n_inp:]' in n and 'return (x, y) pairs' in n
@@ -59,7 +64,7 @@ def test_single_tensor_batch_says_what_xb_and_yb_are():
 
 def test_dict_batch_names_its_keys_and_a_collate_fn():
     learn, count = learner_on(Items(lambda i: {'x': X[i], 'y': Y[i]}))
-    with pytest.raises(TypeError, match="unexpected keyword argument") as info: learn.fit(1)   # model(**batch)
+    with pytest.raises(TypeError, match="unexpected keyword argument") as info: learn.fit(1)  # model(**batch)
     n = notes(info.value)
     assert "the batch is a dict with keys ['x', 'y']" in n and 'tuple(default_collate(items).values())' in n
     assert fails_at_first_batch(count)
@@ -110,7 +115,8 @@ def test_shape_error_in_the_model_gets_no_batch_note():
     with pytest.raises(RuntimeError, match='shapes cannot be multiplied') as info: learn.fit(1)
     assert 'learncb: the batch' not in notes(info.value)
 
-# ---------------------------------------------------------------- losses that are not a tensor with a gradient
+# ---------------------------------------------------------------- losses that are not a tensor with a
+# gradient
 
 @pytest.mark.parametrize('ret, said', [
     (lambda p, y: 0.5, 'loss_func returned a float (0.5), not a tensor'),
@@ -190,7 +196,8 @@ def test_batchnorm_on_a_last_batch_of_one_item():
     learn.dls.train = DataLoader(TensorDataset(X[:33], Y[:33]), batch_size=16, drop_last=True)
     learn.fit(1)
 
-# ---------------------------------------------------------------- model outputs that a metric or get_preds cannot take
+# ---------------------------------------------------------------- model outputs that a metric or get_preds
+# cannot take
 
 class Pair(nn.Linear):
     def forward(self, x): return super().forward(x), x
@@ -291,8 +298,10 @@ def raise_at(event_name):
         if not self.learn.validating_aside: raise RuntimeError(f'boom in {event_name}')
     return Callback(**{event_name: boom}, name='boom')
 
-EVENTS = ['before_fit', 'before_epoch', 'before_train', 'before_batch', 'after_pred', 'after_loss', 'after_backward',
-          'after_step', 'after_batch', 'after_train', 'before_validate', 'after_validate', 'after_epoch', 'after_fit']
+EVENTS = ['before_fit', 'before_epoch', 'before_train', 'before_batch', 'after_pred', 'after_loss',
+          'after_backward',
+          'after_step', 'after_batch', 'after_train', 'before_validate', 'after_validate', 'after_epoch',
+          'after_fit']
 
 def assert_clean_after_failure(learn, capsys):
     prog = learn.progress
@@ -334,7 +343,8 @@ def raise_at_zero():
 def test_every_after_exception_handler_runs_even_if_one_fails():
     seen = []
     def broken(self): raise RuntimeError('handler broke')
-    cbs = [Callback(after_exception=broken, order=-5), Callback(after_exception=lambda self: seen.append('later'))]
+    cbs = [Callback(after_exception=broken, order=-5),
+           Callback(after_exception=lambda self: seen.append('later'))]
     learn = synth_learner(cbs=cbs)
     with pytest.raises(ZeroDivisionError) as info: learn.fit(1, cbs=raise_at_zero())
     assert seen == ['later'] and 'after_exception raised RuntimeError: handler broke' in notes(info.value)
@@ -378,7 +388,8 @@ def test_validate_failing_inside_a_validation_leaves_its_values_alone():
     assert learn.recorder._valid_stack == []
 
 def test_html_bars_are_removed_after_a_failed_fit(monkeypatch):
-    "Jupyter's bars (fastprogress's HTML ones) with a stand-in for IPython's display: the last update shows no bar"
+    """Jupyter's bars (fastprogress's HTML ones) with a stand-in for IPython's display: the last update shows
+    no bar"""
     import IPython.display
     from fastprogress.fastprogress import NBMasterBar, NBProgressBar
     shown = {}
@@ -437,7 +448,7 @@ def test_a_resumed_run_prints_the_header_again(tmp_path):
     assert rows[0][0] == 'epoch' and len(rows) == 2
     rows.clear()
     with warnings.catch_warnings():
-        warnings.simplefilter('ignore')                        # resuming from the middle of a batch is not exact
+        warnings.simplefilter('ignore')  # resuming from the middle of a batch is not exact
         learn.fit(3, cbs=CheckpointCallback(every_epoch=True), resume=True)
     assert rows[0] == ['epoch', 'train_loss', 'valid_loss', 'time'] and [r[0] for r in rows[1:]] == ['1', '2']
 
@@ -452,7 +463,8 @@ def test_recorder_state_ignores_an_old_header_flag():
     assert other.recorder.values == learn.recorder.values and not other.recorder._header_logged
 
 def test_validate_cancelled_before_the_recorder_began():
-    "A callback that runs before the Recorder cancels a validate(): no values, and nothing of another validation popped"
+    """A callback that runs before the Recorder cancels a validate(): no values, and nothing of another
+    validation popped"""
     def cancel(self): raise CancelValidException()
     learn = synth_learner()
     learn.fit(1)

@@ -1,8 +1,11 @@
 """Files and resume: nothing the user had is lost, and a resumed run is the same run.
 
-Loads that do not fit change nothing; files from wrapped models load; damaged files are refused by their checksum and
-`resume=True` goes back to an intact one; the user's dataloader is never replaced; Ctrl-C's handler comes back after
-every fit; a resume checks the data and says when the run is over; save names and write errors name the right file."""
+Loads that do not fit change nothing; files from wrapped models load; damaged files are refused by their
+checksum and
+`resume=True` goes back to an intact one; the user's dataloader is never replaced; Ctrl-C's handler comes back
+after
+every fit; a resume checks the data and says when the run is over; save names and write errors name the right
+file."""
 import copy, errno, os, signal, warnings
 from pathlib import Path
 import pytest, torch
@@ -40,7 +43,8 @@ def assert_untouched(learn, before):
 def messages(info): return str(info.value) + '\n'.join(getattr(info.value, '__notes__', []))
 
 def same_weights(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a.model.state_dict().values(), b.model.state_dict().values()))
+    return all(torch.equal(x, y) for x, y in zip(a.model.state_dict().values(),
+                                                 b.model.state_dict().values()))
 
 def flip_a_weight_byte(path, tensor):
     "Change one byte of `tensor`'s data inside the file `path` (torch.load alone does not notice)"
@@ -54,7 +58,8 @@ def net_learner(path, dls=None, **kw):
     "A network with dropout (so that the random state matters) on shuffled data: 4 training batches per epoch"
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
-    return synth_learner(dls=dls if dls is not None else synth_dls(shuffle=True), model=model, path=path, **kw)
+    return synth_learner(dls=dls if dls is not None else synth_dls(shuffle=True), model=model, path=path,
+                         **kw)
 
 def quiet(fn, *args, **kw):
     with warnings.catch_warnings():
@@ -64,8 +69,10 @@ def quiet(fn, *args, **kw):
 # ---------------------------------------------------------------- 3. loads validate the whole file first
 
 @pytest.mark.parametrize('saved_with, loaded_with, lacking', [(torch.optim.SGD, torch.optim.Adam, 'betas'),
-                                                              (torch.optim.Adam, torch.optim.SGD, 'momentum')])
-def test_load_with_another_optimizers_state_raises_and_changes_nothing(tmp_path, saved_with, loaded_with, lacking):
+                                                              (torch.optim.Adam, torch.optim.SGD,
+                                                               'momentum')])
+def test_load_with_another_optimizers_state_raises_and_changes_nothing(tmp_path, saved_with, loaded_with,
+        lacking):
     other = synth_learner(path=tmp_path, opt_func=saved_with)
     other.fit(1)
     other.save('theirs')
@@ -127,7 +134,8 @@ def test_resume_with_another_optimizers_state_raises_before_any_batch(tmp_path):
     learn = synth_learner(path=tmp_path)
     learn.fit(1)
     before, counter = snapshot(learn), CountBatches()
-    with pytest.raises(ValueError, match=r'checkpoint_00000002_batch.pt: its optimizer state does not fit .*Adam'):
+    with pytest.raises(ValueError, match=r'checkpoint_00000002_batch.pt: its optimizer state does not fit '
+                                         r'.*Adam'):
         learn.fit(2, cbs=counter, resume=True)
     assert counter.n == 0
     assert_untouched(learn, before)
@@ -145,7 +153,7 @@ def test_a_callbacks_state_that_fails_to_load_changes_nothing(tmp_path):
     learn.fit(1)
     path = learn.save_checkpoint(tmp_path/'c.pt')
     other = synth_learner(path=tmp_path, cbs=Fussy())
-    other.fit(2)                                                   # the optimizer state loads before it, then is undone
+    other.fit(2)  # the optimizer state loads before it, then is undone
     before = snapshot(other)
     with pytest.raises(KeyError) as info: other.load_checkpoint(path)
     assert "c.pt: the state saved for callback 'fussy' does not load" in messages(info)
@@ -208,8 +216,10 @@ def test_strict_false_with_some_keys_in_common_warns_with_the_keys(tmp_path):
                            'head.weight': torch.ones(2, 2)}}, tmp_path/'models'/'part.pth')
     learn = synth_learner(path=tmp_path, model=nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
     kept = learn.model[1].weight.detach().clone()
-    with pytest.warns(UserWarning, match=r"part.pth: strict=False loaded 2 of the model's 4 entries; left as they "
-                                         r"were \(not in the file\): \['1.weight', '1.bias'\]; ignored \(not in the "
+    with pytest.warns(UserWarning, match=r"part.pth: strict=False loaded 2 of the model's 4 entries; left as "
+                                         r"they "
+                                         r"were \(not in the file\): \['1.weight', '1.bias'\]; ignored \(not "
+                                         r"in the "
                                          r"model\): \['head.weight'\]"):
         learn.load('part', strict=False)
     assert torch.equal(learn.model[0].weight, first.weight + 1) and torch.equal(learn.model[1].weight, kept)
@@ -224,7 +234,8 @@ def test_a_checkpoint_whose_bytes_changed_is_refused_naming_it(tmp_path):
     flip_a_weight_byte(path, learn.model.weight)
     learn.fit(1)
     before = snapshot(learn)
-    with pytest.raises(CorruptFileError, match=r'c.pt is damaged: its content does not match the checksum') as info:
+    with pytest.raises(CorruptFileError,
+                       match=r'c.pt is damaged: its content does not match the checksum') as info:
         learn.load_checkpoint(path)
     assert 'another copy' in messages(info)
     assert_untouched(learn, before)
@@ -271,9 +282,10 @@ def test_resume_true_with_every_checkpoint_damaged_raises(tmp_path):
 def test_keep_last_never_removes_the_checkpoint_a_message_points_to(tmp_path):
     folder = tmp_path/'checkpoints'
     old = synth_learner(path=tmp_path)
-    old.fit(3, cbs=CheckpointCallback(keep_last=1))                 # an earlier run: checkpoint_00000012_epoch_end.pt
+    old.fit(3, cbs=CheckpointCallback(keep_last=1))  # an earlier run: checkpoint_00000012_epoch_end.pt
     learn = synth_learner(path=tmp_path)
-    with pytest.warns(UserWarning, match=r'already holds 1 checkpoint of an earlier run .*checkpoint_00000012'):
+    with pytest.warns(UserWarning,
+                      match=r'already holds 1 checkpoint of an earlier run .*checkpoint_00000012'):
         with pytest.raises(RuntimeError) as info:
             learn.fit(3, cbs=[CheckpointCallback(every_n_steps=1, keep_last=1), CrashAt(6)])
     saved = Path(info.value.__notes__[-1].split('the run is saved in ')[1])
@@ -285,7 +297,8 @@ def test_resuming_an_older_checkpoint_warns_of_the_newer_ones(tmp_path):
     learn = synth_learner(path=tmp_path)
     learn.fit(2, cbs=CheckpointCallback(every_n_steps=2, keep_last=4))
     folder = tmp_path/'checkpoints'
-    with pytest.warns(UserWarning, match=r"resuming from checkpoint_00000006_batch.pt, but .* holds newer checkpoints"):
+    with pytest.warns(UserWarning, match=r"resuming from checkpoint_00000006_batch.pt, but .* holds newer "
+                                         r"checkpoints"):
         synth_learner(path=tmp_path).fit(2, resume=folder/'checkpoint_00000006_batch.pt')
 
 # ---------------------------------------------------------------- 3. the data pipeline is the user's
@@ -313,7 +326,8 @@ def test_a_dataloader_subclass_is_kept_and_resumes_exactly(tmp_path):
     seen = []
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        resumed.fit(3, resume=True, cbs=Callback(before_batch=lambda self: seen.append(self.x.abs().max().item())))
+        resumed.fit(3, resume=True,
+                    cbs=Callback(before_batch=lambda self: seen.append(self.x.abs().max().item())))
     assert resumed.dls.train is dls.train                           # not replaced...
     assert same_weights(ref, resumed) and ref.recorder.losses == resumed.recorder.losses     # ...and exact
     plain = synth_dls(shuffle=True).train.dataset.tensors[0].abs().max().item()
@@ -325,16 +339,18 @@ def test_a_subclass_that_does_not_read_its_sampler_replays_the_epoch(tmp_path):
         def __iter__(self):
             x, y = self.dataset.tensors
             return ((x[i:i + 16], y[i:i + 16]) for i in range(0, len(x), 16))
-    make = lambda: DataLoaders(OwnOrder(synth_dls().train.dataset, batch_size=16, shuffle=True), synth_dls().valid)
+    make = lambda: DataLoaders(OwnOrder(synth_dls().train.dataset, batch_size=16, shuffle=True),
+                               synth_dls().valid)
     ref = net_learner(tmp_path/'ref', dls=make())
     ref.fit(2, cbs=CheckpointCallback(every_n_steps=1))
     with pytest.raises(RuntimeError):
         net_learner(tmp_path/'run', dls=make()).fit(2, cbs=[CheckpointCallback(every_n_steps=1), CrashAt(6)])
     resumed = net_learner(tmp_path/'run', dls=make())
     counter = CountBatches()
-    with pytest.warns(UserWarning, match='OwnOrder does not take its order from its batch sampler: the first 2 '):
+    with pytest.warns(UserWarning, match='OwnOrder does not take its order from its batch sampler: the first '
+                                         '2 '):
         resumed.fit(2, resume=True, cbs=counter)
-    assert counter.n == 2 and resumed.train_iter == 8              # the rest of epoch 1, not a whole epoch again
+    assert counter.n == 2 and resumed.train_iter == 8  # the rest of epoch 1, not a whole epoch again
     assert same_weights(ref, resumed)
 
 def test_a_dataloader_with_a_custom_sampler_is_kept_without_a_warning(tmp_path):
@@ -346,7 +362,7 @@ def test_a_dataloader_with_a_custom_sampler_is_kept_without_a_warning(tmp_path):
     dl = DataLoader(ds, batch_size=16, sampler=EveryOther(len(ds)))
     learn = synth_learner(path=tmp_path, dls=DataLoaders(dl, synth_dls().valid))
     with warnings.catch_warnings():
-        warnings.simplefilter('error')                     # it resumes by replaying its epoch, exactly: nothing to say
+        warnings.simplefilter('error')  # it resumes by replaying its epoch, exactly: nothing to say
         learn.fit(1, cbs=CheckpointCallback())
     assert learn.dls.train is dl
 
@@ -354,7 +370,8 @@ def stateful_dls_(num_workers=0):
     sdl = pytest.importorskip('torchdata.stateful_dataloader')
     base = synth_dls(shuffle=True)
     torch.manual_seed(0)                          # its sampler seeds its own generator from torch's, once
-    return DataLoaders(sdl.StatefulDataLoader(base.train.dataset, batch_size=16, shuffle=True, num_workers=num_workers),
+    return DataLoaders(sdl.StatefulDataLoader(base.train.dataset, batch_size=16, shuffle=True,
+                                              num_workers=num_workers),
                        base.valid)
 
 @pytest.mark.filterwarnings('ignore:.*set_vital')
@@ -409,7 +426,8 @@ def test_sigint_handler_is_back_after_a_callback_raises_in_after_fit(tmp_path, s
     def broken(self): raise RuntimeError('cleanup broke')
     learn = synth_learner(path=tmp_path)
     with pytest.raises(RuntimeError, match='cleanup broke'):
-        learn.fit(1, cbs=[CheckpointCallback(), Callback(after_fit=broken)])    # order 0: before CheckpointCallback's
+        # order 0: before CheckpointCallback's
+        learn.fit(1, cbs=[CheckpointCallback(), Callback(after_fit=broken)])
     assert signal.getsignal(signal.SIGINT) is handler
     os.kill(os.getpid(), signal.SIGINT)
     assert calls == [signal.SIGINT]
@@ -423,7 +441,7 @@ def test_sigint_handler_is_back_whatever_it_was(tmp_path, found):
         learn = synth_learner(path=tmp_path)
         learn.fit(1, cbs=CheckpointCallback('first'))
         assert signal.getsignal(signal.SIGINT) is found_handler
-        late = Callback(before_fit=lambda self: 1 / 0, order=99)               # after CheckpointCallback's before_fit
+        late = Callback(before_fit=lambda self: 1 / 0, order=99)  # after CheckpointCallback's before_fit
         with pytest.raises(ZeroDivisionError): learn.fit(1, cbs=[CheckpointCallback(), late])
         assert signal.getsignal(signal.SIGINT) is found_handler
     finally: signal.signal(signal.SIGINT, before)
@@ -432,22 +450,24 @@ def test_ctrl_c_after_a_fit_that_could_not_give_the_handler_back_reaches_it(tmp_
     handler, calls = sigint_handler
     def broken(self): raise RuntimeError('broke')
     learn = synth_learner(path=tmp_path)
-    bad = [Callback(after_exception=broken), Callback(after_fit=broken)]             # both before CheckpointCallback's
+    bad = [Callback(after_exception=broken), Callback(after_fit=broken)]  # both before CheckpointCallback's
     with pytest.raises(RuntimeError): learn.fit(1, cbs=[CheckpointCallback(), *bad, CrashAt(2)])
-    os.kill(os.getpid(), signal.SIGINT)                                             # the fit is over: not held
+    os.kill(os.getpid(), signal.SIGINT)  # the fit is over: not held
     assert calls == [signal.SIGINT] and signal.getsignal(signal.SIGINT) is handler
 
 # ---------------------------------------------------------------- 4. a resumed run is the same run
 
 def crashed_run(path, dls=None, n_epoch=3):
     learn = synth_learner(path=path, dls=dls)
-    with pytest.raises(RuntimeError): learn.fit(n_epoch, cbs=[CheckpointCallback(every_n_steps=1), CrashAt(5)])
+    with pytest.raises(RuntimeError):
+        learn.fit(n_epoch, cbs=[CheckpointCallback(every_n_steps=1), CrashAt(5)])
     return learn
 
 @pytest.mark.parametrize('dls, now', [
     (lambda: synth_dls(n_train=80), '5 batches per epoch, batch size 16, 80 items'),
     (lambda: synth_dls(bs=8), '8 batches per epoch, batch size 8, 64 items'),
-    (lambda: DataLoaders(DataLoader(synth_dls(n_train=72).train.dataset, batch_size=16, drop_last=True), None),
+    (lambda: DataLoaders(DataLoader(synth_dls(n_train=72).train.dataset, batch_size=16, drop_last=True),
+                         None),
      '4 batches per epoch, batch size 16, 72 items')])
 def test_resume_on_training_data_of_another_shape_raises_naming_both(tmp_path, dls, now):
     crashed_run(tmp_path)
@@ -456,7 +476,8 @@ def test_resume_on_training_data_of_another_shape_raises_naming_both(tmp_path, d
     before, counter = snapshot(learn), CountBatches()
     with pytest.raises(ValueError) as info: learn.fit(3, cbs=counter, resume=True)
     msg = messages(info)
-    assert ('checkpoint_00000005_batch.pt was taken with training data of 4 batches per epoch, batch size 16, '
+    assert ('checkpoint_00000005_batch.pt was taken with training data of 4 batches per epoch, batch size '
+            '16, '
             '64 items') in msg
     assert f'the training data now has {now}' in msg and 'resume with the data the run was trained on' in msg
     assert counter.n == 0
@@ -478,7 +499,8 @@ def test_resuming_a_stopped_run_says_so_and_trains_nothing(tmp_path):
     stopped.fit(5, cbs=[CheckpointCallback(), Callback(after_epoch=stop)])
     assert len(stopped.recorder.values) == 2
     learn, counter = synth_learner(path=tmp_path), CountBatches()
-    with pytest.warns(UserWarning, match=r'is the end of a run that is over \(it was stopped after epoch 1: enough\)'):
+    with pytest.warns(UserWarning, match=r'is the end of a run that is over \(it was stopped after epoch 1: '
+                                         r'enough\)'):
         learn.fit(5, cbs=counter, resume=True)
     assert counter.n == 0 and same_weights(learn, stopped)
 
@@ -487,7 +509,7 @@ def test_a_run_stopped_in_an_epoch_stops_there_again_when_resumed(tmp_path):
         if self.training and self.train_iter == 6: self.learn.stop_fit('enough')
     ref = synth_learner(path=tmp_path/'ref')
     ref.fit(4, cbs=[CheckpointCallback(every_n_steps=1), Callback(after_batch=stop)])
-    assert ref.train_iter == 8                                       # the epoch of the stop is finished, no more
+    assert ref.train_iter == 8  # the epoch of the stop is finished, no more
     run = synth_learner(path=tmp_path/'run')
     with pytest.raises(RuntimeError):
         run.fit(4, cbs=[CheckpointCallback(every_n_steps=1), Callback(after_batch=stop), CrashAt(7)])
@@ -537,11 +559,12 @@ def test_a_full_disk_names_the_target_and_keeps_the_old_file(tmp_path, monkeypat
 def test_a_checkpoint_write_error_names_the_checkpoint(tmp_path, monkeypatch):
     learn = synth_learner(path=tmp_path)
     real,calls = os.fsync,[]
-    def full(fd):                        # the first fsync is that of the first checkpoint (on the writer's thread)
+    def full(fd):  # the first fsync is that of the first checkpoint (on the writer's thread)
         calls.append(fd)
         if len(calls) == 1: raise OSError(errno.ENOSPC, 'No space left on device')
         real(fd)
     monkeypatch.setattr(os, 'fsync', full)
-    with pytest.raises(OSError) as info: learn.fit(1, cbs=CheckpointCallback(every_n_steps=2, on_exception=False))
+    with pytest.raises(OSError) as info:
+        learn.fit(1, cbs=CheckpointCallback(every_n_steps=2, on_exception=False))
     assert info.value.filename == str(tmp_path/'checkpoints'/'checkpoint_00000002_batch.pt')
     assert '.tmp' not in messages(info) and not list((tmp_path/'checkpoints').glob('.*'))

@@ -1,14 +1,17 @@
-"Every cancel exception, raised from every event of its own stage and from every event outside it (DESIGN.md 2)"
+"""Every cancel exception, raised from every event of its own stage and from every event outside it (DESIGN.md
+2)"""
 import pytest, torch
 from torch import nn
 from learncb.all import *
 from conftest import synth_learner, EventLog
 
 # The events a normal fit fires, with the phase of those that fire in both phases
-BATCH_TRAIN = ['before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step', 'after_step']
+BATCH_TRAIN = ['before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step',
+               'after_step']
 BATCH_VALID = ['before_batch', 'after_pred', 'after_loss']
-FETCH = ['before_fetch', 'after_fetch']     # around taking a batch from the dataloader: outside the batch stage
-ALL = ([('before_fit', None), ('before_epoch', None), ('before_train', None)] + [(e, 'train') for e in FETCH + BATCH_TRAIN]
+FETCH = ['before_fetch', 'after_fetch']  # around taking a batch from the dataloader: outside the batch stage
+ALL = ([('before_fit', None), ('before_epoch', None), ('before_train', None)] + [(e, 'train') for e
+    in FETCH + BATCH_TRAIN]
        + [('after_batch', 'train'), ('after_train', None), ('before_validate', None)]
        + [(e, 'valid') for e in FETCH + BATCH_VALID]
        + [('after_batch', 'valid'), ('after_validate', None), ('after_epoch', None), ('after_fit', None)])
@@ -18,7 +21,8 @@ _train = {(e, 'train') for e in FETCH + BATCH_TRAIN} | {('after_batch', 'train')
 _valid = {(e, 'valid') for e in FETCH + BATCH_VALID} | {('after_batch', 'valid'), ('before_validate', None)}
 _epoch = _train | _valid | {('before_epoch', None), ('after_train', None), ('after_validate', None)}
 INSIDE = {
-    'batch':    ({(e, 'train') for e in BATCH_TRAIN} | {(e, 'valid') for e in BATCH_VALID}, CancelBatchException),
+    'batch':    ({(e, 'train') for e in BATCH_TRAIN} | {(e, 'valid') for e in BATCH_VALID},
+                 CancelBatchException),
     'backward': ({('before_backward', 'train')}, CancelBackwardException),
     'step':     ({('before_step', 'train')}, CancelStepException),
     'train':    (_train, CancelTrainException),
@@ -26,7 +30,8 @@ INSIDE = {
     'epoch':    (_epoch, CancelEpochException),
     'fit':      (_epoch | {('before_fit', None), ('after_epoch', None)}, CancelFitException),
 }
-CASES = [(stage, ev, ph, ev_ph in inside) for stage, (inside, _) in INSIDE.items() for ev_ph in ALL for ev, ph in [ev_ph]]
+CASES = [(stage, ev, ph, ev_ph in inside) for stage, (inside, _) in INSIDE.items() for ev_ph in ALL for ev,
+         ph in [ev_ph]]
 
 class RaiseOnce(Callback):
     "Raises `exc` the first time `event_name` fires in `phase` (None: any phase)"
@@ -59,7 +64,8 @@ def index_of_raise(log, event_name, phase):
     raise AssertionError(f'{event_name} ({phase}) not in log')
 
 @pytest.mark.parametrize('stage,event_name,phase,inside', CASES,
-                         ids=[f"{s}-{e}{'-' + p if p else ''}-{'inside' if i else 'outside'}" for s, e, p, i in CASES])
+                         ids=[f"{s}-{e}{'-' + p if p else ''}-{'inside' if i else 'outside'}" for s, e, p,
+                              i in CASES])
 def test_cancel(stage, event_name, phase, inside):
     learn, log, error, raiser = run(stage, event_name, phase)
     assert raiser.done, 'the exception was never raised'
@@ -68,7 +74,8 @@ def test_cancel(stage, event_name, phase, inside):
         assert error is None, f'{type(error).__name__} escaped the fit'
         assert log[i + 1:i + 3] == [f'after_cancel_{stage}', f'after_{stage}']
         assert log[-1] == 'after_fit' and 'after_exception' not in log
-        assert log.count('before_epoch') == (0 if event_name == 'before_fit' else 1 if stage == 'fit' else 2)  # the loop goes on
+        # the loop goes on
+        assert log.count('before_epoch') == (0 if event_name == 'before_fit' else 1 if stage == 'fit' else 2)
     else:
         assert isinstance(error, INSIDE[stage][1]) and learn.exception is error
         expected_tail = ['after_exception'] if event_name == 'after_fit' else ['after_exception', 'after_fit']
@@ -80,7 +87,8 @@ def test_cancel(stage, event_name, phase, inside):
 def test_cancel_batch_skips_rest_of_batch_and_continues():
     learn, log, error, _ = run('batch', 'after_pred', 'train')
     i = log.index('after_pred')
-    assert log[i:i + 6] == ['after_pred', 'after_cancel_batch', 'after_batch', 'before_fetch', 'after_fetch', 'before_batch']
+    assert log[i:i + 6] == ['after_pred', 'after_cancel_batch', 'after_batch', 'before_fetch', 'after_fetch',
+                            'before_batch']
     assert log.count('before_step') == 2 * 4 - 1
     assert len(learn.recorder.losses) == 2 * 4 - 1      # the cancelled batch had no loss: not recorded
 
@@ -126,5 +134,6 @@ def test_cancel_raised_by_loss_func():
     learn.loss_func = loss_func
     learn.fit(1)
     i = log.log.index('before_validate')
-    assert log.log[i:i + 7] == ['before_validate', 'before_fetch', 'after_fetch', 'before_batch', 'after_pred', 'after_cancel_validate', 'after_validate']
+    assert log.log[i:i + 7] == ['before_validate', 'before_fetch', 'after_fetch', 'before_batch',
+                                'after_pred', 'after_cancel_validate', 'after_validate']
     assert learn.recorder.values[0][1] is None      # no validation loss was computed

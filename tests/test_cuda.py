@@ -25,7 +25,8 @@ def cuda_learner(path='.', dropout=0., pin=True, **kw):
 
 def test_no_host_sync_in_any_batch():
     "torch.cuda.set_sync_debug_mode('error') from before_batch to after_batch: any sync in a batch raises"
-    learn = cuda_learner(opt_func=torch.optim.SGD, lr=0.1, metrics=accuracy)    # torch's Adam syncs in its own step
+    # torch's Adam syncs in its own step
+    learn = cuda_learner(opt_func=torch.optim.SGD, lr=0.1, metrics=accuracy)
     on = Callback(before_batch=lambda self: torch.cuda.set_sync_debug_mode('error'), order=-1000)
     off = Callback(after_batch=lambda self: torch.cuda.set_sync_debug_mode('default'), order=1000)
     try: learn.fit(2, cbs=[on, off])
@@ -33,7 +34,8 @@ def test_no_host_sync_in_any_batch():
     assert learn.train_iter == 24 and learn.recorder.values[-1][2] > 0.5
 
 def test_get_preds_gathers_into_pinned_memory():
-    "The outputs land in one preallocated pinned buffer (returned as is with an identity activation), then activated"
+    """The outputs land in one preallocated pinned buffer (returned as is with an identity activation), then
+    activated"""
     learn = cuda_learner()
     learn.fit(1)
     raw, targs = learn.get_preds(act=lambda x: x)
@@ -63,23 +65,28 @@ def test_checkpoint_keeps_the_cuda_rng_and_resumes_exactly(tmp_path):
     state = load_torch_file(checkpoints_in(tmp_path/'run'/'checkpoints')[-1])
     assert 'cuda' in state['rng']
     resumed = run(tmp_path/'run', resume=True)
-    for a, b in zip(ref.model.state_dict().values(), resumed.model.state_dict().values()): assert torch.equal(a, b)
+    for a, b in zip(ref.model.state_dict().values(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b)
     assert ref.recorder.losses == resumed.recorder.losses
 
 def test_two_ranks_on_one_gpu(tmp_path):
-    "DDP with CUDA tensors: 2 ranks share the GPU (gloo, since NCCL needs a GPU per rank) and train as one process"
+    """DDP with CUDA tensors: 2 ranks share the GPU (gloo, since NCCL needs a GPU per rank) and train as one
+    process"""
     from test_distributed import run, result
     run(tmp_path/'one', '--bs', '16', '--device', 'cuda', nproc=1)
     run(tmp_path/'two', '--bs', '8', '--device', 'cuda')
     one, two = result(tmp_path/'one'), result(tmp_path/'two')
-    for k in one['model']: torch.testing.assert_close(two['model'][k].cpu(), one['model'][k].cpu(), atol=1e-5, rtol=1e-4)
+    for k in one['model']:
+        torch.testing.assert_close(two['model'][k].cpu(), one['model'][k].cpu(), atol=1e-5, rtol=1e-4)
     for a, b in zip(one['values'], two['values']): assert all(abs(x - y) < 1e-5 for x, y in zip(a, b)), (a, b)
 
 @pytest.mark.parametrize('opt_func', [torch.optim.Adam, fast_adam, partial(torch.optim.SGD, momentum=0.9)],
                          ids=['Adam', 'fused Adam', 'SGD with momentum'])
 def test_compiled_step_as_cuda_graphs(opt_func):
-    """`learn.compile(step=True, mode='reduce-overhead')`: the step replayed as CUDA graphs (Adam's hyper-parameters as
-    device tensors), with SpikeGuard: no fallback, the eager fit's weights, the Recorder's losses its own copies"""
+    """`learn.compile(step=True, mode='reduce-overhead')`: the step replayed as CUDA graphs (Adam's
+    hyper-parameters as
+    device tensors), with SpikeGuard: no fallback, the eager fit's weights, the Recorder's losses its own
+    copies"""
     def fit(**compile):
         learn = cuda_learner(opt_func=opt_func, lr=1e-2, cbs=SpikeGuard())
         if compile: learn.compile(step=True, fallback=False, **compile)
@@ -90,13 +97,16 @@ def test_compiled_step_as_cuda_graphs(opt_func):
     for a, b in zip(eager.model.state_dict().values(), graphs.model.state_dict().values()):
         assert (a - b).abs().max() <= 1e-4 * a.abs().max(), (a - b).abs().max()
     losses = graphs.recorder.losses
-    assert len(losses) == 36 and len(set(map(float, losses))) > 30        # each batch's own loss, not the last replay's
+    # each batch's own loss, not the last replay's
+    assert len(losses) == 36 and len(set(map(float, losses))) > 30
     for a, b in zip(eager.recorder.values, graphs.recorder.values): assert abs(a[0] - b[0]) < 1e-3, (a, b)
 
-@pytest.mark.parametrize('name', ['compile()', 'compile(step=True)', 'AutoMicrobatch', 'SpikeGuard', 'MixedPrecision',
+@pytest.mark.parametrize('name', ['compile()', 'compile(step=True)', 'AutoMicrobatch', 'SpikeGuard',
+                                  'MixedPrecision',
                                   'CheckpointCallback'])
 def test_nothing_callable_is_set_on_the_learner_or_the_model_on_a_gpu(name, tmp_path):
-    "As tests/test_step.py checks on the CPU: at the third batch the learner's and the model's instances hold no function"
+    """As tests/test_step.py checks on the CPU: at the third batch the learner's and the model's instances
+    hold no function"""
     import warnings
     from test_step import capabilities, AtThirdBatch
     learn = cuda_learner(path=tmp_path)

@@ -21,7 +21,8 @@ def notebook_code(nb_name):
     return '\n'.join(''.join(c['source']) for c in nb['cells'] if c['cell_type'] == 'code')
 
 def own_doc(obj):
-    return obj.__doc__ if inspect.isclass(obj) or inspect.isroutine(obj) or isinstance(obj, property) else 'n/a'
+    return obj.__doc__ if inspect.isclass(obj) or inspect.isroutine(obj) or isinstance(obj,
+        property) else 'n/a'
 
 @pytest.mark.parametrize('mod_name', MODULES)
 def test_exported_names_documented(mod_name):
@@ -29,7 +30,8 @@ def test_exported_names_documented(mod_name):
     shown = set(re.findall(r'show_doc\(([\w.]+)', code))
     for name in mod.__all__:
         obj = getattr(mod, name)
-        if not (inspect.isclass(obj) or inspect.isroutine(obj)): continue       # data such as `event`, `batch_events`
+        # data such as `event`, `batch_events`
+        if not (inspect.isclass(obj) or inspect.isroutine(obj)): continue
         if obj.__name__ != name: name = obj.__name__                           # an alias: `CancelBatch`
         assert own_doc(obj), f'learncb.{mod_name}.{name} has no docstring'
         assert name in shown, f'learncb.{mod_name}.{name} has no show_doc in nbs/{MODULES[mod_name]}.ipynb'
@@ -38,7 +40,7 @@ def test_learner_methods_documented():
     "Every public method of `Learner`, its own or of a host it is built from (`CallbackHost`, ...), is shown"
     code = '\n'.join(notebook_code(nb) for nb in MODULES.values())
     hosts = [c for c in Learner.__mro__ if c is not object]
-    assert len(hosts) >= 5, hosts                     # Learner and the hosts of callbacks, optimizer, weights, preds
+    assert len(hosts) >= 5, hosts  # Learner and the hosts of callbacks, optimizer, weights, preds
     for cls in hosts:
         for name, obj in vars(cls).items():
             if name.startswith('_') or not (inspect.isroutine(obj) or isinstance(obj, property)): continue
@@ -48,11 +50,13 @@ def test_learner_methods_documented():
 
 
 def test_the_coming_from_page_maps_each_foreign_event_as_the_hints_do():
-    "The page's events table agrees with `foreign_events` (the hints), and its table per library is `foreign_events` itself"
+    """The page's events table agrees with `foreign_events` (the hints), and its table per library is
+    `foreign_events` itself"""
     import re
     from fastcore.nbio import read_nb
     from learncb.core import foreign_events, _events
-    def names(cell): return re.findall(r'`([a-z_]+)`', cell) if not cell.strip().startswith(('(', '-')) else []
+    def names(cell):
+        return re.findall(r'`([a-z_]+)`', cell) if not cell.strip().startswith(('(', '-')) else []
     nb = read_nb(ROOT/'nbs'/'18_coming_from.ipynb')
     page = next(c.source for c in nb.cells if '| learncb | fastai | pytorch-accelerated' in c.source)
     checked = []
@@ -63,8 +67,10 @@ def test_the_coming_from_page_maps_each_foreign_event_as_the_hints_do():
                 if (found := foreign_events[lib].get(f'on_{theirs}')):
                     assert found == mine, f"the page maps {lib}'s on_{theirs} to {mine}, foreign_events to {found}"
                     checked.append(theirs)
-    assert {'train_epoch_end', 'train_epoch_start', 'train_epoch_begin', 'before_backward'} <= set(checked), checked
-    libs = ['pytorch-accelerated', 'fastNLP', 'fastNLP 0.8', 'Lightning', 'Lightning 1.x', 'Keras', 'fastai v1', 'Hugging Face']
+    assert {'train_epoch_end', 'train_epoch_start', 'train_epoch_begin',
+            'before_backward'} <= set(checked), checked
+    libs = ['pytorch-accelerated', 'fastNLP', 'fastNLP 0.8', 'Lightning', 'Lightning 1.x', 'Keras',
+            'fastai v1', 'Hugging Face']
     assert sorted(libs) == sorted(foreign_events)
     rows = ['| learncb | ' + ' | '.join(libs) + ' |', '|---' * (len(libs) + 1) + '|']
     for ev in _events:

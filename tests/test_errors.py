@@ -19,7 +19,8 @@ def test_exception_mid_fit_fires_after_exception_then_after_fit_and_reraises(exc
     log, fit_only = EventLog(), RaiseAt('after_backward', exc)
     learn = synth_learner(cbs=log, progress=True)
     w_before = learn.model.weight.detach().clone()
-    with pytest.raises(type(exc)) as info: learn.fit(3, cbs=[fit_only, Callback(before_fit=lambda self: None, name='tmp')])
+    with pytest.raises(type(exc)) as info:
+        learn.fit(3, cbs=[fit_only, Callback(before_fit=lambda self: None, name='tmp')])
     assert info.value is exc and learn.exception is exc
     assert log.log[-3:] == ['after_backward', 'after_exception', 'after_fit']
     assert fit_only not in learn.cbs and not hasattr(learn, 'tmp') and not hasattr(learn, 'raise_at')
@@ -44,8 +45,10 @@ def test_keyboard_interrupt_from_model_forward():
 def test_handler_errors_while_handling_are_attached_not_masking():
     def bad_after_exception(self): raise RuntimeError('after_exception handler broke')
     def bad_after_fit(self): raise OSError('cleanup broke')
-    learn = synth_learner(cbs=[Callback(after_exception=bad_after_exception), Callback(after_fit=bad_after_fit)])
-    with pytest.raises(ZeroDivisionError) as info: learn.fit(1, cbs=RaiseAt('after_step', ZeroDivisionError('div'), at=1))
+    learn = synth_learner(cbs=[Callback(after_exception=bad_after_exception),
+                               Callback(after_fit=bad_after_fit)])
+    with pytest.raises(ZeroDivisionError) as info:
+        learn.fit(1, cbs=RaiseAt('after_step', ZeroDivisionError('div'), at=1))
     notes = '\n'.join(info.value.__notes__)
     assert 'after_exception raised RuntimeError: after_exception handler broke' in notes
     assert 'after_fit raised OSError: cleanup broke' in notes
@@ -91,9 +94,11 @@ def test_empty_dataloaders():
 def test_non_scalar_loss():
     learn = synth_learner()
     learn.loss_func = nn.CrossEntropyLoss(reduction='none')
-    with pytest.raises(ValueError, match=r"loss must be a scalar.*shape \(16,\).*reduction='mean'"): learn.fit(1)
+    with pytest.raises(ValueError, match=r"loss must be a scalar.*shape \(16,\).*reduction='mean'"):
+        learn.fit(1)
     learn = synth_learner()      # in validation only (no backward): the Recorder reports it
-    def loss_func(pred, y): return nn.functional.cross_entropy(pred, y, reduction='mean' if pred.requires_grad else 'none')
+    def loss_func(pred, y):
+        return nn.functional.cross_entropy(pred, y, reduction='mean' if pred.requires_grad else 'none')
     learn.loss_func = loss_func
     with pytest.raises(ValueError, match=r"the loss gave a tensor of shape \(16,\)"): learn.fit(1)
 
@@ -106,22 +111,26 @@ def test_device_mismatch_is_explained(monkeypatch):
         def forward(self, x): return self.lin(x) + self.extra
     learn = synth_learner()
     learn.model = HalfOnMeta()
-    with pytest.raises(ValueError, match=r"\['extra'\] are on the meta device"): learn.fit(1)    # refused first
+    with pytest.raises(ValueError, match=r"\['extra'\] are on the meta device"): learn.fit(1)  # refused first
     import learncb.learner
-    monkeypatch.setattr(learncb.learner, 'check_materialized', lambda m: m)   # as a model split over two GPUs is
+    # as a model split over two GPUs is
+    monkeypatch.setattr(learncb.learner, 'check_materialized', lambda m: m)
     with pytest.raises(RuntimeError) as info: learn.fit(1)
     note = info.value.__notes__[-1]
     assert 'the model failed with the batch on meta' in note and 'the model is split over cpu, meta: put all of it on one device' in note
 
 def test_unknown_event_names():
     learn = synth_learner()
-    with pytest.raises(ValueError, match="unknown event 'after_bacth'; did you mean 'after_batch'"): learn('after_bacth')
+    with pytest.raises(ValueError, match="unknown event 'after_bacth'; did you mean 'after_batch'"):
+        learn('after_bacth')
     with pytest.raises(ValueError, match="did you mean 'before_fit'"): learn.on('befor_fit')
-    with pytest.raises(TypeError, match="unknown keyword 'afterbatch'; did you mean 'after_batch'"): Callback(afterbatch=print)
+    with pytest.raises(TypeError, match="unknown keyword 'afterbatch'; did you mean 'after_batch'"):
+        Callback(afterbatch=print)
     with pytest.raises(AttributeError, match="did you mean 'before_step'"): event.befor_step
     class Typo(Callback):
         def after_epcoh(self): pass
-    with pytest.warns(UserWarning, match=r"Typo.after_epcoh is not an event.*'after_epoch'"): learn.add_cb(Typo())
+    with pytest.warns(UserWarning, match=r"Typo.after_epcoh is not an event.*'after_epoch'"):
+        learn.add_cb(Typo())
     learn('verify_train_batch')     # a custom event nobody handles is not an error
 
 def test_failing_metric_is_named():
@@ -132,7 +141,8 @@ def test_failing_metric_is_named():
 
 def test_bad_arguments():
     with pytest.raises(TypeError, match=r'DataLoaders\(train_dl, valid_dl\)'): Learner(42, nn.Linear(2, 2))
-    with pytest.raises(ValueError, match='no loss_func'): Learner(synth_dls(), nn.Linear(2, 2), device='cpu').fit(1)
+    with pytest.raises(ValueError, match='no loss_func'):
+        Learner(synth_dls(), nn.Linear(2, 2), device='cpu').fit(1)
     with pytest.raises(ValueError, match='n_epoch must be an int'): synth_learner().fit('3')
     with pytest.raises(ValueError, match='exclusive'): synth_learner().on('after_batch', every=2, once=1)
     with pytest.raises(ValueError, match='positive int'): synth_learner().on('after_batch', every=0)

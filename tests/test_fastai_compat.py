@@ -13,14 +13,15 @@ class ReadsSmoothLoss(Callback):
 
 def test_smooth_loss_is_a_device_tensor_read_without_a_sync():
     learn = synth_learner(dls=synth_dls(n_train=16 * 30), opt_func=torch.optim.SGD)
-    learn.fit(1)                                      # warm up, then count the syncs of a fit with and without reading
+    learn.fit(1)  # warm up, then count the syncs of a fit with and without reading
     with SyncCounter() as plain: learn.fit(1)
     learn.add_cb(ReadsSmoothLoss())
     with SyncCounter() as reading: learn.fit(1)
     assert plain.counts == reading.counts
     seen = learn.reads_smooth_loss.seen
     assert len(seen) == 30 and all(isinstance(t, torch.Tensor) and t.ndim == 0 for t in seen)
-    assert torch.allclose(torch.stack(seen).double(), torch.tensor(learn.recorder.losses, dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(torch.stack(seen).double(), torch.tensor(learn.recorder.losses,
+                                                                   dtype=torch.float64), atol=1e-6)
 
 def test_smooth_loss_follows_fastai_debiased_average():
     learn = synth_learner(cbs=ReadsSmoothLoss())
@@ -31,12 +32,13 @@ def test_smooth_loss_follows_fastai_debiased_average():
     for i,l in enumerate(losses, 1):
         avg = 0.98 * avg + 0.02 * l
         expected.append(avg / (1 - 0.98 ** i))
-    assert torch.allclose(torch.stack(learn.reads_smooth_loss.seen).double(), torch.tensor(expected, dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(torch.stack(learn.reads_smooth_loss.seen).double(), torch.tensor(expected,
+        dtype=torch.float64), atol=1e-6)
 
 def test_one_batch_outside_a_fit():
     learn = synth_learner(opt_func=torch.optim.SGD)
     b = next(iter(learn.dls.train))
-    learn.one_batch(0, b)                              # as fastai's tests do: no fit, not training: forward and loss
+    learn.one_batch(0, b)  # as fastai's tests do: no fit, not training: forward and loss
     assert learn.pred.shape == (16, 2) and learn.loss.ndim == 0 and learn.opt is None
     before = learn.model.weight.detach().clone()
     learn.training = True
@@ -48,15 +50,17 @@ def test_one_batch_outside_a_fit():
     assert learn.train_iter == 4
 
 def test_opt_func_partial_lr_is_the_default_lr():
-    learn = Learner(synth_dls(), nn.Linear(2, 2), nn.CrossEntropyLoss(), opt_func=partial(torch.optim.Adam, lr=1e-2))
+    learn = Learner(synth_dls(), nn.Linear(2, 2), nn.CrossEntropyLoss(), opt_func=partial(torch.optim.Adam,
+        lr=1e-2))
     assert learn.lr == 1e-2
     learn.create_opt()
     assert learn.opt.param_groups[0]['lr'] == 1e-2
     with pytest.warns(UserWarning, match="the opt_func's is used, as in fastai"):
         explicit = Learner(synth_dls(), nn.Linear(2, 2), nn.CrossEntropyLoss(),
                            opt_func=partial(torch.optim.Adam, lr=1e-2), lr=3e-3)
-    assert explicit.lr == 1e-2                         # the partial's lr, as fastai's create_opt, with a warning
-    assert Learner(synth_dls(), nn.Linear(2, 2), nn.CrossEntropyLoss(), opt_func=partial(torch.optim.Adam, lr=1e-2),
+    assert explicit.lr == 1e-2  # the partial's lr, as fastai's create_opt, with a warning
+    assert Learner(synth_dls(), nn.Linear(2, 2), nn.CrossEntropyLoss(), opt_func=partial(torch.optim.Adam,
+        lr=1e-2),
                    lr=1e-2).lr == 1e-2                 # the same lr in both places: nothing to warn of
     assert Learner(synth_dls(), nn.Linear(2, 2), nn.CrossEntropyLoss()).lr == 1e-3
 
@@ -106,16 +110,18 @@ def test_torchmetrics_style_and_fastai_style_together():
     learn.fit(1)
     x,y = learn.dls.valid.dataset.tensors
     with torch.no_grad(): pred = learn.model(x)
-    assert learn.recorder.values[-1][2:] == [(pred.argmax(1) == 1).sum().item(), (pred.argmax(1) == y).sum().item()]
+    assert learn.recorder.values[-1][2:] == [(pred.argmax(1) == 1).sum().item(),
+                                             (pred.argmax(1) == y).sum().item()]
 
 def test_recorder_train_metrics_columns():
     dls = synth_dls(n_train=64, n_valid=32)
     learn = synth_learner(dls=dls, metrics=[accuracy, CorrectCount()], cbs=Recorder(train_metrics=True))
-    assert sum(isinstance(cb, Recorder) for cb in learn.cbs) == 1          # it took the place of the default one
-    def frozen_lr(self): self.opt.param_groups[0]['lr'] = 0.        # weights fixed: the training metrics are exact
+    assert sum(isinstance(cb, Recorder) for cb in learn.cbs) == 1  # it took the place of the default one
+    def frozen_lr(self): self.opt.param_groups[0]['lr'] = 0.  # weights fixed: the training metrics are exact
     learn.fit(1, cbs=Callback(before_fit=frozen_lr))
     rec = learn.recorder
-    assert rec.value_names == ['train_loss', 'train_accuracy', 'train_n_correct', 'valid_loss', 'valid_accuracy',
+    assert rec.value_names == ['train_loss', 'train_accuracy', 'train_n_correct', 'valid_loss',
+                               'valid_accuracy',
                                'valid_n_correct']
     x,y = dls.train.dataset.tensors
     with torch.no_grad(): pred = learn.model(x)
@@ -126,7 +132,8 @@ def test_recorder_train_metrics_columns():
 
 def test_train_metrics_survive_a_monitor_by_fastai_name(tmp_path):
     learn = synth_learner(metrics=accuracy, path=tmp_path,
-                          cbs=[Recorder(train_metrics=True), SaveModelCallback(monitor='valid_accuracy', fname='best')])
+                          cbs=[Recorder(train_metrics=True), SaveModelCallback(monitor='valid_accuracy',
+        fname='best')])
     learn.fit(2)
     accs = [row[learn.recorder.value_names.index('valid_accuracy')] for row in learn.recorder.values]
     assert learn.save_model.saved is not None and learn.save_model.best == max(accs)

@@ -16,7 +16,8 @@ class Tokens(Dataset):
         self.labels = (self.ids == 7).any(1).long()
     def __len__(self): return len(self.ids)
     def __getitem__(self, i):
-        return {'input_ids': self.ids[i], 'attention_mask': torch.ones(12, dtype=torch.long), 'labels': self.labels[i]}
+        return {'input_ids': self.ids[i], 'attention_mask': torch.ones(12, dtype=torch.long),
+                'labels': self.labels[i]}
 
 def tiny_bert():
     cfg = transformers.BertConfig(vocab_size=20, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -25,9 +26,11 @@ def tiny_bert():
     return transformers.BertForSequenceClassification(cfg)
 
 def hf_learner(path='.', **kw):
-    train = DataLoader(Tokens(256, 0), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(0))
+    train = DataLoader(Tokens(256, 0), batch_size=32, shuffle=True,
+                       generator=torch.Generator().manual_seed(0))
     valid = DataLoader(Tokens(64, 1), batch_size=32)
-    learn = Learner(DataLoaders(train, valid), tiny_bert(), loss_func=None, metrics=accuracy, lr=3e-3, path=path,
+    learn = Learner(DataLoaders(train, valid), tiny_bert(), loss_func=None, metrics=accuracy, lr=3e-3,
+                    path=path,
                     device='cpu', **kw)
     learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
     learn.logger = noop
@@ -37,7 +40,8 @@ def hf_learner(path='.', **kw):
 def test_the_model_loss_trains_and_metrics_and_get_preds_work():
     learn = hf_learner()
     seen = []
-    learn.fit(4, cbs=Callback(after_loss=lambda self: seen.append((type(self.pred), self.yb[0].shape)) if not seen else None))
+    learn.fit(4, cbs=Callback(after_loss=lambda self: seen.append((type(self.pred), self.yb[0].shape))
+                              if not seen else None))
     assert seen[0] == (torch.Tensor, (32,))                    # pred: the logits; yb: the labels
     vals = learn.recorder.values
     assert vals[-1][0] < vals[0][0] and vals[-1][1] < vals[0][1]     # training and validation loss fall
@@ -54,9 +58,11 @@ def test_a_model_without_a_loss_says_to_pass_loss_func():
     learn.model.config.problem_type = None
     learn.dls.train.dataset.__class__ = type('NoLabels', (Tokens,), {'__getitem__': lambda self, i: {
         'input_ids': self.ids[i], 'labels_': self.labels[i]}})
-    learn.label_key = 'labels_'                                # targets found, but the model gets no labels: no loss
-    learn.model.forward = (lambda f: lambda input_ids, labels_=None: f(input_ids=input_ids))(learn.model.forward)
-    with pytest.raises(ValueError, match="no loss_func, so the loss must come from the model.s output"): learn.fit(1)
+    learn.label_key = 'labels_'  # targets found, but the model gets no labels: no loss
+    learn.model.forward = (lambda f: lambda input_ids,
+                           labels_=None: f(input_ids=input_ids))(learn.model.forward)
+    with pytest.raises(ValueError, match="no loss_func, so the loss must come from the model.s output"):
+        learn.fit(1)
 
 def test_names_are_configurable():
     learn = hf_learner()
@@ -76,7 +82,8 @@ def test_checkpoints_resume_exactly(tmp_path):
     ref = run(tmp_path/'ref')
     with pytest.raises(RuntimeError): run(tmp_path/'run', cbs=[FailAfterEpoch()])
     resumed = run(tmp_path/'run', resume=True)
-    for (k, a), b in zip(ref.model.state_dict().items(), resumed.model.state_dict().values()): assert torch.equal(a, b), k
+    for (k, a), b in zip(ref.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), k
     assert ref.recorder.losses == resumed.recorder.losses
 
 def test_summary_of_a_dict_batch_model():

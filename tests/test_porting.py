@@ -1,5 +1,7 @@
-"""The "Porting a training loop" page: its three ports, taken from the page, end with the hand-written loops' weights
-(`torch.equal`); the nanoGPT port killed with SIGKILL in the middle of a gradient accumulation and resumed with
+"""The "Porting a training loop" page: its three ports, taken from the page, end with the hand-written loops'
+weights
+(`torch.equal`); the nanoGPT port killed with SIGKILL in the middle of a gradient accumulation and resumed
+with
 `resume=True` ends with them too."""
 import subprocess, sys
 from pathlib import Path
@@ -11,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MARKS = ('# nanoGPT:', '# classifier:', '# language model:')
 
 def page_module(folder):
-    "The page's imports and the cells that define its models, loops and learners, as the module `porting_page`"
+    """The page's imports and the cells that define its models, loops and learners, as the module
+    `porting_page`"""
     cells = [c.source for c in read_nb(ROOT/'nbs'/'35_porting.ipynb').cells if c.cell_type == 'code']
     code = [s for s in cells if s.startswith('import math') or s.startswith(MARKS)]
     (folder/'porting_page.py').write_text('\n\n'.join(code) + '\n')
@@ -72,7 +75,7 @@ def test_the_nanogpt_port_killed_mid_accumulation_resumes_to_the_same_weights(tm
     env = {'PYTHONPATH': child_pythonpath(tmp_path), 'PATH': '/usr/bin:/bin', 'OMP_NUM_THREADS': '1'}
     run = lambda *args: subprocess.run([sys.executable, str(tmp_path/'kill.py'), str(tmp_path), *args],
                                        capture_output=True, text=True, timeout=600, env=env)
-    killed = run('37')                  # batch 37: the first micro-batch of iteration 18 is done, the second is not
+    killed = run('37')  # batch 37: the first micro-batch of iteration 18 is done, the second is not
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert not (tmp_path/'final.pt').exists() and list((tmp_path/'checkpoints').glob('checkpoint_*'))
     resumed = run('0')

@@ -38,7 +38,8 @@ def test_get_preds_reorders_shuffled_and_keeps_history():
     _, targs = learn.get_preds(dl=shuffled, reorder=False)
     assert targs.shape == (64,) and not torch.equal(targs, learn.dls.train.dataset.tensors[1])
     assert learn.recorder.values == values and learn.recorder.losses == losses
-    assert learn.loss_func.reduction == 'mean' and not any(isinstance(c, GatherPredsCallback) for c in learn.cbs)
+    assert learn.loss_func.reduction == 'mean' and not any(isinstance(c, GatherPredsCallback) for c
+                                                           in learn.cbs)
 
 def test_get_preds_saves_batches(tmp_path):
     learn = synth_learner()
@@ -79,10 +80,13 @@ def test_save_load_roundtrip_and_errors(tmp_path):
     assert torch.equal(learn.opt.state_dict()['state'][0]['exp_avg'], opt_state['state'][0]['exp_avg'])
     with pytest.raises(FileNotFoundError, match='other.pth'): learn.load('other')
     path.write_bytes(path.read_bytes()[:100])
-    with pytest.raises(ValueError, match='model.pth: it is truncated, corrupt or not a torch file'): learn.load('model')
-    other = Learner(synth_dls(), nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2)), nn.CrossEntropyLoss(), path=tmp_path, device='cpu')
+    with pytest.raises(ValueError, match='model.pth: it is truncated, corrupt or not a torch file'):
+        learn.load('model')
+    other = Learner(synth_dls(), nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2)), nn.CrossEntropyLoss(),
+                    path=tmp_path, device='cpu')
     learn.save('model')
-    with pytest.raises(ValueError, match=r"saved from a different model: missing keys \['0.weight'"): other.load('model')
+    with pytest.raises(ValueError, match=r"saved from a different model: missing keys \['0.weight'"):
+        other.load('model')
 
 def test_an_lbfgs_and_a_several_optimizers_state_load_back(tmp_path):
     "LBFGS's groups hold fewer keys than its defaults after a step; several optimizers' groups, each its own"
@@ -107,12 +111,14 @@ def test_loading_a_malicious_file_refuses_and_runs_nothing(tmp_path, monkeypatch
     (tmp_path/'models').mkdir()
     torch.save({'model': Evil()}, tmp_path/'models'/'evil.pth')
     learn = synth_learner(path=tmp_path)
-    with pytest.raises(ValueError, match='refused to load .*evil.pth: it contains objects that would run code'): learn.load('evil')
+    with pytest.raises(ValueError,
+                       match='refused to load .*evil.pth: it contains objects that would run code'): learn.load('evil')
     assert not flag.exists()
 
 @pytest.mark.slow
 def test_demo_runs_and_reaches_target(tmp_path):
-    res = subprocess.run([sys.executable, '-m', 'learncb.demo', '--plot', str(tmp_path/'loss.png')], capture_output=True,
+    res = subprocess.run([sys.executable, '-m', 'learncb.demo', '--plot', str(tmp_path/'loss.png')],
+                         capture_output=True,
                          text=True, cwd=tmp_path, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     acc = float(res.stdout.split('validation accuracy ')[1].split('%')[0])

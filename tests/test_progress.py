@@ -38,7 +38,8 @@ def test_without_tty_only_the_table_is_printed():
 
 @pytest.mark.slow
 def test_jupyter_kernel_shows_html_bars_and_table():
-    "A real kernel: every display message is collected, since the bars are updated in place and removed at the end"
+    """A real kernel: every display message is collected, since the bars are updated in place and removed at
+    the end"""
     manager = pytest.importorskip('jupyter_client.manager')
     km, kc = manager.start_new_kernel(kernel_name='python3')
     try:

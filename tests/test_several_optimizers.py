@@ -13,7 +13,8 @@ import gan_port
 def same(a, b):
     "Whether two nests of tensors and numbers are equal, bit for bit"
     la, lb = tree_leaves(a), tree_leaves(b)
-    return len(la) == len(lb) and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb))
+    return len(la) == len(lb) and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x,
+                                      y in zip(la, lb))
 
 def test_the_dcgan_port_with_adam_for_d_and_sgd_for_g_equals_its_hand_written_loop():
     ref = gan_port.hand_written()
@@ -22,7 +23,7 @@ def test_the_dcgan_port_with_adam_for_d_and_sgd_for_g_equals_its_hand_written_lo
     assert isinstance(learn.opt['D'], torch.optim.Adam) and isinstance(learn.opt['G'], torch.optim.SGD)
     assert learn.opt['D'].param_groups[0]['lr'] == 2e-4 and learn.opt['G'].param_groups[0]['lr'] == 1e-2
     assert same(ref, gan_port.port_state(learn))
-    assert learn.train_iter == 8 and len(learn.recorder.losses) == 8      # one loss a batch: D's and G's summed
+    assert learn.train_iter == 8 and len(learn.recorder.losses) == 8  # one loss a batch: D's and G's summed
 
 def test_the_dcgan_port_killed_mid_epoch_and_resumed_equals_the_hand_written_loop(tmp_path):
     ref = gan_port.hand_written()
@@ -36,9 +37,11 @@ def test_each_turn_fires_the_step_events_with_its_optimizer_and_the_batch_events
     learn = gan_port.port()
     seen = []
     log = lambda event: (lambda cb: seen.append((event, cb.turn)))
-    events = ('before_batch', 'after_loss', 'before_backward', 'after_backward', 'before_step', 'after_step', 'after_batch')
+    events = ('before_batch', 'after_loss', 'before_backward', 'after_backward', 'before_step', 'after_step',
+              'after_batch')
     learn.fit(1, cbs=Callback(**{e: log(e) for e in events}))
-    one_batch = [('before_batch', None)] + [(e, t) for t in 'DG' for e in events[1:-1]] + [('after_batch', None)]
+    one_batch = [('before_batch', None)] + [(e, t) for t in 'DG' for e in events[1:-1]] + [('after_batch',
+        None)]
     assert seen == one_batch * 4 and learn.turn is None
 
 def test_several_optimizers_take_an_lr_per_name_and_a_schedule_moves_each():
@@ -47,7 +50,8 @@ def test_several_optimizers_take_an_lr_per_name_and_a_schedule_moves_each():
     lrs, moms = learn.param_scheduler.hps['lr'], learn.param_scheduler.hps['mom']
     assert lrs[0] == pytest.approx([1e-3 / 25, 1e-1 / 25]) and len(lrs) == 4
     assert all(g == pytest.approx(100 * d) for d, g in lrs) and lrs[1][0] > lrs[0][0]
-    d, g = learn.opt['D'].param_groups[0], learn.opt['G'].param_groups[0]     # 'mom': Adam's betas[0], SGD's momentum
+    # 'mom': Adam's betas[0], SGD's momentum
+    d, g = learn.opt['D'].param_groups[0], learn.opt['G'].param_groups[0]
     assert d['lr'] == lrs[-1][0] and g['lr'] == lrs[-1][1] and d['betas'][0] == g['momentum'] == moms[-1] != 0.9
     learn.fit(1, lr=3e-4)
     assert [pg['lr'] for pg in learn.opt.param_groups] == [3e-4, 3e-4]
@@ -61,19 +65,23 @@ def test_a_checkpoint_of_several_optimizers_loads_only_into_the_same_names(tmp_p
     assert same(learn.opt.state_dict(), other.opt.state_dict())
     renamed = gan_port.GANLearner(learn.dls, learn.model, gan_port.gan_loss, path=tmp_path,
                                   splitter=lambda m: {'disc': m.D.parameters(), 'gen': m.G.parameters()})
-    with pytest.raises(ValueError, match=r"optimizers \['D', 'G'\], this learner has \['disc', 'gen'\]"): renamed.load('gan')
+    with pytest.raises(ValueError, match=r"optimizers \['D', 'G'\], this learner has \['disc', 'gen'\]"):
+        renamed.load('gan')
 
 @pytest.mark.parametrize('kwargs, match', [
     (dict(lr={'D': 1e-3}), r"lr gives the optimizers \['D'\], but the splitter names 'G' too"),
-    (dict(opt_func={'D': torch.optim.Adam}), r"opt_func gives the optimizers \['D'\], but the splitter names 'G' too"),
-    (dict(splitter=lambda m: {'D': m.D.parameters(), 'G': m.D}), r"returned Discriminator for the optimizer 'G'")])
+    (dict(opt_func={'D': torch.optim.Adam}), r"opt_func gives the optimizers \['D'\], but the splitter names "
+                                             r"'G' too"),
+    (dict(splitter=lambda m: {'D': m.D.parameters(), 'G': m.D}), r"returned Discriminator for the optimizer "
+                                                                 r"'G'")])
 def test_several_optimizers_misnamed_say_which_name(kwargs, match):
     learn = gan_port.port(**kwargs)
     with pytest.raises((ValueError, TypeError), match=match): learn.fit(1)
 
 def test_an_lr_per_name_with_one_optimizer_says_how_to_have_several():
     learn = synth_learner(lr={'D': 1e-3})
-    with pytest.raises(ValueError, match="one optimizer: pass one lr, or a splitter that returns"): learn.fit(1)
+    with pytest.raises(ValueError, match="one optimizer: pass one lr, or a splitter that returns"):
+        learn.fit(1)
 
 # PyTorch's time_sequence_prediction: LSTM cells in float64, trained by LBFGS on sine waves
 class Sequence(nn.Module):
@@ -128,7 +136,7 @@ def test_lbfgs_trains_with_the_default_step_as_time_sequence_prediction_does_by_
                     opt_func=partial(torch.optim.LBFGS, lr=0.8, max_iter=5))
     learn.fit(3)
     assert type(learn.stepper) is Step and same(ref, seq.state_dict())
-    assert len(calls) == ref_calls                 # the closure computes the batch again as often as by hand, no more
+    assert len(calls) == ref_calls  # the closure computes the batch again as often as by hand, no more
     assert learn.recorder.values[-1][1] == pytest.approx(test_loss.item(), rel=1e-6)
 
 class SpikeAt(Callback):
@@ -179,13 +187,16 @@ class OneStepOnly(Callback):
 def test_a_callback_of_the_one_step_of_a_batch_is_refused_with_turns_before_the_first_batch(cb):
     learn = gan_port.port()
     before = {k: v.clone() for k, v in learn.model.state_dict().items()}
-    with pytest.raises(ValueError, match=f"^{type(cb).__name__}: acts on the one optimizer step of a batch, and "
+    with pytest.raises(ValueError, match=f"^{type(cb).__name__}: acts on the one optimizer step of a batch, "
+                                         f"and "
                                          f"DCGANStep steps 2 optimizers in turn"): learn.fit(1, cbs=cb)
-    assert learn.train_iter == 0 and all(torch.equal(v, learn.model.state_dict()[k]) for k, v in before.items())
+    assert learn.train_iter == 0 and all(torch.equal(v, learn.model.state_dict()[k]) for k,
+                                         v in before.items())
 
 def test_turns_need_optimizers_of_those_names():
     learn = gan_port.port(splitter=None, opt_func=torch.optim.Adam, lr=1e-3)
-    with pytest.raises(ValueError, match=r"DCGANStep takes turns \('D', 'G'\), but learn.opt has no optimizer "
+    with pytest.raises(ValueError, match=r"DCGANStep takes turns \('D', 'G'\), but learn.opt has no "
+                                         r"optimizer "
                                          r"\['D', 'G'\] \(its optimizers: Adam\): give the splitter a dict"):
         learn.fit(1)
 
@@ -196,12 +207,14 @@ def test_a_compiled_step_refuses_a_closure_optimizer():
 
 def test_a_torch_scheduler_steps_its_optimizer_once_a_batch_and_a_step_schedule_counts_batches():
     learn = gan_port.port()
-    sched = LRSchedulerCallback(lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5), opt_name='G')
+    sched = LRSchedulerCallback(lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+                                opt_name='G')
     by_step = ParamScheduler({'mom': lambda pos: 0.9 - 0.1 * pos / 8}, by='step')
     learn.fit(1, cbs=[sched, by_step])
     assert learn.opt['G'].param_groups[0]['lr'] == 1e-2 * 0.5 ** 4 and learn.opt['D'].param_groups[0]['lr'] == 2e-4
     assert by_step.n_steps == 4 and by_step.hps['mom'] == pytest.approx([0.9 - 0.1 * i / 8 for i in range(4)])
-    with pytest.raises(ValueError, match=r"several optimizers, \['D', 'G'\]: say which one the scheduler steps"):
+    with pytest.raises(ValueError, match=r"several optimizers, \['D', 'G'\]: say which one the scheduler "
+                                         r"steps"):
         learn.fit(1, cbs=LRSchedulerCallback(lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1)))
 
 def test_the_summary_names_each_optimizer_and_a_model_without_forward_lists_its_layers():
@@ -218,14 +231,17 @@ def test_a_column_output_against_flat_targets_is_told_once_a_fit():
     x = torch.randn(64, 3); y = (x.sum(1) > 0).float()
     dls = DataLoaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16))
     learn = Learner(dls, nn.Sequential(nn.Linear(3, 1), nn.Sigmoid()), nn.MSELoss())
-    with pytest.warns(UserWarning, match=r"output has shape \(16, 1\) and the targets \(16,\).*nn.Flatten\(0\)") as w:
+    with pytest.warns(UserWarning, match=r"output has shape \(16, 1\) and the targets "
+                                         r"\(16,\).*nn.Flatten\(0\)") as w:
         learn.fit(1)
     assert sum('output has shape' in str(m.message) for m in w) == 1
 
 def test_a_loss_that_fails_on_the_wrong_target_is_told_what_pred_and_targets_were():
-    "PyTorch's vae: the loader yields (image, label), the loss needs the image, and the model returns 3 tensors"
+    """PyTorch's vae: the loader yields (image, label), the loss needs the image, and the model returns 3
+    tensors"""
     x = torch.rand(32, 12)
-    dls = DataLoaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.zeros(32, dtype=torch.long)), batch_size=8))
+    dls = DataLoaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.zeros(32,
+        dtype=torch.long)), batch_size=8))
     class VAE(nn.Module):
         def __init__(self): super().__init__(); self.enc, self.dec = nn.Linear(12, 4), nn.Linear(2, 12)
         def forward(self, x):
@@ -233,7 +249,8 @@ def test_a_loss_that_fails_on_the_wrong_target_is_told_what_pred_and_targets_wer
             return torch.sigmoid(self.dec(mu)), mu, logvar
     def vae_loss(out, y):
         recon, mu, logvar = out
-        return F.binary_cross_entropy(recon, y, reduction='sum') - 0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
+        return F.binary_cross_entropy(recon, y, reduction='sum') - 0.5 * torch.sum(
+            1 + logvar - mu.pow(2) - logvar.exp())
     learn = Learner(dls, VAE(), vae_loss)
     with pytest.raises(Exception) as e: learn.fit(1)
     notes = '\n'.join(getattr(e.value, '__notes__', []))
@@ -242,7 +259,8 @@ def test_a_loss_that_fails_on_the_wrong_target_is_told_what_pred_and_targets_wer
 
 def test_a_float64_models_losses_stay_float64():
     x = torch.randn(64, 3, dtype=torch.float64); y = x.sum(1, keepdim=True) + 1e-9
-    dls = DataLoaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16), [(x, y)])
+    dls = DataLoaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16),
+                      [(x, y)])
     learn = Learner(dls, nn.Linear(3, 1).double(), nn.MSELoss(), opt_func=torch.optim.SGD, lr=0.)
     learn.fit(1)
     with torch.no_grad(): exact = F.mse_loss(learn.model(x), y).item()
@@ -254,7 +272,8 @@ def test_lr_find_and_freeze_act_on_every_optimizer():
     lrs = learn.lr_find(num_it=10, show_plot=False)
     assert len(learn.lr_finder.lrs) >= 2 and lrs.valley > 0
     learn.freeze()
-    assert not learn.model.weight.requires_grad and learn.model.bias.requires_grad   # the first one's group frozen
+    # the first one's group frozen
+    assert not learn.model.weight.requires_grad and learn.model.bias.requires_grad
     gan = gan_port.port()                      # with turns: a point of its curve a batch (4 of 16 rows here)
     gan.lr_find(num_it=4, show_plot=False)
     lrs = gan.lr_finder.lrs
@@ -270,12 +289,15 @@ capabilities = {'none': [], 'clip': [GradientClip(0.1)], 'accumulation': [Gradie
                 'swa': [SWACallback(start_epoch=1, swa_lr=[1e-3, 2e-3])]}      # an SWALR for each optimizer
 
 @pytest.mark.parametrize('cbs', capabilities.values(), ids=capabilities.keys())
-@pytest.mark.parametrize('opt_func', [partial(torch.optim.SGD, momentum=0.9), torch.optim.Adam], ids=['sgd', 'adam'])
+@pytest.mark.parametrize('opt_func', [partial(torch.optim.SGD, momentum=0.9), torch.optim.Adam], ids=['sgd',
+    'adam'])
 def test_two_optimizers_of_one_class_train_as_the_one_optimizer_of_all_parameters(cbs, opt_func):
-    "A capability means the same with several optimizers (one step a batch): the fit equals the one-optimizer fit"
+    """A capability means the same with several optimizers (one step a batch): the fit equals the
+    one-optimizer fit"""
     one = body_and_head(opt_func=opt_func)
     one.fit_one_cycle(2, cbs=[copy.deepcopy(cb) for cb in cbs])
-    two = body_and_head(opt_func=opt_func, splitter=lambda m: {'body': m[0].parameters(), 'head': m[2].parameters()})
+    two = body_and_head(opt_func=opt_func, splitter=lambda m: {'body': m[0].parameters(),
+                                                               'head': m[2].parameters()})
     two.fit_one_cycle(2, cbs=cbs)
     assert isinstance(two.opt, NamedOptimizers) and same(one.model.state_dict(), two.model.state_dict())
     assert one.recorder.losses == two.recorder.losses

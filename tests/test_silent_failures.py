@@ -1,6 +1,7 @@
 """The last silent failures, and three points where fastai's own tests expect otherwise.
 
-Each mistake is refused with an error that names the bad value and the fix, before work is wasted (no batch, or only
+Each mistake is refused with an error that names the bad value and the fix, before work is wasted (no batch,
+or only
 the first one, has run), and leaves the learner usable: nothing the user had is lost."""
 import builtins, errno, os, sys, warnings
 import numpy as np
@@ -21,7 +22,8 @@ def counting(learn):
 def test_fit_0_keeps_the_last_fits_history():
     learn = synth_learner()
     learn.fit(2)
-    values, losses, lrs = [list(v) for v in (learn.recorder.values, learn.recorder.losses, learn.recorder.lrs)]
+    values, losses, lrs = [list(v) for v in (learn.recorder.values, learn.recorder.losses,
+                                             learn.recorder.lrs)]
     w = learn.model.weight.clone()
     learn.fit(0)
     assert learn.recorder.values == values and len(values) == 2
@@ -54,10 +56,12 @@ def test_a_model_that_takes_labels_may_have_no_loss_func():
     with learn.no_logging(): learn.fit(1)
     assert learn.recorder.values[0][0] > 0
 
-@pytest.mark.parametrize('make', [lambda dl: (b for b in dl), lambda dl: iter(dl), lambda dl: map(lambda b: b, dl)],
+@pytest.mark.parametrize('make', [lambda dl: (b for b in dl), lambda dl: iter(dl), lambda dl: map(lambda b: b,
+    dl)],
                          ids=['generator', 'iterator', 'map'])
 def test_a_one_shot_iterator_is_refused_up_front(make):
-    with pytest.raises(TypeError, match=r"the training dataloader is a \w+: it is an iterator, which can be read only "
+    with pytest.raises(TypeError, match=r"the training dataloader is a \w+: it is an iterator, which can be "
+                                        r"read only "
                                         r"once.*torch DataLoader"):
         Learner(DataLoaders(make(synth_dl()), None), nn.Linear(2, 2), nn.CrossEntropyLoss())
     learn = synth_learner()
@@ -81,7 +85,8 @@ def test_a_model_on_the_meta_device_is_refused_when_the_fit_starts():
     with torch.device('meta'): model = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 2))
     learn = synth_learner(model=model)                        # made: a model may get its storage later
     seen = counting(learn)
-    with pytest.raises(ValueError, match=r"\['0.weight', '0.bias', '2.weight', '2.bias'\] are on the meta device.*"
+    with pytest.raises(ValueError, match=r"\['0.weight', '0.bias', '2.weight', '2.bias'\] are on the meta "
+                                         r"device.*"
                                          r"model.to_empty\(device='cpu'\).*load_state_dict"):
         learn.fit(1)
     assert seen == []
@@ -115,10 +120,12 @@ def test_a_metric_returning_nothing_is_found_on_the_first_training_batch():
     assert seen == [(True, 0)]
 
 def fit_metrics(metrics, check):
-    "Host syncs and last row of a one-epoch fit with `metrics`, with the first-batch check of metrics or without it"
+    """Host syncs and last row of a one-epoch fit with `metrics`, with the first-batch check of metrics or
+    without it"""
     from conftest import SyncCounter
     learn = synth_learner(metrics=metrics)
-    skip = Callback(before_fit=lambda self: setattr(self.learn.recorder, '_metrics_unchecked', False), order=51)
+    skip = Callback(before_fit=lambda self: setattr(self.learn.recorder, '_metrics_unchecked', False),
+                    order=51)
     with SyncCounter() as syncs: learn.fit(1, cbs=[] if check else [skip])
     return syncs.counts, learn.recorder.values[-1]
 
@@ -137,7 +144,8 @@ def test_removing_the_recorder_during_a_batch_says_who_when_and_what_to_do():
     def drop(self):
         if self.iter == 1: self.learn.remove_cb(self.learn.recorder)
     dropper = Callback(after_batch=drop)
-    with pytest.raises(RuntimeError, match=r"Recorder cannot be removed during a fit: .*removed it in 'after_batch' "
+    with pytest.raises(RuntimeError, match=r"Recorder cannot be removed during a fit: .*removed it in "
+                                           r"'after_batch' "
                                            r"\(epoch 0, iter 1\).*before the fit or after it.*removed_cbs"):
         learn.fit(1, cbs=dropper)
     assert isinstance(learn.recorder, Recorder) and learn.recorder.learn is learn
@@ -149,7 +157,8 @@ def test_a_callback_removed_during_an_event_finishes_that_event():
     calls = []
     class Second(Callback):
         order = 10
-        def after_batch(self): calls.append(self.learn.train_iter)     # reads the learner: would fail with learn None
+        # reads the learner: would fail with learn None
+        def after_batch(self): calls.append(self.learn.train_iter)
     second = Second()
     def remove_second(self):
         if self.learn.train_iter == 2: self.learn.remove_cb(second)
@@ -165,7 +174,8 @@ def test_load_of_a_directory_or_an_unreadable_file_says_so(tmp_path, monkeypatch
     folder = tmp_path/'models'/'folder.pth'
     folder.mkdir()
     with pytest.raises(IsADirectoryError, match=r"folder.pth is a directory, not a file"): learn.load(folder)
-    with pytest.raises(IsADirectoryError, match=r"models is a directory, not a file: pass the path of a file in it "
+    with pytest.raises(IsADirectoryError, match=r"models is a directory, not a file: pass the path of a file "
+                                                r"in it "
                                                 r"\(model.pth\)"):
         learn.load(tmp_path/'models')
     real_open = builtins.open
@@ -177,7 +187,7 @@ def test_load_of_a_directory_or_an_unreadable_file_says_so(tmp_path, monkeypatch
         learn.load('model')
     assert 'corrupt' not in str(e.value)
     monkeypatch.undo()
-    if os.geteuid() != 0:                                     # root reads anything: the real case needs another user
+    if os.geteuid() != 0:  # root reads anything: the real case needs another user
         path.chmod(0)
         with pytest.raises(PermissionError, match='permission denied'): learn.load('model')
         path.chmod(0o644)
@@ -194,7 +204,8 @@ def test_learn_on_refuses_what_is_not_an_event(name, meant):
     assert not any(isinstance(cb, EventFilter) for cb in learn.cbs)
 
 def test_learn_on_refuses_a_custom_name_saying_how_to_handle_one():
-    with pytest.raises(ValueError, match=r"'verify_batch' is not an event.*pass one of `event`.*give a Callback a "
+    with pytest.raises(ValueError, match=r"'verify_batch' is not an event.*pass one of `event`.*give a "
+                                         r"Callback a "
                                          r"method of that name"):
         synth_learner().on('verify_batch')(print)
 
@@ -204,12 +215,14 @@ def test_learn_on_refuses_a_custom_name_saying_how_to_handle_one():
 def test_a_missing_tracker_submodule_ends_in_an_install_hint(tmp_path, monkeypatch, cls, submodule):
     package = submodule.split('.')[0] if cls != 'TensorBoardCallback' else 'tensorboard'
     pytest.importorskip(package)
-    __import__(submodule.rpartition('.')[0] or submodule)     # the package is imported, only this part is missing
+    # the package is imported, only this part is missing
+    __import__(submodule.rpartition('.')[0] or submodule)
     monkeypatch.setitem(sys.modules, submodule, None)
     monkeypatch.chdir(tmp_path)
     learn = synth_learner(path=tmp_path)
     extra = {'TensorBoardCallback': 'tensorboard', 'MLflowCallback': 'mlflow'}[cls]
-    with pytest.raises(ImportError, match=rf'{cls} needs the {package} package.*pip install "learncb\[{extra}\]"'):
+    with pytest.raises(ImportError, match=rf'{cls} needs the {package} package.*pip install '
+                                          rf'"learncb\[{extra}\]"'):
         learn.fit(1, cbs=globals()[cls]())
     monkeypatch.undo()
     learn.fit(1)
@@ -226,7 +239,8 @@ def test_lr_0_evaluates_without_updating():
         with pytest.raises(ValueError, match=rf"fit: lr must be a number >= 0 \(not inf or nan\).*not {bad}"):
             learn.fit(1, lr=bad)
 
-@pytest.mark.parametrize('value', [np.float32(0.25), np.float64(0.25), np.array(0.25), np.array(0.25, np.float32)],
+@pytest.mark.parametrize('value', [np.float32(0.25), np.float64(0.25), np.array(0.25), np.array(0.25,
+    np.float32)],
                          ids=['float32', 'float64', '0-d array', '0-d float32 array'])
 def test_a_metric_may_return_a_numpy_number(value):
     learn = synth_learner(metrics=lambda pred, targ: value)
@@ -235,7 +249,8 @@ def test_a_metric_may_return_a_numpy_number(value):
 
 def test_a_metric_returning_a_numpy_vector_is_refused_naming_it():
     learn = synth_learner(metrics=lambda pred, targ: np.array([0.25, 0.5]))
-    with pytest.raises(TypeError, match=r"returned array\(\[0.25, 0.5 \]\) on the first training batch"): learn.fit(1)
+    with pytest.raises(TypeError, match=r"returned array\(\[0.25, 0.5 \]\) on the first training batch"):
+        learn.fit(1)
 
 class BodyHead(nn.Module):
     def __init__(self):

@@ -1,5 +1,7 @@
-"""The step as one seam: during a fit nothing callable is set on the learner or the model, whatever capability runs;
-`learn.compile(step=True)` runs compiled with the guards (no fallback) and rolls back through its graphs; the events a
+"""The step as one seam: during a fit nothing callable is set on the learner or the model, whatever capability
+runs;
+`learn.compile(step=True)` runs compiled with the guards (no fallback) and rolls back through its graphs; the
+events a
 rollback and a checkpoint fire are declared."""
 import os, subprocess, sys, warnings
 from functools import partial
@@ -11,10 +13,12 @@ from learncb.all import *
 from learncb.callbacks.tricks import EMACallback
 from conftest import synth_learner, synth_dls, child_pythonpath
 
-configuration = ('loss_func', 'opt_func', 'splitter', 'logger')   # the arguments of Learner(...), and the logger
+# the arguments of Learner(...), and the logger
+configuration = ('loss_func', 'opt_func', 'splitter', 'logger')
 
 def functions_on(o):
-    "The attributes of `o`'s instance that hold a function, a bound method or a partial, the configuration aside"
+    """The attributes of `o`'s instance that hold a function, a bound method or a partial, the configuration
+    aside"""
     return sorted(k for k,v in vars(o).items() if isinstance(v, (FunctionType, MethodType, partial))
                   and k not in configuration)
 
@@ -24,7 +28,8 @@ class AtThirdBatch(Callback):
     def __init__(self): self.seen = None
     def before_batch(self):
         if self.training and self.learn.train_iter == 2:
-            self.seen = (functions_on(self.learn), functions_on(self.learn.model), type(self.learn.stepper).__name__)
+            self.seen = (functions_on(self.learn), functions_on(self.learn.model),
+                         type(self.learn.stepper).__name__)
 
 def mlp(): return nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 2))
 
@@ -58,7 +63,8 @@ def test_nothing_callable_is_set_on_the_learner_or_the_model(name, tmp_path):
 def test_nothing_callable_is_set_under_ddp_and_fsdp(strategy, micro, tmp_path):
     "Two ranks: the same at the third batch of each"
     out = tmp_path/'seen.txt'
-    r = subprocess.run([sys.executable, '-c', _ranks_script, strategy, str(int(micro)), str(out)], capture_output=True,
+    r = subprocess.run([sys.executable, '-c', _ranks_script, strategy, str(int(micro)), str(out)],
+                       capture_output=True,
                        text=True, timeout=300, env={**os.environ, 'PYTHONPATH': child_pythonpath()})
     assert r.returncode == 0, r.stderr[-3000:]
     assert out.read_text() == '[]:[]:Step', out.read_text()
@@ -84,7 +90,8 @@ def test_rollback_and_checkpoint_events_are_declared():
     assert 'after_rollback' in event and 'before_checkpoint' in event
     assert not issubclass(RollbackException, CancelException)        # a rollback goes back: it skips nothing
     learn = synth_learner()
-    for name in ('after_rollback', 'before_checkpoint'): learn.on(name)(lambda learn: None)   # accepted (it refuses unknown names)
+    # accepted (it refuses unknown names)
+    for name in ('after_rollback', 'before_checkpoint'): learn.on(name)(lambda learn: None)
     from io import StringIO
     from contextlib import redirect_stdout
     with redirect_stdout(StringIO()) as out: learn.show_training_loop()
@@ -99,7 +106,8 @@ def regression(x, y, cbs=()):
     "A quiet CPU learner of a small MLP regression on `x`, `y` in batches of 16, in order, with torch's Adam"
     torch.manual_seed(0)
     learn = Learner(DataLoaders(DataLoader(TensorDataset(x, y), batch_size=16), None),
-                    nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), nn.MSELoss(), opt_func=torch.optim.Adam,
+                    nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), nn.MSELoss(),
+                    opt_func=torch.optim.Adam,
                     lr=1e-2, cbs=list(cbs), device='cpu')
     learn.remove_cb(ProgressCallback)
     learn.logger = lambda row: None
@@ -110,7 +118,8 @@ def close(a, b, tol):
     for (k, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         assert (p - q).abs().max() <= tol * max(p.abs().max(), 1e-12), (k, (p - q).abs().max())
 
-guards = {'SpikeGuard': lambda: [SpikeGuard(check_every=4)], 'TerminateOnNaN': lambda: [TerminateOnNaNCallback()],
+guards = {'SpikeGuard': lambda: [SpikeGuard(check_every=4)],
+          'TerminateOnNaN': lambda: [TerminateOnNaNCallback()],
           'SpikeGuard(grad_norm=True)': lambda: [SpikeGuard(check_every=4, grad_norm=True)],
           'AutoMicrobatch': lambda: [AutoMicrobatch()],
           'all three': lambda: [SpikeGuard(check_every=4), TerminateOnNaNCallback(), AutoMicrobatch()]}
@@ -130,7 +139,8 @@ def test_compiled_step_with_guards_runs_compiled_and_equals_eager(name):
     close(fits[False].model, fits[True].model, 1e-5)
 
 class Poison(Callback):
-    "From epoch 1 on, batch 6's targets 1e4 times too large (SpikeGuard's spike); `skip=True`: that batch skipped instead"
+    """From epoch 1 on, batch 6's targets 1e4 times too large (SpikeGuard's spike); `skip=True`: that batch
+    skipped instead"""
     order = Order.FIRST
     def __init__(self, skip=False): self.skip = skip
     def before_batch(self):
@@ -144,14 +154,16 @@ class Graphs(Callback):
     def after_epoch(self): self.counts.append(torch._dynamo.utils.counters['stats']['unique_graphs'])
 
 def test_a_spike_rolls_back_through_the_compiled_step():
-    "A spike in epoch 1 rolls back and replays compiled, with no new graph; the run ends as the one without that batch"
+    """A spike in epoch 1 rolls back and replays compiled, with no new graph; the run ends as the one without
+    that batch"""
     x, y = regression_data()
     learn = regression(x, y, cbs=[SpikeGuard(check_every=4), Poison(), graphs := Graphs()])
     learn.compile(step=True, fallback=False)
     told = []
     learn.on('after_rollback')(lambda learn: told.append((learn.epoch, learn.iter)))
     learn.fit(3)
-    assert learn.compiler.fell_back is None and learn.skipped_batches == ((1, 6), (2, 6)) and told == [(1, -1)]
+    assert learn.compiler.fell_back is None and learn.skipped_batches == ((1, 6), (2, 6)) and told == [(1,
+        -1)]
     assert graphs.counts[0] == graphs.counts[-1], graphs.counts
     clean = regression(x, y, cbs=[Poison(skip=True)])
     clean.compile(step=True, fallback=False)
@@ -161,7 +173,8 @@ def test_a_spike_rolls_back_through_the_compiled_step():
 @pytest.mark.parametrize('compiled,fused', [(False, True), (True, True), (True, False)],
                          ids=['eager', 'compiled step', 'compiled step, torch Adam'])
 def test_a_fit_on_torchs_public_api_alone_gets_the_same_weights(compiled, fused):
-    "learncb.internals' private paths switched off: the same run (the guards' flag and norms, the optimizer's step)"
+    """learncb.internals' private paths switched off: the same run (the guards' flag and norms, the
+    optimizer's step)"""
     from contextlib import nullcontext
     from learncb.internals import public_only
     x, y = regression_data()
@@ -185,8 +198,10 @@ def step_event_calls(path):
     for node in ast.walk(ast.parse(path.read_text())):
         if not isinstance(node, ast.Call): continue
         f = node.func
-        calls_super = isinstance(f, ast.Attribute) and isinstance(f.value, ast.Call) and getattr(f.value.func, 'id', '') == 'super'
-        if isinstance(f, ast.Attribute) and f.attr in names and not calls_super: found.append((node.lineno, f'.{f.attr}()'))
+        calls_super = isinstance(f, ast.Attribute) and isinstance(f.value, ast.Call) and getattr(f.value.func,
+            'id', '') == 'super'
+        if isinstance(f, ast.Attribute) and f.attr in names and not calls_super:
+            found.append((node.lineno, f'.{f.attr}()'))
         literals = [a.value for a in ast.walk(node) if isinstance(a, ast.Constant) and a.value in names]
         if literals and (isinstance(f, ast.Name) and f.id in ('learn', 'self') or
                          isinstance(f, ast.Attribute) and f.attr in ('fire', '_fire', 'learn')):
@@ -194,7 +209,8 @@ def step_event_calls(path):
     return found
 
 def test_no_step_variant_restates_the_order_of_the_step_events():
-    "Only learncb/step.py fires the step's events: a variant of the step (compiled, fault-tolerant) overrides computations"
+    """Only learncb/step.py fires the step's events: a variant of the step (compiled, fault-tolerant)
+    overrides computations"""
     import learncb
     from pathlib import Path
     pkg = Path(learncb.__file__).parent

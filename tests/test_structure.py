@@ -1,5 +1,7 @@
-"""The package's shape: its layers and what may import what, no import cycle, `Learner` readable as classes (no
-`@patch` onto a class of the same module, no reading of frame locals), no module over 700 lines, and a learner that
+"""The package's shape: its layers and what may import what, no import cycle, `Learner` readable as classes
+(no
+`@patch` onto a class of the same module, no reading of frame locals), no module over 700 lines, and a learner
+that
 needs no other import than its own module."""
 import ast, re, subprocess, sys, textwrap
 import pytest, torch
@@ -8,16 +10,22 @@ import learncb
 
 PKG = Path(learncb.__file__).parent
 
-# What every fit uses: the loop and the parts `Learner` is built from. Nothing here imports (at its top) a module of
+# What every fit uses: the loop and the parts `Learner` is built from. Nothing here imports (at its top) a
+# module of
 # the layers above: schedules, checkpoints, distributed strategies, inference, integrations.
-loop_layer = {f'learncb.{m}' for m in ('core', 'utils', 'files', 'checks', 'diagnose', 'dispatch', 'optim', 'weights',
-                                       'metrics', 'recorder', 'progress', 'preds', 'learner', 'ranks', 'sampler',
+loop_layer = {f'learncb.{m}' for m in ('core', 'utils', 'files', 'checks', 'diagnose', 'dispatch', 'optim',
+                                       'weights',
+                                       'metrics', 'recorder', 'progress', 'preds', 'learner', 'ranks',
+                                       'sampler',
                                        'state', 'resume', 'step', 'strategy', 'internals', 'items')}
 # Imports made inside a function, when the feature is asked for: these alone run against the layers
-lazy_allowed = {('learncb.resume', 'learncb.checkpoint.callback'),        # fit(resume=...): the CheckpointCallback, the store
+# fit(resume=...): the CheckpointCallback, the store
+lazy_allowed = {('learncb.resume', 'learncb.checkpoint.callback'),
                 ('learncb.resume', 'learncb.checkpoint.store'),
-                ('learncb.state', 'learncb.checkpoint.callback'),         # save_checkpoint/load_checkpoint by hand: the store
-                ('learncb.state', 'learncb.checkpoint.store'),            # a sharded checkpoint's tensors, read when loaded
+                # save_checkpoint/load_checkpoint by hand: the store
+                ('learncb.state', 'learncb.checkpoint.callback'),
+                # a sharded checkpoint's tensors, read when loaded
+                ('learncb.state', 'learncb.checkpoint.store'),
                 ('learncb.checks', 'learncb.metrics')}            # a metric given by name: suggest the import
 
 def module_name(path):
@@ -43,14 +51,16 @@ def _is_import(node):
         and isinstance(node.args[0], ast.Constant))
 
 def imported(path, known):
-    "`(top, lazy)`: the learncb modules `path` imports at its top level, and those it imports inside functions"
+    """`(top, lazy)`: the learncb modules `path` imports at its top level, and those it imports inside
+    functions"""
     name,top,lazy = module_name(path),set(),set()
     def visit(node, inside):
         for child in ast.iter_child_nodes(node):
             now = inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             if _is_import(child):
-                found = {m for m in _resolve(child, name, path.name == '__init__.py') if m in known and m != name}
-                packages = {m.rpartition('.')[0] for m in found}        # `from pkg import mod`: the module counts
+                found = {m for m in _resolve(child, name, path.name == '__init__.py') if m in known
+                         and m != name}
+                packages = {m.rpartition('.')[0] for m in found}  # `from pkg import mod`: the module counts
                 (lazy if now else top).update(found - packages if found - packages else found)
             visit(child, now)
     visit(ast.parse(path.read_text()), False)
@@ -80,7 +90,8 @@ def test_no_import_cycle_also_inside_functions():
     assert find_cycle(graph) is None, f'import cycle: {" -> ".join(find_cycle(graph))}'
 
 def test_learner_imports_nothing_of_the_checkpoint_layer():
-    "The loop knows where to start (`learncb.resume`); the checkpoint layer is below it and never imports it back"
+    """The loop knows where to start (`learncb.resume`); the checkpoint layer is below it and never imports it
+    back"""
     graph = import_graph()
     top,lazy = graph['learncb.learner']
     assert not [m for m in top | lazy if m.startswith('learncb.checkpoint')], top | lazy
@@ -95,7 +106,8 @@ def test_cycle_finder_finds_one():
 def test_loop_layer_imports_nothing_above_it():
     graph = import_graph()
     assert loop_layer <= set(graph), loop_layer - set(graph)
-    above = {m: sorted(top - loop_layer) for m,(top,_) in graph.items() if m in loop_layer and top - loop_layer}
+    above = {m: sorted(top - loop_layer) for m,(top,_) in graph.items() if m in loop_layer
+             and top - loop_layer}
     assert not above, f'modules of the loop layer import modules above it at their top: {above}'
 
 def test_lazy_imports_are_the_known_ones():
@@ -103,10 +115,12 @@ def test_lazy_imports_are_the_known_ones():
     assert lazy == lazy_allowed, f'imports inside functions changed: new {lazy - lazy_allowed}, gone {lazy_allowed - lazy}'
 
 def test_learner_holds_no_file_format():
-    "Writing, checksums and safe loading live in `learncb.files`, below the learner, its weights and the checkpoints"
+    """Writing, checksums and safe loading live in `learncb.files`, below the learner, its weights and the
+    checkpoints"""
     for mod in ('learner.py', 'weights.py', 'dispatch.py', 'optim.py'):
         src = (PKG/mod).read_text()
-        for word in ('torch.save(', 'torch.load(', 'hashlib', 'os.replace', 'fsync'): assert word not in src, (mod, word)
+        for word in ('torch.save(', 'torch.load(', 'hashlib', 'os.replace', 'fsync'):
+            assert word not in src, (mod, word)
     graph = import_graph()
     assert 'learncb.files' in graph['learncb.weights'][0] and 'learncb.files' in graph['learncb.checkpoint.callback'][0]
     assert not {'learncb.learner', 'learncb.checkpoint.callback'} & graph['learncb.files'][0]
@@ -140,7 +154,8 @@ def test_patch_finds_a_class_of_the_same_module():
     assert patched_onto_own_class(src) == [('f', 'A'), ('g', 'A'), ('g', 'B')]
 
 def test_no_patch_onto_a_class_of_the_same_module():
-    found = {module_name(p): hits for p in PKG.rglob('*.py') if (hits := patched_onto_own_class(p.read_text()))}
+    found = {module_name(p): hits for p in PKG.rglob('*.py')
+             if (hits := patched_onto_own_class(p.read_text()))}
     assert not found, f'@patch onto a class defined in the same module (put the method in the class): {found}'
 
 def test_no_frame_locals():
@@ -149,11 +164,13 @@ def test_no_frame_locals():
 
 def test_module_sizes():
     "One idea a file: no module over 450 lines (the index nbdev writes aside)"
-    sizes = {module_name(p): len(p.read_text().splitlines()) for p in PKG.rglob('*.py') if p.name != '_modidx.py'}
+    sizes = {module_name(p): len(p.read_text().splitlines()) for p in PKG.rglob('*.py')
+             if p.name != '_modidx.py'}
     assert not {m: n for m,n in sizes.items() if n > 450}, {m: n for m,n in sizes.items() if n > 450}
 
 def test_strategies_touch_no_private_attribute_of_the_learner():
-    "A strategy sets itself up through the learner's public hooks (model, opt, owns_opt, create_opt, forward_batch)"
+    """A strategy sets itself up through the learner's public hooks (model, opt, owns_opt, create_opt,
+    forward_batch)"""
     found = [f'{p.name}:{i}: {line.strip()}' for p in (PKG/'distributed').glob('*.py')
              for i,line in enumerate(p.read_text().splitlines(), 1) if re.search(r'\blearn\._', line)]
     assert not found, found
@@ -181,18 +198,22 @@ print(names)
 
 def _run(folder, imports='', fit='learn.fit(3, resume="auto")'):
     code = learner_alone.format(imports=imports, fit=fit)
-    return subprocess.run([sys.executable, '-c', code, str(folder)], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, '-c', code, str(folder)], capture_output=True, text=True,
+                          timeout=120)
 
 @pytest.mark.slow
 def test_learner_module_alone_gives_the_whole_learner(tmp_path):
-    "`from learncb.learner import Learner` in a fresh process: the default callbacks, and `resume='auto'` resumes"
+    """`from learncb.learner import Learner` in a fresh process: the default callbacks, and `resume='auto'`
+    resumes"""
     crash = ('from learncb.all import CheckpointCallback, Callback\n'
              'class Crash(Callback):\n'
              '    def after_batch(self):\n'
              '        if self.train_iter == 6: raise RuntimeError("crash")')
-    res = _run(tmp_path/'run', crash, 'learn.fit(3, cbs=[CheckpointCallback(every_n_steps=2, on_exception=False), Crash()])')
-    assert res.returncode != 0 and 'crash' in res.stderr, res.stderr[-2000:]     # stopped at batch 6: checkpoints kept
-    res = _run(tmp_path/'run')                                                 # nothing imported but learncb.learner
+    res = _run(tmp_path/'run', crash, 'learn.fit(3, cbs=[CheckpointCallback(every_n_steps=2, '
+                                      'on_exception=False), Crash()])')
+    # stopped at batch 6: checkpoints kept
+    assert res.returncode != 0 and 'crash' in res.stderr, res.stderr[-2000:]
+    res = _run(tmp_path/'run')  # nothing imported but learncb.learner
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resume='auto': resuming the run from" in res.stdout, res.stdout
     assert res.stdout.strip().splitlines()[-1] == "['TrainEvalCallback', 'Recorder', 'ProgressCallback']"
@@ -204,17 +225,23 @@ def test_learner_module_alone_gives_the_whole_learner(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 def test_only_the_strategies_ask_whether_a_model_is_sharded():
-    "A strategy says whether the state is sharded (`learn.strategy.sharded`): no module outside `distributed/` asks"
-    asking = [module_name(p) for p in PKG.rglob('*.py') if p.name != '_modidx.py' and 'distributed' not in p.parts
-              and p.name != 'ranks.py' and 'is_sharded(' in p.read_text()]          # `ranks` defines it; nobody else asks
+    """A strategy says whether the state is sharded (`learn.strategy.sharded`): no module outside
+    `distributed/` asks"""
+    asking = [module_name(p) for p in PKG.rglob('*.py') if p.name != '_modidx.py' and 'distributed' not
+              in p.parts
+              # `ranks` defines it; nobody else asks
+              and p.name != 'ranks.py' and 'is_sharded(' in p.read_text()]
     assert not asking, asking
-    assert not [module_name(p) for p in PKG.rglob('*.py') if p.name != '_modidx.py' and 'unsharded' in p.read_text()]
+    assert not [module_name(p) for p in PKG.rglob('*.py') if p.name != '_modidx.py' and 'unsharded'
+                in p.read_text()]
 
 def test_file_or_folder_is_decided_by_the_stores():
-    "Whether a checkpoint is a file or a folder is the stores' business: the callback and the state never look"
+    """Whether a checkpoint is a file or a folder is the stores' business: the callback and the state never
+    look"""
     for path in (PKG/'checkpoint'/'callback.py', PKG/'state.py', PKG/'resume.py'):
         src,mod = path.read_text(),path.name
-        for word in ('is_dir()', "'folder' in", 'rmtree', 'unlink(', 'read_sharded', 'save_sharded', 'start_sharded'):
+        for word in ('is_dir()', "'folder' in", 'rmtree', 'unlink(', 'read_sharded', 'save_sharded',
+                     'start_sharded'):
             assert word not in src, (mod, word)
 
 # What each folder may import at its top, beside the loop layer and its own folder
@@ -222,8 +249,10 @@ folder_may_import = {
     'callbacks': set(),
     'checkpoint': set(),
     'inference': {'callbacks'},
-    'distributed': {'checkpoint', 'callbacks'},          # the strategies' stores and resumable order; FSDP's precision
-    'integrations': {'callbacks', 'checkpoint'},         # trackers save the model as SaveModelCallback does; Ray reports checkpoints
+    # the strategies' stores and resumable order; FSDP's precision
+    'distributed': {'checkpoint', 'callbacks'},
+    # trackers save the model as SaveModelCallback does; Ray reports checkpoints
+    'integrations': {'callbacks', 'checkpoint'},
 }
 
 def _folder(m): return m.split('.')[1] if m.count('.') >= 2 else None
@@ -248,13 +277,15 @@ def test_no_private_name_is_imported_across_modules():
                 found += [f'{module_name(p)}: {a.name}' for a in node.names if a.name.startswith('_')]
     assert not found, found
 
-private_torch = re.compile(r"torch\._(?!_)|torch\.utils\._|\.__wrapped__|\._orig_mod\b|\._version\b|_optimizer_step_|"
+private_torch = re.compile(
+    r"torch\._(?!_)|torch\.utils\._|\.__wrapped__|\._orig_mod\b|\._version\b|_optimizer_step_|"
                            r"_global_optimizer_|_profiler_enabled|_backward_hooks|_post_accumulate_grad_hooks|"
                            r"_step_supports_amp_scaling|\.found_inf\b|\._metadata\b|\._enabled\b")
-python_own = {'_getframe', '_fields', '_asdict', '_replace', '_make'}      # Python's (sys, namedtuple), public
+python_own = {'_getframe', '_fields', '_asdict', '_replace', '_make'}  # Python's (sys, namedtuple), public
 
 def _private_uses(tree, learncb_names):
-    "What `tree` takes from torch's private API: names imported, attributes learncb does not define, name strings"
+    """What `tree` takes from torch's private API: names imported, attributes learncb does not define, name
+    strings"""
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or '').startswith('torch'):
             yield from (f'from {node.module} import {a.name}' for a in node.names
@@ -262,10 +293,13 @@ def _private_uses(tree, learncb_names):
         elif isinstance(node, ast.Attribute):
             src = ast.unparse(node).split('(')[0]
             if private_torch.search(src): yield src
-            elif (node.attr.startswith('_') and not node.attr.startswith('__') and node.attr not in learncb_names
+            elif (node.attr.startswith('_') and not node.attr.startswith('__') and node.attr not
+                  in learncb_names
                   and node.attr not in python_own): yield src
-        elif (isinstance(node, ast.Call) and getattr(node.func, 'id', None) in ('getattr', 'hasattr', 'setattr', 'delattr')
-              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+        elif (isinstance(node, ast.Call) and getattr(node.func, 'id', None) in ('getattr', 'hasattr',
+                'setattr', 'delattr')
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+                  and isinstance(node.args[1].value, str)):
             name = node.args[1].value
             if (name.startswith('_') and not name.startswith('__')) or private_torch.search('.' + name):
                 yield ast.unparse(node)
@@ -279,13 +313,16 @@ def _defined_names(trees):
             elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store): names.add(n.attr)
             elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store): names.add(n.id)
             elif isinstance(n, ast.arg): names.add(n.arg)
-            elif (isinstance(n, ast.Call) and getattr(n.func, 'attr', n.func.__dict__.get('id')) in ('setattr', '__setattr__')
+            elif (isinstance(n, ast.Call) and getattr(n.func, 'attr', n.func.__dict__.get('id'))
+                  in ('setattr', '__setattr__')
                   and len(n.args) > 1 and isinstance(n.args[1], ast.Constant)): names.add(n.args[1].value)
     return names
 
 def test_torch_internals_are_used_in_one_module():
-    """Only learncb.internals reaches into torch's private API (strings in messages and comments aside): no private
-    name imported from torch, no private attribute learncb does not define itself, no private name in a getattr"""
+    """Only learncb.internals reaches into torch's private API (strings in messages and comments aside): no
+    private
+    name imported from torch, no private attribute learncb does not define itself, no private name in a
+    getattr"""
     trees = {name: ast.parse(path.read_text()) for name, path in modules().items()}
     learncb_names = _defined_names(t for n,t in trees.items() if n != 'learncb.internals')
     found = [f'{name}: {use[:80]}' for name, tree in trees.items() if name != 'learncb.internals'

@@ -8,11 +8,13 @@ from conftest import synth_dls, synth_learner, FailAfterEpoch
 class BodyHead(nn.Module):
     def __init__(self):
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(2, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
+        self.body = nn.Sequential(nn.Linear(2, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16),
+                                  nn.ReLU())
         self.head = nn.Linear(16, 2)
     def forward(self, x): return self.head(self.body(x))
 
-def three_groups(m): return [list(m.body[:2].parameters()), list(m.body[3].parameters()), list(m.head.parameters())]
+def three_groups(m):
+    return [list(m.body[:2].parameters()), list(m.body[3].parameters()), list(m.head.parameters())]
 
 def learner(path='.', **kw):
     torch.manual_seed(0)
@@ -39,7 +41,8 @@ def test_splitter_makes_param_groups_and_slice_spreads_lrs():
     learn = learner(opt_func=torch.optim.SGD)
     learn.fit(1, lr=slice(1e-4, 1e-2))
     assert [len(pg['params']) for pg in learn.opt.param_groups] == [4, 2, 2]
-    assert all(math.isclose(a, b) for a,b in zip([pg['lr'] for pg in learn.opt.param_groups], [1e-4, 1e-3, 1e-2]))
+    assert all(math.isclose(a, b) for a,b in zip([pg['lr'] for pg in learn.opt.param_groups], [1e-4, 1e-3,
+        1e-2]))
     learn.fit(1, lr=slice(1e-2))
     assert [pg['lr'] for pg in learn.opt.param_groups] == [1e-3, 1e-3, 1e-2]
     assert learn.lr_range(slice(1e-2)) == [1e-3, 1e-3, 1e-2]
@@ -70,7 +73,7 @@ def test_freeze_semantics():
     with pytest.warns(UserWarning, match='all of it is frozen'): learn.freeze_to(5)
 
 def test_frozen_parameters_do_not_change_nor_grow_optimizer_state():
-    learn = learner(opt_func=torch.optim.AdamW, wd=0.1)      # decoupled weight decay would move them if stepped
+    learn = learner(opt_func=torch.optim.AdamW, wd=0.1)  # decoupled weight decay would move them if stepped
     learn.freeze()
     frozen = [p for g in learn.param_groups()[:2] for p in g if not p.requires_grad]
     before = [p.detach().clone() for p in frozen]
@@ -98,7 +101,8 @@ def test_fine_tune_frozen_epochs_keep_the_body_and_lrs_follow_fastai():
     unfrozen_lrs = slice_lrs(base_lr / 2 / 100, base_lr / 2, 3)
     for i in (0, 2, 5, 7):                                                 # second fit: pct_start 0.3, div 5
         expected = [one_cycle_lr(lr, i / (2 * n), 0.3, div=5.) for lr in unfrozen_lrs]
-        assert all(math.isclose(a, b, rel_tol=1e-9) for a,b in zip(log.lrs[2 * n + i], expected)), (i, log.lrs[2 * n + i])
+        assert all(math.isclose(a, b, rel_tol=1e-9) for a,b in zip(log.lrs[2 * n + i], expected)), (i,
+            log.lrs[2 * n + i])
 
 def test_fine_tune_refuses_resume():
     with pytest.raises(TypeError, match='two fits'): learner().fine_tune(1, resume=True)
@@ -111,20 +115,22 @@ def test_fit_sgdr_follows_fastai():
     lrs = slice_lrs(1e-3, 1e-1, 3)
     for i in (0, 1, 3, 4, 6, 11):
         pos = log.pos[i]
-        expected = [cos_anneal(lr, 0, pos * 3) if pos < 1 / 3 else cos_anneal(lr, 0, (pos - 1 / 3) * 3 / 2) for lr in lrs]
+        expected = [cos_anneal(lr, 0, pos * 3) if pos < 1 / 3 else cos_anneal(lr, 0, (pos - 1 / 3) * 3 / 2)
+                    for lr in lrs]
         assert all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15) for a,b in zip(log.lrs[i], expected)), i
 
 def test_freeze_survives_a_checkpoint_and_a_resume(tmp_path):
     def run(path, cbs=(), resume=None):
         learn = learner(path, opt_func=torch.optim.Adam)
-        if resume is None: learn.freeze()           # the resumed learner is made unfrozen: the checkpoint says
+        if resume is None: learn.freeze()  # the resumed learner is made unfrozen: the checkpoint says
         learn.fit_one_cycle(3, 1e-2, cbs=[CheckpointCallback(every_n_steps=3), *cbs], resume=resume)
         return learn
     ref = run(tmp_path/'ref')
     with pytest.raises(RuntimeError, match='boom'): run(tmp_path/'run', cbs=[FailAfterEpoch()])
     resumed = run(tmp_path/'run', resume=True)
     assert resumed.frozen_idx == ref.frozen_idx == 2
-    assert [p.requires_grad for p in resumed.model.parameters()] == [p.requires_grad for p in ref.model.parameters()]
+    assert [p.requires_grad for p in resumed.model.parameters()] == [p.requires_grad for p
+                                                                     in ref.model.parameters()]
     for (k,a),b in zip(ref.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), k
     assert ref.recorder.losses == resumed.recorder.losses
@@ -137,7 +143,8 @@ def test_unfreeze_survives_save_checkpoint_load_checkpoint(tmp_path):
     other = learner()
     other.load_checkpoint(tmp_path/'ck.pt')
     assert other.frozen_idx == 1
-    assert [p.requires_grad for p in other.model.parameters()] == [p.requires_grad for p in learn.model.parameters()]
+    assert [p.requires_grad for p in other.model.parameters()] == [p.requires_grad for p
+                                                                   in learn.model.parameters()]
 
 def test_plot_sched_shows_lr_and_momentum_per_iteration(tmp_path):
     import matplotlib; matplotlib.use('Agg')
@@ -148,7 +155,8 @@ def test_plot_sched_shows_lr_and_momentum_per_iteration(tmp_path):
     lr_line,mom_line = axs[0].lines[0].get_ydata(),axs[1].lines[0].get_ydata()
     assert len(lr_line) == len(mom_line) == 8 and list(lr_line) == learn.recorder.lrs
     assert all(math.isclose(m, cos_anneal(0.95, 0.85, i / 8 / 0.25) if i / 8 < 0.25 else
-                            cos_anneal(0.85, 0.95, (i / 8 - 0.25) / 0.75), rel_tol=1e-9) for i,m in enumerate(mom_line))
+                            cos_anneal(0.85, 0.95, (i / 8 - 0.25) / 0.75), rel_tol=1e-9) for i,
+                            m in enumerate(mom_line))
     axs[0].figure.savefig(tmp_path/'sched.png')
     assert (tmp_path/'sched.png').stat().st_size > 0
     with pytest.raises(ValueError, match="'sqr_mom'.* not scheduled"): learn.recorder.plot_sched('sqr_mom')

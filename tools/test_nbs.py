@@ -1,13 +1,20 @@
-"""Run each notebook of `nbs/` as `nbdev-test` does, every one in a process of its own, `-j` at a time (default 2).
+"""Run each notebook of `nbs/` as `nbdev-test` does, every one in a process of its own, `-j` at a time
+(default 2).
 
-`nbdev-test nbs` runs several notebooks one after the other in each of its worker processes, and a notebook's export
-cells redefine the library's classes in that process (a page's `Recorder`, put among `defaults.callbacks` by its tests):
-the next notebook in the same process then mixes two `Recorder` classes and fails or passes by the luck of which worker
+`nbdev-test nbs` runs several notebooks one after the other in each of its worker processes, and a notebook's
+export
+cells redefine the library's classes in that process (a page's `Recorder`, put among `defaults.callbacks` by
+its tests):
+the next notebook in the same process then mixes two `Recorder` classes and fails or passes by the luck of
+which worker
 it lands on. A process per notebook makes each notebook's result its own.
 
-Each of those processes is forked from this one after it imported nbdev's test runner, IPython and `learncb.all`: a
-notebook starts from the state a fresh process has after those imports, without paying for them (about 4 s of CPU a
-notebook, 60 notebooks). Nothing has run in this process before the forks but imports: no threads, no torch kernels."""
+Each of those processes is forked from this one after it imported nbdev's test runner, IPython and
+`learncb.all`: a
+notebook starts from the state a fresh process has after those imports, without paying for them (about 4 s of
+CPU a
+notebook, 60 notebooks). Nothing has run in this process before the forks but imports: no threads, no torch
+kernels."""
 import argparse, os, sys, tempfile, time
 from pathlib import Path
 
@@ -18,15 +25,17 @@ def preload():
     import nbdev.test, execnb.shell, IPython, learncb.all   # noqa: F401
 
 def test_one(nb, log):
-    "In a forked child: `nbdev-test nb` (nbdev's own function, config and all), its output to the file `log`; never returns"
+    """In a forked child: `nbdev-test nb` (nbdev's own function, config and all), its output to the file
+    `log`; never returns"""
     code = 1
     try:
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(fd, 1); os.dup2(fd, 2); os.close(fd)
         from nbdev.test import nbdev_test
-        nbdev_test.__wrapped__(str(nb))      # the function under the CLI: no parsing of this script's arguments
+        nbdev_test.__wrapped__(str(nb))  # the function under the CLI: no parsing of this script's arguments
         code = 0
-    except SystemExit as e: code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1   # it exits 1 when it fails
+    # it exits 1 when it fails
+    except SystemExit as e: code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     except BaseException:
         import traceback; traceback.print_exc()
     finally:
@@ -62,5 +71,6 @@ if __name__ == '__main__':
     nbs = [Path(n).resolve() for n in args.notebooks] or sorted((root/'nbs').glob('*.ipynb'))
     preload()
     failed = run_all(nbs, args.j)
-    print(f"{len(nbs) - len(failed)} of {len(nbs)} notebooks passed" + (f"; failed: {', '.join(failed)}" if failed else ''))
+    print(f"{len(nbs) - len(failed)} of {len(nbs)} notebooks passed" + (f"; failed: {', '.join(failed)}"
+        if failed else ''))
     sys.exit(1 if failed else 0)

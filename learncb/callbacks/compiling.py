@@ -1,4 +1,4 @@
-"""`learn.compile()` compiles the model, `learn.compile(step=True)` the whole training step; weight files, checkpoints and `export` keep the plain model's keys.
+"""`learn.compile()` compiles the model, `compile(step=True)` the whole step; files keep plain model keys.
 
 Docs: https://learncb.github.io/learncb/compile.html.md"""
 
@@ -25,18 +25,21 @@ from ..internals import *
 
 # %% ../../nbs/27_compile.ipynb #0dd0ff70
 class CompiledModel(nn.Module):
-    "`model` with `torch.compile(model, **kwargs)` as its forward; on a compiler error, warns and runs `model` itself"
+    """`model` with `torch.compile(model, **kwargs)` as its forward; on a compiler error, warns and runs
+    `model` itself"""
     def __init__(self, model, **kwargs):
         super().__init__()
         self.unwrapped,self.failed = model,None
         try: compiled = torch.compile(model, **kwargs)
         except Exception as e: compiled = self._fall_back(e)
-        object.__setattr__(self, '_compiled', compiled)        # not a submodule: state_dict keys stay the model's
+        object.__setattr__(self, '_compiled', compiled)  # not a submodule: state_dict keys stay the model's
 
     def _fall_back(self, e):
-        lines = [l.strip() for l in str(e).splitlines() if l.strip()][:2]     # torch's: "backend=... raised:", why
+        # torch's: "backend=... raised:", why
+        lines = [l.strip() for l in str(e).splitlines() if l.strip()][:2]
         self.failed = f"{type(e).__name__}: {' '.join(lines)}"
-        warn_user(f"torch.compile failed ({self.failed}); the fit goes on with the model as it is, not compiled",
+        warn_user(f"torch.compile failed ({self.failed}); the fit goes on with the model as it is, not "
+                  f"compiled",
                       UserWarning)
         return None
 
@@ -55,7 +58,8 @@ _deferred_order = tuple(e for e in step_events if e in _deferrable)
 _forward_events = step_events[:step_events.index('before_backward')]    # the events of a validation step
 
 def step_plan(learn, training):
-    "`(compiled, deferred, blocked)` for the step's events: which callbacks' handlers run compiled, after the step, or neither"
+    """`(compiled, deferred, blocked)` for the step's events: which callbacks' handlers run compiled, after
+    the step, or neither"""
     compiled,deferred,blocked = {},{},[]
     for name in step_events:
         cbs = [cb for cb in learn.ordered_cbs(name) if cb.takes_part(name, training)]
@@ -67,8 +71,10 @@ def step_plan(learn, training):
 _tensor_hyper_opts = (torch.optim.Adam, torch.optim.AdamW)
 
 def hypers_as_tensors(opt, device=None):
-    """Adam's and AdamW's `lr` and `betas` as 0-dim tensors (and `capturable`): a compiled step takes them as inputs, not
-    constants. On the CPU by default; on `device` (the GPU) for a step captured as CUDA graphs, which reads no CPU tensor"""
+    """Adam's and AdamW's `lr` and `betas` as 0-dim tensors (and `capturable`): a compiled step takes them as
+    inputs, not
+    constants. On the CPU by default; on `device` (the GPU) for a step captured as CUDA graphs, which reads no
+    CPU tensor"""
     if type(opt) not in _tensor_hyper_opts: return False
     for pg in opt.param_groups:
         if pg.get('fused') or pg.get('differentiable'): return False
@@ -80,32 +86,41 @@ def hypers_as_tensors(opt, device=None):
     return True
 
 def hypers_as_numbers(opt):
-    "Undo `hypers_as_tensors`: the numbers back in `opt`'s param groups, as an eager step needs them on the CPU"
+    """Undo `hypers_as_tensors`: the numbers back in `opt`'s param groups, as an eager step needs them on the
+    CPU"""
     for pg in opt.param_groups:
         if not isinstance(pg.get('lr'), torch.Tensor) or not pg.get('capturable'): continue
-        pg['lr'],pg['betas'],pg['capturable'] = hyper_number(pg['lr']),tuple(map(hyper_number, pg['betas'])),False
+        pg['lr'],pg['betas'],pg['capturable'] = hyper_number(pg['lr']),tuple(map(hyper_number,
+            pg['betas'])),False
 
 def backward_traceable(learn):
-    "Whether torch.compile may trace the backward of `learn.model` into the step's graph: no reduction in it (DDP's), no hooks on its parameters"
+    """Whether torch.compile may trace the backward of `learn.model` into the step's graph: no reduction in it
+    (DDP's), no hooks on its parameters"""
     if learn.strategy.reduces is not None: return False        # a collective reduces the gradients
     return not param_hooks(learn.model)
 
 def _own_code(method):
-    "`method` on a copy of its code: torch caches graphs per code object, so each learner's stay apart (and few)"
+    """`method` on a copy of its code: torch caches graphs per code object, so each learner's stay apart (and
+    few)"""
     return MethodType(own_function(method.__func__), method.__self__)
 
 def _own_step(opt, cuda_graphs=False):
-    """`opt`'s step (`bare_step`) on code of its own: torch's optimizer step breaks the graph, so its frames are compiled
-    apart, and on torch's code every optimizer of the class would share them (past torch's recompile limit, eagerly).
-    A fused optimizer's kernel is never traced, nor torch's wrapper of the step (hooks, a scheduler's counter, the
+    """`opt`'s step (`bare_step`) on code of its own: torch's optimizer step breaks the graph, so its frames
+    are compiled
+    apart, and on torch's code every optimizer of the class would share them (past torch's recompile limit,
+    eagerly).
+    A fused optimizer's kernel is never traced, nor torch's wrapper of the step (hooks, a scheduler's counter,
+    the
     profiler's annotation, which torch would warn it ignores): such a step runs as it is, outside the graph"""
     step = bare_step(opt)
     if not _step_traced(opt, cuda_graphs): return torch.compiler.disable(step)
     return _own_code(step) if isinstance(step, MethodType) else step
 
 def _step_traced(opt, cuda_graphs=False):
-    """Whether the compiled step traces `opt`'s step: torch's own, unwrapped and not fused; under CUDA graphs Adam or AdamW
-    alone (their state is made capturable; another optimizer's state made in a graph would be overwritten at its next replay)"""
+    """Whether the compiled step traces `opt`'s step: torch's own, unwrapped and not fused; under CUDA graphs
+    Adam or AdamW
+    alone (their state is made capturable; another optimizer's state made in a graph would be overwritten at
+    its next replay)"""
     if cuda_graphs and type(opt) not in _tensor_hyper_opts: return False
     return unwrapped_step(opt) is not None and not any(pg.get('fused') for pg in opt.param_groups)
 
@@ -160,28 +175,36 @@ class TracedStep(Step):
     def zero_grad(self): pass             # after the graph, eagerly (torch.compile would not trace it)
 
 class CompiledStep(Step):
-    "The learner's step with the training and validation steps each one `torch.compile(**kwargs)` call, the callbacks' compiled handlers inside"
+    """The learner's step with the training and validation steps each one `torch.compile(**kwargs)` call, the
+    callbacks' compiled handlers inside"""
     def __init__(self, learn, trace_backward=True, fallback=True, **kwargs):
         super().__init__(learn)
         self.kwargs,self.trace_backward,self.fallback,self._plans,self.opt_step = kwargs,trace_backward,fallback,{},None
         self.fell_back,self.traced_backward = None,trace_backward and backward_traceable(learn)
-        self.cuda_graphs = self._opt_graphs = False   # `mode='reduce-overhead'` on a GPU: the graphs replayed as CUDA graphs
+        # `mode='reduce-overhead'` on a GPU: the graphs replayed as CUDA graphs
+        self.cuda_graphs = self._opt_graphs = False
         self._traced = TracedStep(learn, self)
         steps = (self._traced.steps, self._traced.steps, self._step_alone)       # each on code of its own
         self._train,self._valid,self._opt_step = (torch.compile(_own_code(m), **kwargs) for m in steps)
 
     def start_fit(self):
-        "Set up a fit: its hooks and optimizer, and whether it runs compiled (a fit falls back when a handler cannot)"
+        """Set up a fit: its hooks and optimizer, and whether it runs compiled (a fit falls back when a
+        handler cannot)"""
         learn,self.fell_back = self.learn,None
         self.find_hooks()
         self.traced_backward = self.trace_backward and backward_traceable(learn)   # DDP may wrap it now
         self.cuda_graphs = self.kwargs.get('mode') in _graph_modes and model_device(learn.model).type == 'cuda'
         self.for_opt(learn.opt)
-        self._first = next(iter(learn.model.parameters()), None)   # its gradient tells whether a failed step wrote any
-        blocked = list(dict.fromkeys(step_plan(learn, True)[2] + step_plan(learn, False)[2]))   # each named once
-        if learn.loss_func is None: self._fall_back("the learner has no loss_func (the model's own loss is not compiled)")
-        elif (hook := self.forward_hook or self.backward_hook) is not None and not callable(getattr(hook, 'runs_plain', None)):
-            self._fall_back(f"{type(hook).__name__} runs the step's forward or backward itself (step_forward, "
+        # its gradient tells whether a failed step wrote any
+        self._first = next(iter(learn.model.parameters()), None)
+        # each named once
+        blocked = list(dict.fromkeys(step_plan(learn, True)[2] + step_plan(learn, False)[2]))
+        if learn.loss_func is None:
+            self._fall_back("the learner has no loss_func (the model's own loss is not compiled)")
+        elif (hook := self.forward_hook or self.backward_hook) is not None and not callable(getattr(hook,
+                'runs_plain', None)):
+            self._fall_back(f"{type(hook).__name__} runs the step's forward or backward itself "
+                            f"(step_forward, "
                             f"step_backward), which is not compiled")
         elif blocked: self._fall_back(_blocked_reason(blocked))
         if self.fell_back is None: self._go_compiled()
@@ -191,25 +214,30 @@ class CompiledStep(Step):
         self._go_eager()
 
     def for_opt(self, opt):
-        "Step `opt` from here on: its step on code of its own (kept while the optimizer is the same: no recompile)"
+        """Step `opt` from here on: its step on code of its own (kept while the optimizer is the same: no
+        recompile)"""
         if getattr(self.opt_step, '__self__', None) is not opt or self._opt_graphs != self.cuda_graphs:
             self.opt_step,self._opt_graphs = _own_step(opt, self.cuda_graphs),self.cuda_graphs
 
     def plan(self, training):
-        "`(tables, compiled, deferred, blocked)` of this phase (`step_plan`), found again when the callbacks changed"
+        """`(tables, compiled, deferred, blocked)` of this phase (`step_plan`), found again when the callbacks
+        changed"""
         learn = self.learn
         tables,plan = learn._tables,self._plans.get(training)
         if plan is not None and plan[0] is tables: return plan
         compiled,deferred,blocked = step_plan(learn, training)
-        if plan is not None and plan[1] == compiled: compiled = plan[1]     # the same: compiled code keeps its guards
+        # the same: compiled code keeps its guards
+        if plan is not None and plan[1] == compiled: compiled = plan[1]
         self._plans[training] = plan = (tables, compiled, deferred, blocked)
         return plan
 
     def run(self):
-        "The current batch's step compiled, unless this fit fell back or the batch has no targets (then the eager step)"
+        """The current batch's step compiled, unless this fit fell back or the batch has no targets (then the
+        eager step)"""
         learn = self.learn
         hook = self.forward_hook or self.backward_hook
-        if self.fell_back is None and learn.yb and (hook is None or hook.runs_plain()):   # else the hooks split this batch
+        # else the hooks split this batch
+        if self.fell_back is None and learn.yb and (hook is None or hook.runs_plain()):
             if learn._kw: self._fall_back("dict batches (model(**batch)) run eagerly")
             else:
                 _,compiled,deferred,blocked = self.plan(learn.training)
@@ -223,22 +251,27 @@ class CompiledStep(Step):
         hook = self.forward_hook or self.backward_hook
         try: return self.compiled_batch(compiled, deferred)
         except Exception as e:
-            if hook is not None and learn.training and is_oom(e): hook.out_of_memory()   # the hooks split it, eagerly
+            # the hooks split it, eagerly
+            if hook is not None and learn.training and is_oom(e): hook.out_of_memory()
             elif not compiler_error(e): raise
             else: self._fall_back(_compiler_reason(e))
-        if learn.training and self._first_grad() != grad: clear_grads(learn.opt)   # the failed step's gradients
-        super().run()                                                               # this batch again, eagerly
+        # the failed step's gradients
+        if learn.training and self._first_grad() != grad: clear_grads(learn.opt)
+        super().run()  # this batch again, eagerly
 
     def _step_alone(self): self.opt_step()              # compiled too: the hyper-parameters may be tensors
     def optimizer_step(self):
-        "The optimizer's step: compiled (after a stage cancelled in the compiled step), eager once the fit fell back"
+        """The optimizer's step: compiled (after a stage cancelled in the compiled step), eager once the fit
+        fell back"""
         if self.fell_back is None: self._opt_step()
         else: super().optimizer_step()
 
     def compiled_batch(self, compiled, deferred):
-        "Run the current batch's step compiled, then the deferred handlers; a cancelled stage goes on as the eager step's"
+        """Run the current batch's step compiled, then the deferred handlers; a cancelled stage goes on as the
+        eager step's"""
         learn = self.learn
-        if self.cuda_graphs: torch.compiler.cudagraph_mark_step_begin()   # the last step's outputs may be overwritten now
+        # the last step's outputs may be overwritten now
+        if self.cuda_graphs: torch.compiler.cudagraph_mark_step_begin()
         self.items,self._batch_items,self.weight = self.items_of(learn.yb, learn.xb),None,None
         if learn.training:                  # eagerly: handlers inside the graph read them
             self.batch_items()
@@ -255,7 +288,8 @@ class CompiledStep(Step):
         self.zero_grad()                         # as the eager step does, after `after_step`
 
     def _own_outputs(self):
-        "Copies of the step's outputs that callbacks keep (the loss, the predictions): a CUDA graph's are overwritten at its next replay"
+        """Copies of the step's outputs that callbacks keep (the loss, the predictions): a CUDA graph's are
+        overwritten at its next replay"""
         learn = self.learn
         learn.pred,learn.loss = map_tensors(torch.clone, learn.pred),learn.loss.clone()
         learn.loss_grad = learn.loss
@@ -266,8 +300,10 @@ class CompiledStep(Step):
             for cb in deferred[name]: getattr(cb, name)()
 
     def _go_compiled(self):
-        """For this fit: Adam's hyper-parameters as tensors (schedules change them in place), the backward traced, and
-        torch's recompile limit an error (no part of the step runs eagerly without a word: the fit falls back, saying so)"""
+        """For this fit: Adam's hyper-parameters as tensors (schedules change them in place), the backward
+        traced, and
+        torch's recompile limit an error (no part of the step runs eagerly without a word: the fit falls back,
+        saying so)"""
         learn = self.learn
         if _step_traced(learn.opt, self.cuda_graphs):                 # an eager step takes numbers
             hypers_as_tensors(learn.opt, model_device(learn.model) if self.cuda_graphs else None)
@@ -281,7 +317,8 @@ class CompiledStep(Step):
     def _fall_back(self, reason):
         "Run the rest of this fit with the eager step, saying why once (an error with `fallback=False`)"
         msg = f"learn.compile(step=True): {reason}; the fit runs the eager step"
-        if not self.fallback: raise RuntimeError(msg + " (fallback=False: pass fallback=True to run it eagerly)")
+        if not self.fallback:
+            raise RuntimeError(msg + " (fallback=False: pass fallback=True to run it eagerly)")
         self.fell_back = reason
         self._go_eager()
         warn_user(msg, UserWarning)
@@ -293,8 +330,9 @@ class CompiledStep(Step):
 
 # %% ../../nbs/27_compile.ipynb #00610ff7
 class CompileCallback(Callback):
-    "Fits run `torch.compile(model, **kwargs)`, or with `step=True` the whole step compiled; a compiler error falls back to eager"
-    order,_name = Order.COMPILE,'compiler'          # `learn.compiler`: `learn.compile` is the method that adds it
+    """Fits run `torch.compile(model, **kwargs)`, or with `step=True` the whole step compiled; a compiler
+    error falls back to eager"""
+    order,_name = Order.COMPILE,'compiler'  # `learn.compiler`: `learn.compile` is the method that adds it
     def __init__(self, step=False, fallback=True, trace_backward=True, **kwargs):
         self.kwargs,self.step,self.fallback,self.trace_backward = kwargs,step,fallback,trace_backward
         self.compiled,self.compiled_step = None,None
@@ -309,7 +347,7 @@ class CompileCallback(Callback):
         if self.compiles_blocks(): return self._compile_blocks()
         if self.compiles_step(): return self._prepare_step()
         if self.compiled is None or self.compiled.unwrapped is not learn.model:
-            self.compiled = CompiledModel(learn.model, **self.kwargs)         # compiled once, kept for the next fits
+            self.compiled = CompiledModel(learn.model, **self.kwargs)  # compiled once, kept for the next fits
         learn.model = self.compiled
 
     def _prepare_step(self):
@@ -318,8 +356,10 @@ class CompileCallback(Callback):
             f"learn.compile(step=True): {type(learn.opt).__name__}'s step takes a closure that computes the "
             f"loss again, which the compiled step cannot trace: use learn.compile() (the model compiled) "
             f"with it")
-        if self.compiled_step is None or self.compiled_step.learn is not learn:     # kept for the next fits: no recompile
-            self.compiled_step = CompiledStep(learn, trace_backward=self.trace_backward, fallback=self.fallback,
+        # kept for the next fits: no recompile
+        if self.compiled_step is None or self.compiled_step.learn is not learn:
+            self.compiled_step = CompiledStep(learn, trace_backward=self.trace_backward,
+                                              fallback=self.fallback,
                                               **self.kwargs)
         self.compiled_step.start_fit()
 
@@ -353,12 +393,14 @@ class CompileCallback(Callback):
 
 
 def _blocked_reason(blocked):
-    return (f"{', '.join(blocked)} cannot run in a compiled step (a handler inside the step runs compiled only if its "
+    return (f"{', '.join(blocked)} cannot run in a compiled step (a handler inside the step runs compiled "
+            f"only if its "
             f"callback lists the event in compiled_events, or after the step if in deferred_events)")
 
 
 @patch
 def compile(self:Learner, step=False, fallback=True, trace_backward=True, **kwargs):
-    "Fits run the model compiled with `torch.compile(model, **kwargs)`, or with `step=True` the whole training step; `learn.model` stays the plain model"
+    """Fits run the model compiled with `torch.compile(model, **kwargs)`, or with `step=True` the whole
+    training step; `learn.model` stays the plain model"""
     self.remove_cbs([cb for cb in self.cbs if isinstance(cb, CompileCallback)])
     return self.add_cb(CompileCallback(step=step, fallback=fallback, trace_backward=trace_backward, **kwargs))

@@ -1,4 +1,4 @@
-"""A sanity check of validation before training, other dataloaders evaluated as extra columns, torchmetrics metrics.
+"""A sanity check of validation before training, other dataloaders as extra columns, torchmetrics metrics.
 
 Docs: https://learncb.github.io/learncb/evaluation.html.md"""
 
@@ -36,7 +36,8 @@ def _metrics_set_to(learn, metrics):
     finally: learn.metrics = old
 
 def validate_aside(learn, dl, metrics=None):
-    "`[loss, *metrics]` of `learn` on `dl` (`metrics=None`: the learner's), not touching its Recorder or progress bar"
+    """`[loss, *metrics]` of `learn` on `dl` (`metrics=None`: the learner's), not touching its Recorder or
+    progress bar"""
     rec = Recorder(add_time=False)
     with learn.removed_cbs([cb for cb in learn.cbs if _sits_out(cb)]), learn.added_cbs(rec), \
          _metrics_set_to(learn, metrics):
@@ -48,14 +49,16 @@ class FirstBatches:
     "The first `n` batches of `dl`, as an iterable with a length (for a quick pass over part of a dataloader)"
     def __init__(self, dl, n): self.dl,self.n = dl,n
     def __iter__(self): return itertools.islice(iter(self.dl), self.n)
-    def __len__(self): return min(self.n, len(self.dl))     # a TypeError when `dl` has no length: length unknown
+    def __len__(self): return min(self.n, len(self.dl))  # a TypeError when `dl` has no length: length unknown
     def __repr__(self): return f'FirstBatches({self.dl!r}, n={self.n})'
 
 # %% ../../nbs/15_evaluation.ipynb #14773d3a
 class SanityCheckCallback(Callback):
-    "Validates on the first `n_batches` validation batches when the fit starts, so a broken validation fails at once"
+    """Validates on the first `n_batches` validation batches when the fit starts, so a broken validation fails
+    at once"""
     remove_on_lr_find = True
-    order = Order.SANITY    # after the other callbacks' before_fit: the check sees the setup the real validation will have
+    # after the other callbacks' before_fit: the check sees the setup the real validation will have
+    order = Order.SANITY
     def __init__(self, n_batches=2):
         check_int(n_batches, 'n_batches', ge=0, who='SanityCheckCallback',
                   hint='the number of validation batches to check')
@@ -68,23 +71,30 @@ class SanityCheckCallback(Callback):
         try: self.result = validate_aside(self.learn, FirstBatches(dl, self.n_batches))
         except CancelException: raise
         except Exception as e:
-            add_note(e, f"learncb: this error comes from the sanity check (SanityCheckCallback) that validates the "
-                         f"first {self.n_batches} validation batches before training: the validation step fails, and "
+            add_note(e, f"learncb: this error comes from the sanity check (SanityCheckCallback) that "
+                        f"validates the "
+                         f"first {self.n_batches} validation batches before training: the validation step "
+                         f"fails, and "
                          f"training has not started; fix the model, loss, metrics or callbacks for validation")
             raise
 
 # %% ../../nbs/15_evaluation.ipynb #e1913278
 class EvaluateCallback(Callback):
-    "Evaluates `dl` every `every` epochs (or when `watch_monitor` improves); its loss and metrics become columns `{name}_...`"
+    """Evaluates `dl` every `every` epochs (or when `watch_monitor` improves); its loss and metrics become
+    columns `{name}_...`"""
     remove_on_lr_find = True
     order = Order.EVALUATE     # before the Recorder's after_epoch (50) writes the epoch's row
     _state_attrs = ('history',)
-    def __init__(self, dl, every=1, name='extra', metrics=None, watch_monitor=None, watch_greater_is_better=None,
+    def __init__(self, dl, every=1, name='extra', metrics=None, watch_monitor=None,
+                 watch_greater_is_better=None,
                  keep_best=0, best_monitor=None):
         check_int(every, 'every', ge=1, who='EvaluateCallback', hint='evaluate every `every` epochs')
-        check_int(keep_best, 'keep_best', ge=0, who='EvaluateCallback', hint='how many best weights files to keep')
-        if not (watch_monitor is None or isinstance(watch_monitor, str) or callable(watch_monitor)): raise TypeError(
-            f"EvaluateCallback: watch_monitor must be a column of the validation (e.g. 'valid_loss') or a function "
+        check_int(keep_best, 'keep_best', ge=0, who='EvaluateCallback', hint='how many best weights files to '
+            'keep')
+        if not (watch_monitor is None or isinstance(watch_monitor, str) or callable(watch_monitor)):
+            raise TypeError(
+            f"EvaluateCallback: watch_monitor must be a column of the validation (e.g. 'valid_loss') or a "
+            f"function "
             f"f(learn) -> float, not {watch_monitor!r}")
         self.watch_monitor,self.watch_greater_is_better = watch_monitor,watch_greater_is_better
         self.keep_best,self.best_monitor,self.kept = keep_best,best_monitor,[]
@@ -96,7 +106,8 @@ class EvaluateCallback(Callback):
 
     @property
     def recorder_columns(self):
-        "The columns it adds to the Recorder's table: `{name}_loss`, then `{name}_{metric name}` for each metric"
+        """The columns it adds to the Recorder's table: `{name}_loss`, then `{name}_{metric name}` for each
+        metric"""
         metrics = (self.eval_metrics if self.eval_metrics is not None
                    else self.learn.metrics if self.learn is not None else [])
         return [f'{self.name}_loss', *(f'{self.name}_{metric_name(m)}' for m in metrics)]
@@ -104,9 +115,12 @@ class EvaluateCallback(Callback):
     def before_fit(self):
         self.history,self.kept,self._watch_best = [],[],None
         rec = getattr(self.learn, 'recorder', None)
-        if self.watch_monitor is not None and not callable(self.watch_monitor) and not isinstance(rec, Recorder):
-            raise ValueError(f"EvaluateCallback(watch_monitor={self.watch_monitor!r}) reads the Recorder's validation "
-                             f"values, but the learner has no Recorder: add one, or pass a function f(learn) -> float")
+        if self.watch_monitor is not None and not callable(self.watch_monitor) and not isinstance(rec,
+                Recorder):
+            raise ValueError(f"EvaluateCallback(watch_monitor={self.watch_monitor!r}) reads the Recorder's "
+                             f"validation "
+                             f"values, but the learner has no Recorder: add one, or pass a function f(learn) "
+                             f"-> float")
         if not isinstance(rec, Recorder): return
         names = rec.metric_names
         if (clash := [c for c in self.recorder_columns if names.count(c) > 1]): raise ValueError(
@@ -126,14 +140,17 @@ class EvaluateCallback(Callback):
         if self.keep_best and values is not None: self._keep(values)
 
     def _watched_value(self):
-        "This epoch's value of `watch_monitor`: a value of the validation the Recorder has just made, or `f(learn)`"
-        if callable(self.watch_monitor): return self.watch_monitor(self.learn), getattr(self.watch_monitor, '__name__', '')
+        """This epoch's value of `watch_monitor`: a value of the validation the Recorder has just made, or
+        `f(learn)`"""
+        if callable(self.watch_monitor):
+            return self.watch_monitor(self.learn), getattr(self.watch_monitor, '__name__', '')
         rec = self.learn.recorder
         name = resolve_monitor(self.watch_monitor, rec.valid_names)
         return (None if rec.last_valid is None else rec.last_valid[rec.valid_names.index(name)]),name
 
     def _watched_improved(self):
-        "Whether `watch_monitor` is better this epoch than at every epoch before in this fit (then the evaluation runs)"
+        """Whether `watch_monitor` is better this epoch than at every epoch before in this fit (then the
+        evaluation runs)"""
         value,name = self._watched_value()
         greater = self.watch_greater_is_better
         if greater is None: greater = greater_is_better_for(name)
@@ -142,7 +159,8 @@ class EvaluateCallback(Callback):
         return True
 
     def _keep(self, values):
-        "Save the weights of this epoch if they are among the `keep_best` best by `best_monitor`; remove the one dropped"
+        """Save the weights of this epoch if they are among the `keep_best` best by `best_monitor`; remove the
+        one dropped"""
         cols = self.recorder_columns
         col = resolve_monitor(self.best_monitor or f'{self.name}_loss', cols)
         value,greater,learn = values[cols.index(col)],greater_is_better_for(col),self.learn

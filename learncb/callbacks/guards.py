@@ -1,4 +1,4 @@
-"""`SpikeGuard`: a run that rolls itself back over a loss spike, in the same process, and computes what it would have computed on data without the bad batch.
+"""`SpikeGuard` rolls a run back over a loss spike and computes the fit it would make without the bad batch.
 
 Docs: https://learncb.github.io/learncb/guards.html.md"""
 
@@ -49,22 +49,28 @@ class SpikeGuard(Callback):
     """Rolls the run back to a snapshot kept in memory when the training loss (or gradient norm) spikes, and
     replays it without the rows that made it spike (or without the batch, when none stands out)"""
     order,run_valid,remove_on_lr_find = Order.GUARD,False,True     # lr_find makes the loss diverge on purpose
-    compiled_events,deferred_events = ('before_step',),('after_loss', 'after_step')   # under learn.compile(step=True)
+    # under learn.compile(step=True)
+    compiled_events,deferred_events = ('before_step',),('after_loss', 'after_step')
     _state_attrs = ('history',)
-    def __init__(self, factor=5., check_every=25, snapshot_every=100, max_rollbacks=3, grad_norm=False, n_history=50,
+    def __init__(self, factor=5., check_every=25, snapshot_every=100, max_rollbacks=3, grad_norm=False,
+                 n_history=50,
                  warmup=10, skip_on_device=False):
         who = 'SpikeGuard'
-        self.factor = check_number(factor, 'factor', gt=1, who=who, hint='how many times the median of the batches before it a spike is')
+        self.factor = check_number(factor, 'factor', gt=1, who=who, hint='how many times the median of the '
+            'batches before it a spike is')
         self.check_every = check_int(check_every, 'check_every', ge=1, who=who)
         self.snapshot_every = check_int(snapshot_every, 'snapshot_every', ge=1, who=who)
         self.max_rollbacks = check_int(max_rollbacks, 'max_rollbacks', ge=0, who=who)
         self.n_history = check_int(n_history, 'n_history', ge=1, who=who)
         self.warmup = check_int(warmup, 'warmup', ge=0, who=who, hint=f'at most n_history={n_history}')
         if self.warmup > self.n_history: raise ValueError(
-            f"SpikeGuard: warmup={warmup} is more than n_history={n_history}, the batches it remembers: make warmup at "
+            f"SpikeGuard: warmup={warmup} is more than n_history={n_history}, the batches it remembers: make "
+            f"warmup at "
             f"most n_history")
-        self.grad_norm,self.history,self.rollbacks,self.replayable = bool(grad_norm),{'loss': [], 'grad_norm': []},0,True
-        self.skip_on_device = bool(skip_on_device)     # a fused optimizer's flag: no step on a non-finite loss, at a cost
+        self.grad_norm,self.history,self.rollbacks,self.replayable = bool(grad_norm),{'loss': [],
+            'grad_norm': []},0,True
+        # a fused optimizer's flag: no step on a non-finite loss, at a cost
+        self.skip_on_device = bool(skip_on_device)
         self._snap,self._start,self._snap_at,self._taken,self._found_inf,self._last = None,0,0,None,None,-1
         self._joined = None       # a live peer's snapshot and unchecked losses, for a replica that joins
         self._pending = {}        # `{batch: (bound, why, first)}`: spiked, looked at when fetched again
@@ -87,22 +93,27 @@ class SpikeGuard(Callback):
         self._take_order()
         self._params = [p for g in learn.opt.param_groups for p in g['params']]
         device = model_device(learn.model, learn.device)
-        self._found_inf,self._one = (torch.zeros((), device=device),torch.ones((), device=device)) if self.skip_on_device and skips_on_device(learn.opt) else (None,None)
-        if self._found_inf is not None: set_found_inf(learn.opt, self._found_inf)   # read by each step: skipped when it is 1
+        self._found_inf,self._one = (torch.zeros((), device=device),torch.ones((),
+            device=device)) if self.skip_on_device and skips_on_device(learn.opt) else (None,None)
+        # read by each step: skipped when it is 1
+        if self._found_inf is not None: set_found_inf(learn.opt, self._found_inf)
 
     def _take_order(self):
         "Make the training dataloader one that can replay its epoch from any batch, or say why it cannot"
         learn = self.learn
         dl = learn.dls.train
         reason = 'it keeps its own state' if has_state(dl) else cannot_resume_reason(dl)
-        self.replayable = user_train_dl(learn) is not dl or reason is None      # a strategy's share is replayable
+        self.replayable = user_train_dl(learn) is not dl or reason is None  # a strategy's share is replayable
         if not self.replayable: self.cannot_replay(reason)
         self._taken = take_order(learn)
 
     def cannot_replay(self, reason):
-        "What to do when the training dataloader cannot replay part of an epoch (`reason` says why): refuse it"
-        raise ValueError(f"SpikeGuard replays the batches after a rollback, so it needs a training dataloader it can "
-                         f"restart part-way, but {reason}: use a torch DataLoader (shuffle=True or False) on a "
+        """What to do when the training dataloader cannot replay part of an epoch (`reason` says why): refuse
+        it"""
+        raise ValueError(f"SpikeGuard replays the batches after a rollback, so it needs a training "
+                         f"dataloader it can "
+                         f"restart part-way, but {reason}: use a torch DataLoader (shuffle=True or False) on "
+                         f"a "
                          f"map-style dataset")
 
     def before_train(self):
@@ -150,14 +161,16 @@ class SpikeGuard(Callback):
         if again: learn.skipped_batches = (*learn.skipped_batches, *again)
 
     def _snapshot(self, start):
-        "Copy the run as it is before training batch `start` of this epoch (into the buffers of the last copy)"
+        """Copy the run as it is before training batch `start` of this epoch (into the buffers of the last
+        copy)"""
         if not self.replayable: return
         if self._snap is None: self._snap = LearnerSnapshot(self.learn)
         else: self._snap.take()
         self._start,self._snap_at = start,self.learn.train_iter
 
     def after_loss(self):
-        "Keep the loss for the next check; a fused optimizer's flag set on the device if it is not finite (no step then)"
+        """Keep the loss for the next check; a fused optimizer's flag set on the device if it is not finite
+        (no step then)"""
         learn = self.learn
         if learn.loss is None: return
         if learn.stepper.first_turn(): self._losses.append(learn.loss); self._iters.append(learn.iter)
@@ -165,15 +178,18 @@ class SpikeGuard(Callback):
         if self._found_inf is not None: self._flag(learn.loss)
 
     def _flag(self, value):
-        "Set the fused optimizer's flag to 1 if `value` is not finite (else leave it): no step until the check that clears it"
+        """Set the fused optimizer's flag to 1 if `value` is not finite (else leave it): no step until the
+        check that clears it"""
         flag_non_finite(value, self._found_inf, self._one)
 
     def before_step(self):
-        "The fused optimizer's flag set if the gradient norm is not finite (`grad_norm=True, skip_on_device=True`): no step then"
+        """The fused optimizer's flag set if the gradient norm is not finite (`grad_norm=True,
+        skip_on_device=True`): no step then"""
         if self._found_inf is not None: self._flag(_grad_norm(self._params))
 
     def after_step(self):
-        "Note the gradient norm of a step taken (`grad_norm=True`): the gradients the optimizer used, read after the step"
+        """Note the gradient norm of a step taken (`grad_norm=True`): the gradients the optimizer used, read
+        after the step"""
         learn = self.learn
         if not learn.step_taken: return
         norm = _grad_norm(self._params if learn.turn is None else learn.stepper.params_stepped())
@@ -190,10 +206,12 @@ class SpikeGuard(Callback):
         last = self._last is not None and learn.iter >= self._last
         if last or (n >= self.check_every and n + len(self.history['loss']) >= self.warmup):
             self._check()
-            if not last and learn.train_iter - self._snap_at >= self.snapshot_every: self._snapshot(learn.iter + 1)
+            if not last and learn.train_iter - self._snap_at >= self.snapshot_every:
+                self._snapshot(learn.iter + 1)
 
     def after_train(self):
-        "The batches left unchecked by a dataloader without a length (one that cannot replay): checked at the end"
+        """The batches left unchecked by a dataloader without a length (one that cannot replay): checked at
+        the end"""
         if self._losses: self._check()
 
     def before_checkpoint(self):
@@ -203,13 +221,15 @@ class SpikeGuard(Callback):
     def _check(self):
         "One host sync (and one collective across ranks): roll back if a batch since the last check spiked"
         if not self._losses: return
-        if self._found_inf is not None: self._found_inf.zero_()     # a step skipped since had a loss that is a spike
+        # a step skipped since had a loss that is a spike
+        if self._found_inf is not None: self._found_inf.zero_()
         iters,values = self._iters,_values(self._losses)
         spiked,levels,bounds = self._spikes(values, self.history['loss'])
         norms = torch.stack(self._norms).tolist() if self._norms else []
         for i,s in zip(self._norm_iters, self._spikes(norms, self.history['grad_norm'])[0]):
             if s: spiked[iters.index(i)] = True
-        if num_distrib() > 1: spiked = (sum_across_ranks(torch.tensor(spiked, dtype=torch.float32)) > 0).tolist()
+        if num_distrib() > 1:
+            spiked = (sum_across_ranks(torch.tensor(spiked, dtype=torch.float32)) > 0).tolist()
         if any(spiked):
             spikes = [(i, b, _why(v, l)) for i,s,v,l,b in zip(iters, spiked, values, levels, bounds) if s]
             self.on_spike(spikes[0][0], spikes[0][2], spikes)
@@ -240,12 +260,14 @@ class SpikeGuard(Callback):
         self._restore_snapshot()
         where = f"epoch {learn.epoch} batch {spiked}" + (f", rows {rows_text(rows)}" if rows else '') + why
         if self.rollbacks >= self.max_rollbacks:
-            learn.skipped_batches = before            # those skipped so far (the snapshot may be older than some)
+            learn.skipped_batches = before  # those skipped so far (the snapshot may be older than some)
             learn('after_rollback')                   # a checkpoint written on this error is of the snapshot
             named = rows_text(sorted({*learn.skipped_items, *(rows or ())}))
             raise RuntimeError(
-                f"SpikeGuard: the training loss spiked at {where}, after {self.rollbacks} rollbacks in this fit "
-                f"(max_rollbacks={self.max_rollbacks}); the batches (epoch, batch) that spiked: {list(skipped)}; their "
+                f"SpikeGuard: the training loss spiked at {where}, after {self.rollbacks} rollbacks in this "
+                f"fit "
+                f"(max_rollbacks={self.max_rollbacks}); the batches (epoch, batch) that spiked: "
+                f"{list(skipped)}; their "
                 f"rows in the dataset: {named or 'unknown (no sampler learncb orders)'} "
                 f"(learn.skipped_items holds those found). The learner holds the run as it was before batch "
                 f"{start} of epoch {learn.epoch}, before the spike. Drop those rows from the data, lower the "
@@ -345,7 +367,7 @@ class SpikeGuard(Callback):
         learn,start = self.learn,self._start
         self._last = _unknown
         dl = learn.dls.train
-        if start == 0: learn.dl = dl                        # a new pass, drawn as the first was: the random state is back
+        if start == 0: learn.dl = dl  # a new pass, drawn as the first was: the random state is back
         else: replay_pass(learn, dl, start, rank_rng(self._snap.state))
         learn('after_rollback')
         raise RollbackException(start)
@@ -365,7 +387,8 @@ def _why(value, level):
     return '' if level is None else f" (loss {value:.4g}, {value / level:.3g} times the median {level:.4g} of the batches before it)"
 
 class TerminateOnNaNCallback(SpikeGuard):
-    "Stops the fit at the first batch whose loss is NaN or infinite, before any step on it (validation: at its end)"
+    """Stops the fit at the first batch whose loss is NaN or infinite, before any step on it (validation: at
+    its end)"""
     run_valid = True
     _state_attrs = ('history', 'found')
     def __init__(self, check_every=32):
@@ -389,7 +412,8 @@ class TerminateOnNaNCallback(SpikeGuard):
 
     def before_batch(self):
         "The batch found bad, reached again after the replay of the ones before it: stop before it runs"
-        if self._stop_at is not None and self.learn.training and (self.learn.epoch, self.learn.iter) == self._stop_at:
+        if self._stop_at is not None and self.learn.training and (self.learn.epoch,
+                                                                  self.learn.iter) == self._stop_at:
             self._stop()
 
     def after_loss(self):
@@ -401,11 +425,13 @@ class TerminateOnNaNCallback(SpikeGuard):
         if self.learn.training: super().after_batch()
 
     def on_spike(self, bad, why='', spikes=()):
-        "Put the run back to the last check and replay the batches before `bad`; the fit stops when `bad` comes"
+        """Put the run back to the last check and replay the batches before `bad`; the fit stops when `bad`
+        comes"""
         learn = self.learn
         where = f"training loss is NaN or infinite at epoch {learn.epoch}, batch {bad}"
         if not self.replayable:
-            self.found = (f"{where}: the fit stopped at batch {learn.iter}, so the weights have taken the steps of the "
+            self.found = (f"{where}: the fit stopped at batch {learn.iter}, so the weights have taken the "
+                          f"steps of the "
                           f"batches up to it (the dataloader cannot replay: {self._reason})")
             self._stop()
         self._restore_snapshot()
@@ -414,26 +440,31 @@ class TerminateOnNaNCallback(SpikeGuard):
         self._replay()
 
     def cannot_replay(self, reason):
-        "A dataloader that cannot replay: the fit stops at the check that finds the bad batch, up to `check_every - 1` after it"
+        """A dataloader that cannot replay: the fit stops at the check that finds the bad batch, up to
+        `check_every - 1` after it"""
         self._reason = reason
 
     def after_validate(self):
         "One host sync (a sum across ranks): are the validation losses finite?"
         valid,world = self._valid,num_distrib()
         if not valid and world == 1: return
-        finite = torch.isfinite(torch.stack([l.float().mean() for l in valid])) if valid else torch.ones(0, dtype=torch.bool)
+        finite = torch.isfinite(torch.stack([l.float().mean() for l in valid])) if valid else torch.ones(0,
+            dtype=torch.bool)
         self._valid = []
         bad = (~finite).float().sum().reshape(1)
         if world > 1: bad = sum_across_ranks(bad)
         if not bad.item(): return
         where = f"batch {int((~finite).nonzero()[0])}" if not bool(finite.all()) else "a batch of another rank"
-        self.found = (f"validation loss is NaN or infinite at epoch {self.learn.epoch}, {where}: the fit stopped after "
+        self.found = (f"validation loss is NaN or infinite at epoch {self.learn.epoch}, {where}: the fit "
+                      f"stopped after "
                       f"that validation, with the weights of the epoch's last step")
         self._stop()
 
     def _stop(self):
-        "End the fit saying why and where: `learn.stop_reason` (told by the learner's output), `CancelFitException`"
+        """End the fit saying why and where: `learn.stop_reason` (told by the learner's output),
+        `CancelFitException`"""
         learn = self.learn
         learn.stop_reason = self.found
-        if not has_output(learn) and is_rank0(): warn_user(self.found, RuntimeWarning)   # else the Recorder tells it
+        # else the Recorder tells it
+        if not has_output(learn) and is_rank0(): warn_user(self.found, RuntimeWarning)
         raise CancelFitException(self.found)

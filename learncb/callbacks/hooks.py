@@ -1,4 +1,4 @@
-"""Look inside the model while it trains: hooks on modules, and per-layer activation statistics (mean, std, share near zero, histograms) kept on the device.
+"""Look inside the model while it trains: module hooks and per-layer activation statistics kept on the device.
 
 Docs: https://learncb.github.io/learncb/hooks.html.md"""
 
@@ -18,7 +18,8 @@ from ..internals import conv_types
 
 # %% ../../nbs/31_hooks.ipynb #1571d4a5
 class Hook:
-    "Calls `hook_func(module, input, output)` at each forward (or backward) of `m` and keeps what it returns in `stored`"
+    """Calls `hook_func(module, input, output)` at each forward (or backward) of `m` and keeps what it returns
+    in `stored`"""
     def __init__(self, m, hook_func, is_forward=True, detach=True, cpu=False):
         self.hook_func,self.detach,self.cpu,self.stored,self.removed = hook_func,detach,cpu,None,False
         register = m.register_forward_hook if is_forward else m.register_full_backward_hook
@@ -73,12 +74,15 @@ def hook_outputs(modules, detach=True, cpu=False, grad=False):
     return Hooks(modules, _output, is_forward=not grad, detach=detach, cpu=cpu)
 
 def layers_with_params(model, include_paramless=False):
-    "The leaf modules of `model` that have parameters of their own (all its leaves with `include_paramless`): where hooks go"
-    return [m for m in model.modules() if not list(m.children()) and (include_paramless or list(m.parameters(recurse=False)))]
+    """The leaf modules of `model` that have parameters of their own (all its leaves with
+    `include_paramless`): where hooks go"""
+    return [m for m in model.modules() if not list(m.children()) and (include_paramless
+                                                                      or list(m.parameters(recurse=False)))]
 
 # %% ../../nbs/31_hooks.ipynb #0af973ef
 class HookCallback(Callback):
-    "Puts `hook` on `modules` (default: the layers with parameters, or every layer) for the fit; it runs on training batches"
+    """Puts `hook` on `modules` (default: the layers with parameters, or every layer) for the fit; it runs on
+    training batches"""
     order,run_valid = Order.COMPILE,False
     def __init__(self, modules=None, every=None, remove_end=True, is_forward=True, detach=True, cpu=False,
                  include_paramless=False):
@@ -112,7 +116,8 @@ class HookCallback(Callback):
 
 # %% ../../nbs/31_hooks.ipynb #beb2b042
 class ActivationStats(HookCallback):
-    "Per layer and training batch: mean, std and share near zero of the activations (and histograms, with `with_hist`)"
+    """Per layer and training batch: mean, std and share near zero of the activations (and histograms, with
+    `with_hist`)"""
     def __init__(self, with_hist=False, near_zero=0.05, bins=40, hist_range=(0, 10), **kwargs):
         super().__init__(**kwargs)
         self.with_hist,self.near_zero,self.bins,self.hist_range = with_hist,near_zero,bins,hist_range
@@ -124,7 +129,8 @@ class ActivationStats(HookCallback):
 
     def hook(self, m, i, o):
         o = (o[0] if isinstance(o, (tuple, list)) else o).float()
-        stats = torch.stack([o.mean(), o.std(), (o.abs() <= self.near_zero).float().mean()])   # on the device: no wait
+        # on the device: no wait
+        stats = torch.stack([o.mean(), o.std(), (o.abs() <= self.near_zero).float().mean()])
         return stats,(o.abs().histc(self.bins, *self.hist_range) if self.with_hist else None)
 
     def after_batch(self):
@@ -136,9 +142,11 @@ class ActivationStats(HookCallback):
 
     @property
     def stats(self):
-        "A tensor (batches, layers, 3): mean, std and share near zero of each layer's output, on the CPU (one copy)"
+        """A tensor (batches, layers, 3): mean, std and share near zero of each layer's output, on the CPU
+        (one copy)"""
         if self._cache is None:
-            self._cache = torch.stack(self._stats).cpu() if self._stats else torch.zeros(0, len(self.hooks or []), 3)
+            self._cache = torch.stack(self._stats).cpu() if self._stats else torch.zeros(0, len(self.hooks
+                or []), 3)
         return self._cache
 
     def layer_stats(self, idx):
@@ -154,12 +162,14 @@ class ActivationStats(HookCallback):
         "Plot the mean, std and share near zero of layer `idx` over the batches"
         import matplotlib.pyplot as plt
         fig,axs = plt.subplots(1, 3, figsize=figsize)
-        for ax,values,title in zip(axs, self.layer_stats(idx), ('mean', 'std', f'% with |x| <= {self.near_zero}')):
+        for ax,values,title in zip(axs, self.layer_stats(idx), ('mean', 'std', f'% with |x| <= '
+                f'{self.near_zero}')):
             ax.plot(values); ax.set_title(title)
         return axs
 
     def color_dim(self, idx, figsize=(10, 5), ax=None):
-        "The colorful dimension: layer `idx`'s histograms over the batches as an image (log scale), as in fastai"
+        """The colorful dimension: layer `idx`'s histograms over the batches as an image (log scale), as in
+        fastai"""
         import matplotlib.pyplot as plt
         if ax is None: _,ax = plt.subplots(figsize=figsize)
         ax.imshow(self.hist(idx).T.log1p().flip(0), aspect='auto', origin='upper')
@@ -170,7 +180,8 @@ class ActivationStats(HookCallback):
 def _first_conv(m):
     "The first convolution of `m`"
     conv = next((l for l in m.modules() if isinstance(l, conv_types)), None)
-    if conv is None: raise ValueError(f"{type(m).__name__} has no convolution, so the shape of its input cannot be "
+    if conv is None:
+        raise ValueError(f"{type(m).__name__} has no convolution, so the shape of its input cannot be "
                                       f"guessed: run an input of your own through it with hook_outputs")
     return conv
 
@@ -179,7 +190,8 @@ def in_channels(m):
     return _first_conv(m).in_channels
 
 def dummy_eval(m, size=(64, 64)):
-    "The output of `m` (in eval mode, no gradients) for one random input of spatial `size`; every module's mode is kept"
+    """The output of `m` (in eval mode, no gradients) for one random input of spatial `size`; every module's
+    mode is kept"""
     p,g = next(m.parameters()),torch.Generator().manual_seed(0)
     x = torch.empty(1, in_channels(m), *size).uniform_(-1., 1., generator=g).to(p.device, p.dtype)
     modes = [(l, l.training) for l in m.modules()]

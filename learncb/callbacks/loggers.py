@@ -1,4 +1,4 @@
-"""Plain-text progress for logs, a live loss graph, metrics sent anywhere, the epoch table as CSV, a timer per phase.
+"""Plain-text progress for logs, a live loss graph, metrics sent anywhere, the table as CSV, phase timers.
 
 Docs: https://learncb.github.io/learncb/loggers.html.md"""
 
@@ -21,11 +21,13 @@ from ..recorder import *
 
 # %% ../../nbs/14_loggers.ipynb #1731c748
 def value_names(recorder):
-    "Names of the columns of `recorder.values` (`recorder.value_names`): `metric_names` without `epoch` and `time`"
+    """Names of the columns of `recorder.values` (`recorder.value_names`): `metric_names` without `epoch` and
+    `time`"""
     return recorder.value_names
 
 def last_values(learn):
-    "The last row of `learn.recorder.values` as a dict `{column name: value}`; empty without a Recorder or a row"
+    """The last row of `learn.recorder.values` as a dict `{column name: value}`; empty without a Recorder or a
+    row"""
     rec = getattr(learn, 'recorder', None)
     if not isinstance(rec, Recorder) or not rec.values: return {}
     return dict(zip(rec.value_names, rec.values[-1]))
@@ -41,7 +43,8 @@ def _batches(dl, what):
 
 # %% ../../nbs/14_loggers.ipynb #9d66b92e
 class PrintProgressCallback(Callback):
-    "Progress as printed lines for logs: one when the fit starts, one per epoch with every value, one at the end"
+    """Progress as printed lines for logs: one when the fit starts, one per epoch with every value, one at the
+    end"""
     remove_on_lr_find = True
     order = Order.LOGGER
     rank0_only = True      # in a distributed run, rank 0 alone logs
@@ -84,7 +87,8 @@ class PrintProgressCallback(Callback):
 def _finite(vs): return [v for v in vs if v is not None and math.isfinite(v)]
 
 def loss_graphs(recorder, n_batches=None):
-    "`(graphs, x_bounds, y_bounds)` for `update_graph`: smoothed training loss by batch number, validation loss per epoch"
+    """`(graphs, x_bounds, y_bounds)` for `update_graph`: smoothed training loss by batch number, validation
+    loss per epoch"""
     losses,k = recorder.losses,recorder.value_names.index('valid_loss')
     xs,ends,_ = recorder.batch_numbers()
     valid = [(x, v[k]) for x,v in zip(ends, recorder.values) if v[k] is not None]
@@ -95,7 +99,8 @@ def loss_graphs(recorder, n_batches=None):
     return graphs, (0, max(n_batches or 0, xs[-1] + 1 if xs else 0)), y_bounds
 
 class ShowGraphCallback(Callback):
-    "Draws the training and validation losses under the progress bars after each epoch (in Jupyter; quiet elsewhere)"
+    """Draws the training and validation losses under the progress bars after each epoch (in Jupyter; quiet
+    elsewhere)"""
     remove_on_lr_find = True
     order = Order.LOGGER - 5   # after the ProgressCallback (60) and the Recorder (50)
     rank0_only = True      # in a distributed run, rank 0 alone logs
@@ -111,14 +116,15 @@ class ShowGraphCallback(Callback):
 
 # %% ../../nbs/14_loggers.ipynb #568b824f
 class LogMetricsCallback(Callback):
-    "Base class of metrics loggers: override `log_metrics(metrics)`, called each epoch and every `log_every` batches"
+    """Base class of metrics loggers: override `log_metrics(metrics)`, called each epoch and every `log_every`
+    batches"""
     remove_on_lr_find = True
     order = Order.LOGGER
     rank0_only = True      # in a distributed run, rank 0 alone logs
     def __init__(self, log_every=None):
         self.log_every = check_int(log_every, 'log_every', ge=1, allow_none=True, who=type(self).__name__,
                                    hint='None logs at the end of each epoch only')
-        self.run_train,self.run_valid = log_every is not None,False     # no batch events at all when not needed
+        self.run_train,self.run_valid = log_every is not None,False  # no batch events at all when not needed
 
     def log_metrics(self, metrics):
         "Send `metrics` (a dict) somewhere: override this; by default it is printed"
@@ -128,14 +134,17 @@ class LogMetricsCallback(Callback):
         learn = self.learn
         if learn.train_iter % self.log_every: return
         rec = getattr(learn, 'recorder', None)
-        loss = rec.smooth_loss if isinstance(rec, Recorder) else (None if learn.loss is None else float(learn.loss))
-        self.log_metrics({'train_iter': learn.train_iter, 'train_loss': loss, 'lr': learn.opt.param_groups[0]['lr']})
+        loss = rec.smooth_loss if isinstance(rec, Recorder) else (None if learn.loss is None
+                                                                  else float(learn.loss))
+        self.log_metrics({'train_iter': learn.train_iter, 'train_loss': loss,
+                          'lr': learn.opt.param_groups[0]['lr']})
 
     def after_epoch(self): self.log_metrics({'epoch': self.learn.epoch, **last_values(self.learn)})
 
 # %% ../../nbs/14_loggers.ipynb #7aa67c7f
 class CSVLogger(Callback):
-    "Writes the Recorder's epoch table to the CSV file `learn.path/fname`, flushing each row; `append=True` adds to it"
+    """Writes the Recorder's epoch table to the CSV file `learn.path/fname`, flushing each row; `append=True`
+    adds to it"""
     remove_on_lr_find = True
     order = Order.LOGGER
     rank0_only = True      # in a distributed run, rank 0 alone logs
@@ -157,7 +166,8 @@ class CSVLogger(Callback):
             "callbacks (Learner(..., default_cbs=True)) or add one: learn.add_cb(Recorder())")
         self._path = path = self.file_path
         header = rec.metric_names
-        resuming = self.learn.resume_from is not None and path.exists()     # load_state_dict trims it to the checkpoint
+        # load_state_dict trims it to the checkpoint
+        resuming = self.learn.resume_from is not None and path.exists()
         continuing = resuming or (self.append and path.exists() and path.stat().st_size > 0)
         if continuing: self._check_header(path, header)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -177,11 +187,13 @@ class CSVLogger(Callback):
         self._file.flush()
 
     def state_dict(self):
-        "For checkpoints: how long the file is now (a resumed fit cuts the file back to it and goes on writing)"
+        """For checkpoints: how long the file is now (a resumed fit cuts the file back to it and goes on
+        writing)"""
         return {'size': self._file.tell() if self._file is not None else None}
 
     def load_state_dict(self, state):
-        "Cut the file back to its length at the checkpoint: rows written after it are written again by the resumed run"
+        """Cut the file back to its length at the checkpoint: rows written after it are written again by the
+        resumed run"""
         if state['size'] is None or self._file is None: return
         self._file.flush()
         self._file.truncate(state['size'])
@@ -216,7 +228,8 @@ def _parse_cell(name, s):
 _batch_phases = ('fetch', 'forward', 'loss', 'backward', 'step')
 
 class TimerCallback(Callback):
-    "Seconds per epoch spent fetching batches, in forward, loss, backward, step, training and validation: `times`"
+    """Seconds per epoch spent fetching batches, in forward, loss, backward, step, training and validation:
+    `times`"""
     remove_on_lr_find = True
     order,run_valid = Order.LOGGER,False
     _state_attrs = ('times',)

@@ -1,4 +1,4 @@
-"""`learn.lr_find()`: a short trial run with a growing learning rate that suggests one, leaving the learner as it was.
+"""`learn.lr_find()`: a short run with a growing lr that suggests one, leaving the learner as it was.
 
 Docs: https://learncb.github.io/learncb/lr_find.html.md"""
 
@@ -29,12 +29,14 @@ def _check_lr_find_args(start_lr, end_lr, num_it):
     "Raise a `ValueError` for lrs or a number of batches that `lr_find` cannot use"
     for k,v in (('start_lr', start_lr), ('end_lr', end_lr)):
         check_number(v, k, gt=0, who='lr_find', what='a number > 0')
-    if end_lr <= start_lr: raise ValueError(f"lr_find: end_lr ({end_lr!r}) must be larger than start_lr ({start_lr!r})")
+    if end_lr <= start_lr:
+        raise ValueError(f"lr_find: end_lr ({end_lr!r}) must be larger than start_lr ({start_lr!r})")
     check_int(num_it, 'num_it', ge=2, who='lr_find', hint='the number of batches to try')
 
 # %% ../../nbs/12_lr_find.ipynb #5f5e93c2
 class LRFinder(Callback):
-    "Raises the lr exponentially from `start_lr` to `end_lr` over `num_it` batches, recording the smoothed loss"
+    """Raises the lr exponentially from `start_lr` to `end_lr` over `num_it` batches, recording the smoothed
+    loss"""
     order,run_valid = Order.DEFAULT,False
     # with several optimizers in turn: one lr for every optimizer, the batch's loss the sum of its turns'
     def __init__(self, start_lr=1e-7, end_lr=10, num_it=100, stop_div=True, beta=0.98):
@@ -57,7 +59,8 @@ class LRFinder(Callback):
             self._turns = loss if learn.stepper.first_turn() else self._turns + loss
             if not learn.stepper.last_turn(): return
             loss = self._turns
-        if num_distrib() > 1: loss = sum_across_ranks(loss.detach().float()) / num_distrib()   # one curve, one stop
+        # one curve, one stop
+        if num_distrib() > 1: loss = sum_across_ranks(loss.detach().float()) / num_distrib()
         self._avg = self.beta * self._avg + (1 - self.beta) * float(loss)    # host sync: needed to stop
         smooth = self._avg / (1 - self.beta ** (len(losses) + 1))
         lrs.append(learn.opt.param_groups[0]['lr']); losses.append(smooth)
@@ -68,10 +71,12 @@ class LRFinder(Callback):
     def before_validate(self): raise CancelValidException()
 
     def suggest(self, suggest_funcs=None):
-        "Apply each suggestion function to the finite points recorded; a `SuggestedLRs` with one lr per function"
+        """Apply each suggestion function to the finite points recorded; a `SuggestedLRs` with one lr per
+        function"""
         funcs = _suggest_funcs((valley,) if suggest_funcs is None else suggest_funcs)
         points = [(lr, l) for lr,l in zip(self.lrs, self.losses) if math.isfinite(l)]
-        if not points: raise ValueError("lr_find recorded no finite loss: start from a smaller start_lr, and check "
+        if not points:
+            raise ValueError("lr_find recorded no finite loss: start from a smaller start_lr, and check "
                                         "that the model trains at all")
         lrs,losses = map(list, zip(*points))
         result_type = _suggested_lrs_type(tuple(f.__name__ for f in funcs))
@@ -84,7 +89,8 @@ class LRFinder(Callback):
         if ax is None: _,ax = plt.subplots()
         end = len(self.lrs) - skip_end if len(self.lrs) > skip_end + 1 else len(self.lrs)
         lrs,losses = self.lrs[:end],self.losses[:end]
-        ax.plot(lrs, losses); ax.set_xscale('log'); ax.set_xlabel('learning rate'); ax.set_ylabel('smoothed loss')
+        ax.plot(lrs, losses); ax.set_xscale('log'); ax.set_xlabel('learning rate'); ax.set_ylabel('smoothed '
+            'loss')
         if self.suggestions and lrs:
             for name,lr in self.suggestions._asdict().items():
                 ax.plot(lr, np.interp(math.log(lr), np.log(lrs), losses), 'o', label=f'{name}: {lr:.2e}')
@@ -108,7 +114,8 @@ def minimum(lrs, losses):
 def steep(lrs, losses):
     "The lr where the loss decreases fastest per unit of log lr"
     if len(lrs) < 2: return lrs[0]
-    slopes = [(losses[i + 1] - losses[i]) / (math.log(lrs[i + 1]) - math.log(lrs[i])) for i in range(len(lrs) - 1)]
+    slopes = [(losses[i + 1] - losses[i]) / (math.log(lrs[i + 1]) - math.log(lrs[i])) for i
+              in range(len(lrs) - 1)]
     return lrs[min(range(len(slopes)), key=slopes.__getitem__)]
 
 # %% ../../nbs/12_lr_find.ipynb #27e4c3b3
@@ -128,16 +135,20 @@ def _suggest_funcs(funcs):
     names = [getattr(f, '__name__', None) for f in funcs]
     for f,name in zip(funcs, names):
         if not callable(f) or not isinstance(name, str) or not name.isidentifier() or name.startswith('_'):
-            raise ValueError(f"lr_find: each suggestion function must be a function f(lrs, losses) -> lr defined with "
+            raise ValueError(f"lr_find: each suggestion function must be a function f(lrs, losses) -> lr "
+                             f"defined with "
                              f"a name (its name becomes the field of the result), not {f!r}")
-    if len(set(names)) != len(names): raise ValueError(f"lr_find: the suggestion functions have repeated names {names}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"lr_find: the suggestion functions have repeated names {names}")
     if not funcs: raise ValueError("lr_find: suggest_funcs is empty; pass at least one, e.g. (valley,)")
     return funcs
 
 # %% ../../nbs/12_lr_find.ipynb #347592ba
 @patch
-def lr_find(self:Learner, start_lr=1e-7, end_lr=10, num_it=100, stop_div=True, show_plot=True, suggest_funcs=(valley,)):
-    "Try lrs rising from `start_lr` to `end_lr` over `num_it` batches, plot the loss, suggest lrs; then undo the trial"
+def lr_find(self:Learner, start_lr=1e-7, end_lr=10, num_it=100, stop_div=True, show_plot=True,
+            suggest_funcs=(valley,)):
+    """Try lrs rising from `start_lr` to `end_lr` over `num_it` batches, plot the loss, suggest lrs; then undo
+    the trial"""
     finder,funcs = LRFinder(start_lr, end_lr, num_it, stop_div),_suggest_funcs(suggest_funcs)
     with self._exclusive('learn.lr_find()', lends=True):
         n = n_batches(self.dls.train)
@@ -147,8 +158,10 @@ def lr_find(self:Learner, start_lr=1e-7, end_lr=10, num_it=100, stop_div=True, s
             with self.removed_cbs([cb for cb in self.cbs if sits_out_lr_find(cb)]), self.no_logging():
                 self.fit(n_epoch, cbs=finder)
         except Exception as e:
-            add_note(e, "learncb: raised during lr_find, which runs without the Recorder and skips validation; a "
-                        "callback that needs them should set remove_on_lr_find = True, or be removed around it: "
+            add_note(e, "learncb: raised during lr_find, which runs without the Recorder and skips "
+                        "validation; a "
+                        "callback that needs them should set remove_on_lr_find = True, or be removed around "
+                        "it: "
                         "with learn.removed_cbs(cb): learn.lr_find()")
             raise
         finally:

@@ -1,4 +1,4 @@
-"""`AutoMicrobatch`: a batch that runs out of memory is split into micro-batches whose gradients add up to the whole batch's: the same step, in less memory.
+"""`AutoMicrobatch`: a batch that runs out of memory is split into micro-batches that make the same step.
 
 Docs: https://learncb.github.io/learncb/microbatch.html.md"""
 
@@ -17,13 +17,15 @@ from ..ranks import *
 
 # %% ../../nbs/34a_microbatch.ipynb #48176f32
 def split_inputs(xs, size):
-    "The inputs `xs` (tensors nested in tuples, lists and dicts) cut into micro-batches of `size` items: each tensor with the batch's first dimension"
+    """The inputs `xs` (tensors nested in tuples, lists and dicts) cut into micro-batches of `size` items:
+    each tensor with the batch's first dimension"""
     n = find_bs(xs)
     cut = lambda s: (lambda t: t[s:s+size] if t.ndim and t.shape[0] == n else t)
     return [map_tensors(cut(s), xs) for s in range(0, n, size)]
 
 def cat_outputs(outs):
-    "The outputs of the micro-batches joined into the whole batch's: each tensor concatenated on its first dimension"
+    """The outputs of the micro-batches joined into the whole batch's: each tensor concatenated on its first
+    dimension"""
     joined = iter([torch.cat(ts) if ts[0].ndim else ts[0] for ts in zip(*map(tensors_of, outs))])
     return map_tensors(lambda t: next(joined), outs[0])
 
@@ -46,8 +48,10 @@ def _free_memory():
     if torch.cuda.is_available(): torch.cuda.empty_cache()
 
 def _too_big(n, sizes):
-    return (f"learncb: AutoMicrobatch split this batch of {n} items into micro-batches of {', '.join(map(str, sizes))} "
-            f"items and each ran out of memory: one item does not fit. Free memory (a smaller model, MixedPrecision, "
+    return (f"learncb: AutoMicrobatch split this batch of {n} items into micro-batches of "
+            f"{', '.join(map(str, sizes))} "
+            f"items and each ran out of memory: one item does not fit. Free memory (a smaller model, "
+            f"MixedPrecision, "
             f"fewer activations kept) and fit again")
 
 def _sum_grads(total, grads):
@@ -59,7 +63,8 @@ _in_place = object()   # the gradients went into `.grad` as they would have in t
 
 # %% ../../nbs/34a_microbatch.ipynb #497cbf0d
 class AutoMicrobatch(Callback):
-    "On an out-of-memory error, split the batch into micro-batches and add up their gradients: the same step, in less memory"
+    """On an out-of-memory error, split the batch into micro-batches and add up their gradients: the same
+    step, in less memory"""
     order = Order.SETUP + 1          # after DDP wraps the model
     # with several optimizers in turn: each turn's forward and backward split alike, its optimizer's gradients
     _state_attrs = ('halvings', 'since_change', 'history')
@@ -81,16 +86,18 @@ class AutoMicrobatch(Callback):
         self._device = self._params[0].device if self._params else torch.device('cpu')
         self._leaves = self._inputs = None
         self._failed_whole,self._agreed_at = False,None
-        if self._world > 1:                     # the buffer the gradients are averaged through, a pinned agreement
+        if self._world > 1:  # the buffer the gradients are averaged through, a pinned agreement
             self._buffer = self._reduce_buffer()
             self._agreed_host = torch.zeros(1, dtype=torch.long, pin_memory=self._device.type == 'cuda')
 
     def runs_plain(self):
-        "Whether this batch's forward and backward are the plain ones (one process, no split in force): a compiled step runs them"
+        """Whether this batch's forward and backward are the plain ones (one process, no split in force): a
+        compiled step runs them"""
         return self._world == 1 and not self.halvings
 
     def out_of_memory(self):
-        "The whole batch ran out of memory where the hooks did not see it (a compiled step): the step runs it again, split"
+        """The whole batch ran out of memory where the hooks did not see it (a compiled step): the step runs
+        it again, split"""
         self._failed_whole = True
 
     def after_fit(self): self._leaves = self._inputs = self._params = self._inner = self._buffer = None
@@ -115,12 +122,13 @@ class AutoMicrobatch(Callback):
 
     # the step's hooks
     def step_forward(self, forward):
-        "The step's model call: the whole batch (the plain call when it fits), or its micro-batches once it ran out of memory"
+        """The step's model call: the whole batch (the plain call when it fits), or its micro-batches once it
+        ran out of memory"""
         if self._agreed_at is not None: self._take_agreement()
         self._leaves,self._start,self._kept = None,self.halvings,0
         if not torch.is_grad_enabled(): return self._predicted(forward)
         self._gather()
-        if self._world == 1 and not self.halvings:            # a batch that fits: the plain forward, nothing more
+        if self._world == 1 and not self.halvings:  # a batch that fits: the plain forward, nothing more
             if not self._failed_whole:
                 try: return forward()
                 except Exception as e:
@@ -130,7 +138,8 @@ class AutoMicrobatch(Callback):
         return forward(self._train_call)
 
     def step_backward(self, step):
-        "The step's backward: the plain one for a whole batch that fitted; carried into the model for micro-batches"
+        """The step's backward: the plain one for a whole batch that fitted; carried into the model for
+        micro-batches"""
         if self._leaves is None: self._plain_backward(step)
         else:
             step.backward()                                  # the loop's backward, to the outputs' leaves
@@ -140,12 +149,14 @@ class AutoMicrobatch(Callback):
         self._note_size()
 
     def _plain_backward(self, step):
-        "The backward of a whole batch that fitted (one process): into `.grad`; on an out-of-memory error, in micro-batches"
+        """The backward of a whole batch that fitted (one process): into `.grad`; on an out-of-memory error,
+        in micro-batches"""
         params = self._trained()
         fresh = all(p.grad is None for p in params)
         try:
             if fresh: return step.backward()
-            grads = torch.autograd.grad(self.learn.loss_grad, params, allow_unused=True)   # `.grad` kept from earlier batches
+            # `.grad` kept from earlier batches
+            grads = torch.autograd.grad(self.learn.loss_grad, params, allow_unused=True)
         except Exception as e:
             if not is_oom(e): raise
             if fresh:
@@ -170,7 +181,8 @@ class AutoMicrobatch(Callback):
             if id(p) not in own: p.grad = None
 
     def _split_from_scratch(self):
-        "The whole batch's backward ran out of memory: its output again, in micro-batches, and the backward through them"
+        """The whole batch's backward ran out of memory: its output again, in micro-batches, and the backward
+        through them"""
         learn = self.learn
         out = learn.forward_batch(self._train_call)
         loss = learn._batch_loss_func()(out, *learn.yb)
@@ -178,7 +190,8 @@ class AutoMicrobatch(Callback):
         self._carry_backward()
 
     def _train_call(self, *args, **kw):
-        "The model call of a training batch that does not fit whole: its micro-batches (or the whole, every `grow_every` steps)"
+        """The model call of a training batch that does not fit whole: its micro-batches (or the whole, every
+        `grow_every` steps)"""
         self._inputs,self._cast,self._rng = (args, kw),_autocast_like(self._device.type),None
         if self.halvings and self.since_change >= self.grow_every:
             self._kept,self.halvings,self.since_change = self.halvings,0,0     # try the whole batch again
@@ -192,11 +205,14 @@ class AutoMicrobatch(Callback):
         return self._leaves_of(self._split_forward(), split=True)
 
     def _leaves_of(self, out, split=False):
-        "`out` with a leaf for each tensor with a graph (`split`: each float tensor): the loop's backward stops there"
+        """`out` with a leaf for each tensor with a graph (`split`: each float tensor): the loop's backward
+        stops there"""
         has_grad = lambda t: t.is_floating_point() if split else t.requires_grad
-        self._leaves = [(i, None if split else t, t.detach().requires_grad_()) for i,t in enumerate(tensors_of(out))
+        self._leaves = [(i, None if split else t, t.detach().requires_grad_()) for i,
+                        t in enumerate(tensors_of(out))
                         if has_grad(t)]
-        leaf,position = {i: l for i,_,l in self._leaves},itertools.count()    # the i-th tensor of `out`: its leaf
+        # the i-th tensor of `out`: its leaf
+        leaf,position = {i: l for i,_,l in self._leaves},itertools.count()
         return map_tensors(lambda t: leaf.get(next(position), t), out)
 
     def _size(self, n, halvings): return max(1, math.ceil(n / 2**halvings))
@@ -221,7 +237,8 @@ class AutoMicrobatch(Callback):
             _free_memory()
 
     def _split_forward(self):
-        "The whole batch's output made of its micro-batches', without a graph: the backward computes each again"
+        """The whole batch's output made of its micro-batches', without a graph: the backward computes each
+        again"""
         self._rng = rng_state()                    # each micro-batch's second forward draws as its first did
         with torch.no_grad():
             h,outs = self._micro(self._inputs, self.halvings, lambda a,k: self._inner(*a, **k),
@@ -245,12 +262,14 @@ class AutoMicrobatch(Callback):
                 if not is_oom(e): raise
             self.valid_halvings += 1
             _free_memory()
-        self.valid_halvings,outs = self._micro((args, kw), self.valid_halvings, lambda a,k: self._inner(*a, **k))
+        self.valid_halvings,outs = self._micro((args, kw), self.valid_halvings, lambda a,k: self._inner(*a,
+            **k))
         return cat_outputs(outs)
 
     # the backward the loop's stopped at the outputs
     def _carry_backward(self):
-        "Carry the loop's backward from the outputs' leaves into the model: for the whole batch, or micro-batch by micro-batch"
+        """Carry the loop's backward from the outputs' leaves into the model: for the whole batch, or
+        micro-batch by micro-batch"""
         leaves,self._leaves = self._leaves,None
         if not leaves: return
         params = self._trained()
@@ -266,11 +285,14 @@ class AutoMicrobatch(Callback):
                 else: p.grad.add_(g)
 
     def _whole_backward(self, params, leaves):
-        """The backward of the whole batch's graph: into `.grad` (then `_in_place`), or the gradients when `.grad` must
-        stay as it is (gradients kept from earlier batches, or to average over the ranks); `None` if out of memory"""
+        """The backward of the whole batch's graph: into `.grad` (then `_in_place`), or the gradients when
+        `.grad` must
+        stay as it is (gradients kept from earlier batches, or to average over the ranks); `None` if out of
+        memory"""
         outs,grad_outs = zip(*[(t, l.grad) for _,t,l in leaves if l.grad is not None])
         try:
-            if any(p.grad is not None for p in params): return torch.autograd.grad(outs, params, grad_outs, allow_unused=True)
+            if any(p.grad is not None for p in params):
+                return torch.autograd.grad(outs, params, grad_outs, allow_unused=True)
             # into theirs alone (with turns, not into the other optimizers' parameters)
             try: torch.autograd.backward(outs, grad_outs, inputs=params)
             except BaseException:
@@ -291,18 +313,22 @@ class AutoMicrobatch(Callback):
         n = find_bs(self._inputs)
         self.history.append((learn.epoch, learn.iter, self._size(n, self.halvings)))
         if self.halvings > self._start and is_rank0(): warn_user(
-            f"AutoMicrobatch: batch {learn.iter} of epoch {learn.epoch} ({n} items) ran out of memory: micro-batches of "
-            f"{self._size(n, self.halvings)} items from here (the whole batch is tried again every {self.grow_every} steps)")
+            f"AutoMicrobatch: batch {learn.iter} of epoch {learn.epoch} ({n} items) ran out of memory: "
+            f"micro-batches of "
+            f"{self._size(n, self.halvings)} items from here (the whole batch is tried again every "
+            f"{self.grow_every} steps)")
 
     def _split_backward(self, params, grad_outs):
         "The gradients of `params`, summed over the micro-batches, each computed again with its graph"
-        total,start = None,self._rng or rng_state()   # the whole batch's forward drew its own: any start will do
+        # the whole batch's forward drew its own: any start will do
+        total,start = None,self._rng or rng_state()
         def backward(a, k):
             nonlocal total
             s = backward.start
             out = tensors_of(self._inner(*a, **k))
             n = find_bs((a, k))
-            grads = torch.autograd.grad([out[i] for i,_ in grad_outs], params, [g[s:s+n] for _,g in grad_outs],
+            grads = torch.autograd.grad([out[i] for i,_ in grad_outs], params, [g[s:s+n] for _,
+                g in grad_outs],
                                         allow_unused=True)
             backward.start += n
             total = _sum_grads(total, grads)
@@ -315,7 +341,8 @@ class AutoMicrobatch(Callback):
         return total
 
     def _averaged(self, params, grads):
-        """The gradients averaged over the ranks, and the ranks' halvings agreed on (the largest wins), with no wait for
+        """The gradients averaged over the ranks, and the ranks' halvings agreed on (the largest wins), with
+        no wait for
         the device: on a GPU the agreement is read once it has come, at a later batch"""
         import torch.distributed as dist
         agreed = torch.full((1,), self.halvings, device=self._device)
@@ -332,8 +359,10 @@ class AutoMicrobatch(Callback):
         self._agreed_at,self.halvings = None,max(self.halvings, int(self._agreed_host))
 
     def _reduce_buffer(self):
-        """The buffer the gradients are averaged through, made once per fit: room for all of them (one collective a step)
-        when every rank has it, else `_chunk` items; its size agreed by the ranks (the same collectives on every rank)"""
+        """The buffer the gradients are averaged through, made once per fit: room for all of them (one
+        collective a step)
+        when every rank has it, else `_chunk` items; its size agreed by the ranks (the same collectives on
+        every rank)"""
         import torch.distributed as dist
         total,buffer = sum(p.numel() for p in self._params),None
         for n in dict.fromkeys((min(total, 2**24), min(total, _chunk))):
@@ -343,11 +372,13 @@ class AutoMicrobatch(Callback):
         size = torch.tensor([0 if buffer is None else buffer.numel()], device=self._device)
         dist.all_reduce(size, op=dist.ReduceOp.MIN)
         if not int(size): raise torch.OutOfMemoryError(
-            f"AutoMicrobatch: a rank cannot hold {_chunk} items to average the gradients through: free memory and fit again")
+            f"AutoMicrobatch: a rank cannot hold {_chunk} items to average the gradients through: free "
+            f"memory and fit again")
         return buffer[:int(size)]
 
     def _reduced(self, params, grads):
-        "`grads` averaged over the ranks in their own memory, through the fit's buffer, a buffer's worth a collective"
+        """`grads` averaged over the ranks in their own memory, through the fit's buffer, a buffer's worth a
+        collective"""
         import torch.distributed as dist
         buf,parts,fill = self._buffer,[],0
         grads = [torch.zeros_like(p) if g is None else g.contiguous() for p,g in zip(params, grads)]

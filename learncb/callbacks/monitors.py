@@ -26,23 +26,27 @@ def greater_is_better_for(name):
     return not any(w in name.lower() for w in _minimised)
 
 def beats(value, best, greater, min_delta=0.):
-    "Whether `value` beats `best` by more than `min_delta` (any finite value beats `None`; `None`, NaN, inf never win)"
+    """Whether `value` beats `best` by more than `min_delta` (any finite value beats `None`; `None`, NaN, inf
+    never win)"""
     if value is None or not math.isfinite(value): return False
     if best is None: return True
     return value > best + min_delta if greater else value < best - min_delta
 
 def resolve_monitor(monitor, names):
-    "The name in `names` that `monitor` means: exact, else the unique partial or close match, else a `ValueError`"
+    """The name in `names` that `monitor` means: exact, else the unique partial or close match, else a
+    `ValueError`"""
     if monitor in names: return monitor
     close = [n for n in names if monitor in n] or difflib.get_close_matches(monitor, names, n=3, cutoff=0.6)
     if len(close) == 1: return close[0]
     hint = f"; it could mean any of {close}" if close else ''
-    raise ValueError(f"monitor {monitor!r} is not a column of the recorder's table {names}{hint}: pass one of those "
+    raise ValueError(f"monitor {monitor!r} is not a column of the recorder's table {names}{hint}: pass one "
+                     f"of those "
                      f"names, or a function f(learn) -> float")
 
 # %% ../../nbs/10_monitors.ipynb #7e1b23be
 class TrackerCallback(Callback):
-    "Base of callbacks that watch `monitor` each epoch and remember its best value (`best`, `best_epoch`, `new_best`)"
+    """Base of callbacks that watch `monitor` each epoch and remember its best value (`best`, `best_epoch`,
+    `new_best`)"""
     order,remove_on_lr_find = Order.TRACKER,True
     _state_attrs = ('best', 'best_epoch', 'new_best', 'value')
     def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., reset_on_fit=True):
@@ -70,13 +74,16 @@ class TrackerCallback(Callback):
         if callable(self.monitor): return lambda: self.monitor(self.learn)
         rec = getattr(self.learn, 'recorder', None)
         if rec is None:
-            raise ValueError(f"{type(self).__name__} monitors {self.monitor!r}, a column of the Recorder, but "
+            raise ValueError(f"{type(self).__name__} monitors {self.monitor!r}, a column of the Recorder, "
+                             f"but "
                              f"the learner has no Recorder: add one, or monitor a function f(learn) -> float")
         names = rec.value_names
         self.monitor = resolve_monitor(self.monitor, names)
         if self.monitor in rec.valid_names and self.learn.dls.valid is None: raise ValueError(
-            f"{type(self).__name__} monitors {self.monitor!r}, a value of the validation, but this learner has no "
-            f"validation dataloader, so it would never get a value: pass DataLoaders(train, valid), or monitor "
+            f"{type(self).__name__} monitors {self.monitor!r}, a value of the validation, but this learner "
+            f"has no "
+            f"validation dataloader, so it would never get a value: pass DataLoaders(train, valid), or "
+            f"monitor "
             f"'train_loss'")
         idx = names.index(self.monitor)
         return lambda: rec.values[-1][idx]
@@ -100,11 +107,14 @@ class TrackerCallback(Callback):
 
 # %% ../../nbs/10_monitors.ipynb #fc42670d
 class SaveModelCallback(TrackerCallback):
-    "Saves the model when `monitor` improves (or every epoch) and loads the best one back at the end of the fit"
-    def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., fname='model', every_epoch=False,
+    """Saves the model when `monitor` improves (or every epoch) and loads the best one back at the end of the
+    fit"""
+    def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., fname='model',
+                 every_epoch=False,
                  at_end=False, with_opt=False, reset_on_fit=True):
         super().__init__(monitor, greater_is_better, min_delta, reset_on_fit)
-        if every_epoch is not False and at_end: raise ValueError("every_epoch and at_end are exclusive: pick one")
+        if every_epoch is not False and at_end:
+            raise ValueError("every_epoch and at_end are exclusive: pick one")
         self.fname,self.every_epoch,self.at_end,self.with_opt,self.saved = fname,every_epoch,at_end,with_opt,None
 
     _state_attrs = TrackerCallback._state_attrs + ('saved',)
@@ -119,14 +129,16 @@ class SaveModelCallback(TrackerCallback):
         super().after_epoch()
         if self.new_best:
             if self.learn.logger is not noop:
-                print(f'Better model found at epoch {self.learn.epoch} with {self.monitor_name} value: {self.value}.')
+                print(f'Better model found at epoch {self.learn.epoch} with {self.monitor_name} value: '
+                      f'{self.value}.')
             self._save(self.fname)
 
     def after_fit(self):
         if self.at_end: return self._save(self.fname)
         if self.every_epoch is not False or self.best_epoch is None: return
         if self.learn.exception is not None:
-            warn_user(f"the fit ended with {type(self.learn.exception).__name__}: the model keeps its current "
+            warn_user(f"the fit ended with {type(self.learn.exception).__name__}: the model keeps its "
+                      f"current "
                           f"weights; the best ones (epoch {self.best_epoch}) are in {self.saved}")
         else: self.learn.load(self.fname, with_opt=self.with_opt)
 
@@ -136,7 +148,8 @@ SaveBestModelCallback = SaveModelCallback
 class PatienceCallback(TrackerCallback):
     "Base of trackers that act after `patience` epochs without improvement: counts them in `wait`"
     _state_attrs = TrackerCallback._state_attrs + ('wait',)
-    def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., patience=1, reset_on_fit=True):
+    def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., patience=1,
+                 reset_on_fit=True):
         super().__init__(monitor, greater_is_better, min_delta, reset_on_fit)
         self.patience,self.wait = check_int(patience, 'patience', ge=1, who=type(self).__name__),0
 
@@ -159,7 +172,8 @@ class EarlyStoppingCallback(PatienceCallback):
     "Stops the fit when `monitor` has not improved by more than `min_delta` for `patience` epochs"
     _state_attrs = PatienceCallback._state_attrs + ('stopped_epoch',)
     stopped_epoch = None     # the epoch at which it stopped the last fit
-    def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., patience=1, reset_on_fit=True,
+    def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., patience=1,
+                 reset_on_fit=True,
                  check_finite=True):
         super().__init__(monitor, greater_is_better, min_delta, patience, reset_on_fit)
         self.check_finite = check_finite
@@ -172,9 +186,11 @@ class EarlyStoppingCallback(PatienceCallback):
         super().after_epoch()
         epoch,value = self.learn.epoch,self.value
         if self.check_finite and value is not None and not math.isfinite(value):
-            reason = (f'{self.monitor_name} is {value} at epoch {epoch}, which is not finite (the best was {self.best}): '
+            reason = (f'{self.monitor_name} is {value} at epoch {epoch}, which is not finite (the best was '
+                      f'{self.best}): '
                       f'early stopping (check_finite=True)')
-        elif self.out_of_patience: reason = f'No improvement of {self.monitor_name} since epoch {epoch - self.wait}: early stopping'
+        elif self.out_of_patience:
+            reason = f'No improvement of {self.monitor_name} since epoch {epoch - self.wait}: early stopping'
         else: return
         self.stopped_epoch = epoch
         if self.learn.logger is not noop: print(reason)
@@ -182,8 +198,10 @@ class EarlyStoppingCallback(PatienceCallback):
 
 # %% ../../nbs/10_monitors.ipynb #c8ea78a8
 class ReduceLROnPlateau(PatienceCallback):
-    "Divides the learning rate by `factor` when `monitor` has not improved for `patience` epochs, down to `min_lr`"
-    def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., patience=1, factor=10., min_lr=0.,
+    """Divides the learning rate by `factor` when `monitor` has not improved for `patience` epochs, down to
+    `min_lr`"""
+    def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., patience=1, factor=10.,
+                 min_lr=0.,
                  reset_on_fit=True):
         super().__init__(monitor, greater_is_better, min_delta, patience, reset_on_fit)
         self.factor = check_number(
@@ -202,5 +220,5 @@ class ReduceLROnPlateau(PatienceCallback):
         new = [pg['lr'] for pg in groups]
         if new == old: return
         new = [float(v) for v in new]                           # (a compiled step's are 0-dim tensors)
-        learn.lr = new[0] if len(set(new)) == 1 else new       # the next fits start from it (fit sets learn.lr)
+        learn.lr = new[0] if len(set(new)) == 1 else new  # the next fits start from it (fit sets learn.lr)
         if learn.logger is not noop: print(f'Epoch {learn.epoch}: reducing lr to {new[0]}')

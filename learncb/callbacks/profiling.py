@@ -1,4 +1,4 @@
-"""Where the time goes: throughput and the share of time spent waiting for data (with a warning when the dataloader is the bottleneck), and `torch.profiler` traces of chosen batches.
+"""Where the time goes: throughput, time waiting for data (warned when it is the bottleneck), profiler traces.
 
 Docs: https://learncb.github.io/learncb/profiling.html.md"""
 
@@ -20,14 +20,17 @@ from ..state import LearnerSnapshot
 from ..recorder import *
 
 # %% ../../nbs/30_profiling.ipynb #4fe4ed30
-_data_fix = ("give the DataLoader workers (num_workers=4 or more: the batches are then made in other processes while "
-             "the model trains), persistent_workers=True (workers are not started again every epoch) and, on a GPU, "
-             "pin_memory=True; or make the dataset's __getitem__ cheaper (decode or resize once, ahead of training)")
+_data_fix = ("give the DataLoader workers (num_workers=4 or more: the batches are then made in other "
+             "processes while "
+             "the model trains), persistent_workers=True (workers are not started again every epoch) and, on "
+             "a GPU, "
+             "pin_memory=True; or make the dataset's __getitem__ cheaper (decode or resize once, ahead of "
+             "training)")
 
 class ThroughputCallback(Callback):
     """Per epoch: training samples/s, items/s (what the loss counts: a language model's tokens), batches/s
     and the share of time spent waiting for the dataloader (`data_wait`)"""
-    order,run_valid = Order.WARMUP,False                # the training phase is measured; validation is left as it is
+    order,run_valid = Order.WARMUP,False  # the training phase is measured; validation is left as it is
     def __init__(self, warn_at=0.2, columns=True):
         self.warn_at = check_fraction(warn_at, 'warn_at', who='ThroughputCallback')
         self.columns,self.history,self._warned = columns,[],False
@@ -56,7 +59,8 @@ class ThroughputCallback(Callback):
         if row['data_wait'] > self.warn_at and not self._warned:
             self._warned = True
             warn_user(f"the training loop waited for data {row['data_wait']:.0%} of the time in epoch "
-                          f"{row['epoch']} (more than warn_at={self.warn_at:.0%}): the dataloader is the bottleneck, "
+                          f"{row['epoch']} (more than warn_at={self.warn_at:.0%}): the dataloader is the "
+                          f"bottleneck, "
                           f"not the model. To feed it faster, {_data_fix}", UserWarning)
 
     @property
@@ -68,11 +72,14 @@ def _tensorboard_plugin():
     return importlib.util.find_spec('torch_tb_profiler') is not None
 
 class ProfilerCallback(Callback):
-    "Runs `torch.profiler` over training batches (`wait`, `warmup`, then `active` ones, `repeat` times) and writes traces"
+    """Runs `torch.profiler` over training batches (`wait`, `warmup`, then `active` ones, `repeat` times) and
+    writes traces"""
     order,run_valid = Order.SETUP,False
-    def __init__(self, path='profile', wait=1, warmup=1, active=3, repeat=1, record_shapes=False, with_stack=False,
+    def __init__(self, path='profile', wait=1, warmup=1, active=3, repeat=1, record_shapes=False,
+                 with_stack=False,
                  tensorboard=None):
-        for v,n in ((wait, 'wait'), (warmup, 'warmup'), (repeat, 'repeat')): check_int(v, n, ge=0, who='ProfilerCallback')
+        for v,n in ((wait, 'wait'), (warmup, 'warmup'), (repeat, 'repeat')):
+            check_int(v, n, ge=0, who='ProfilerCallback')
         check_int(active, 'active', ge=1, who='ProfilerCallback')
         self.path,self.wait,self.warmup,self.active,self.repeat = Path(path),wait,warmup,active,repeat
         self.record_shapes,self.with_stack,self.tensorboard = record_shapes,with_stack,tensorboard
@@ -88,10 +95,14 @@ class ProfilerCallback(Callback):
         self.traces = []
         tb = _tensorboard_plugin() if self.tensorboard is None else self.tensorboard
         self._tb = self.folder/'tensorboard' if tb else None
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model_device(self.learn.model).type == 'cuda' else [])
-        self.prof = torch.profiler.profile(activities=acts, record_shapes=self.record_shapes, with_stack=self.with_stack,
-                                           schedule=torch.profiler.schedule(wait=self.wait, warmup=self.warmup,
-                                                                            active=self.active, repeat=self.repeat),
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                         if model_device(self.learn.model).type == 'cuda' else [])
+        self.prof = torch.profiler.profile(activities=acts, record_shapes=self.record_shapes,
+                                           with_stack=self.with_stack,
+                                           schedule=torch.profiler.schedule(wait=self.wait,
+            warmup=self.warmup,
+                                                                            active=self.active,
+            repeat=self.repeat),
                                            on_trace_ready=self._ready)
         self.prof.__enter__()
 
@@ -101,18 +112,20 @@ class ProfilerCallback(Callback):
     def _ready(self, prof):
         self._last = prof
         path = self.folder/f'trace_{len(self.traces)}.json'
-        prof.export_chrome_trace(str(path))       # a trace is saved once: TensorBoard's copy is a copy of the file
+        prof.export_chrome_trace(str(path))  # a trace is saved once: TensorBoard's copy is a copy of the file
         self.traces.append(path)
         if self._tb is not None:
             self._tb.mkdir(parents=True, exist_ok=True)
-            shutil.copy(path, self._tb/f'{socket.gethostname()}_{os.getpid()}.{time.time_ns() // 1_000_000}.pt.trace.json')
+            shutil.copy(path,
+                        self._tb/f'{socket.gethostname()}_{os.getpid()}.{time.time_ns() // 1_000_000}.pt.trace.json')
 
     def after_fit(self):
         prof,self.prof = self.prof,None
         if prof is not None: prof.__exit__(None, None, None)
 
     def key_averages(self, n=10):
-        "The `n` ops that took the most time in the last trace, as a table (`torch.profiler`'s `key_averages`)"
+        """The `n` ops that took the most time in the last trace, as a table (`torch.profiler`'s
+        `key_averages`)"""
         return self._last.key_averages().table(sort_by='self_cpu_time_total', row_limit=n)
 
 # %% ../../nbs/30_profiling.ipynb #daa7bf41
@@ -125,7 +138,8 @@ class _StopAfter(Callback):
 
 @patch
 def profile(self:Learner, n_batches=3, wait=1, warmup=1, path='profile', **kwargs):
-    "Profile `n_batches` training batches (after `wait` + `warmup`) with `ProfilerCallback`; the learner is left as it was"
+    """Profile `n_batches` training batches (after `wait` + `warmup`) with `ProfilerCallback`; the learner is
+    left as it was"""
     check_int(n_batches, 'n_batches', ge=1, who='Learner.profile')
     snapshot = LearnerSnapshot(self)
     prof = ProfilerCallback(path=path, wait=wait, warmup=warmup, active=n_batches, repeat=1, **kwargs)

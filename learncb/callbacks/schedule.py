@@ -1,4 +1,4 @@
-"""Annealers, `ParamScheduler`, `fit_one_cycle`/`fit_flat_cos`, a wrapper for `torch.optim.lr_scheduler`, linear warmup.
+"""Annealers, `ParamScheduler`, `fit_one_cycle`/`fit_flat_cos`, torch's lr schedulers, linear warmup.
 
 Docs: https://learncb.github.io/learncb/schedule.html.md"""
 
@@ -49,7 +49,8 @@ class SchedExp(_Annealer):
     def __init__(self, start, end):
         super().__init__(start, end)
         if start <= 0 or end <= 0:
-            raise ValueError(f"SchedExp({start!r}, {end!r}): start and end must both be > 0, since the value moves by "
+            raise ValueError(f"SchedExp({start!r}, {end!r}): start and end must both be > 0, since the value "
+                             f"moves by "
                              f"equal ratios; use SchedLin or SchedCos to reach 0 or to cross it")
     def __call__(self, pos): return self.start * (self.end / self.start) ** pos
 
@@ -57,14 +58,16 @@ class SchedPoly(_Annealer):
     "`start + (end - start) * pos ** power`: from `start` to `end` along a power curve"
     def __init__(self, start, end, power):
         super().__init__(start, end)
-        self.power = check_number(power, 'power', gt=0, who='SchedPoly', what='> 0', hint='power=1 is SchedLin',
+        self.power = check_number(power, 'power', gt=0, who='SchedPoly', what='> 0',
+                                  hint='power=1 is SchedLin',
                                   type_error=TypeError)
     def __call__(self, pos): return self.start + (self.end - self.start) * pos ** self.power
     def __repr__(self): return f'SchedPoly({self.start!r}, {self.end!r}, {self.power!r})'
 
 # %% ../../nbs/11_schedule.ipynb #ac971c65
 def combine_scheds(pcts, scheds):
-    "One schedule made of `scheds` in turn, the i-th running over the fraction `pcts[i]` of training (they sum to 1)"
+    """One schedule made of `scheds` in turn, the i-th running over the fraction `pcts[i]` of training (they
+    sum to 1)"""
     pcts,scheds = list(pcts),list(scheds)
     if len(pcts) != len(scheds) or not scheds:
         raise ValueError(f"combine_scheds: got {len(pcts)} fractions {pcts} for {len(scheds)} schedules; "
@@ -91,23 +94,28 @@ def combined_cos(pct, start, middle, end):
     return combine_scheds([pct, 1 - pct], [SchedCos(start, middle), SchedCos(middle, end)])
 
 # %% ../../nbs/11_schedule.ipynb #ce1395ce
-_hp_hints = {'mom': "'mom' sets 'momentum', or betas[0] for Adam-like optimizers", 'sqr_mom': "'sqr_mom' sets betas[1]",
+_hp_hints = {'mom': "'mom' sets 'momentum', or betas[0] for Adam-like optimizers", 'sqr_mom': "'sqr_mom' "
+    "sets betas[1]",
              'wd': "'wd' sets 'weight_decay'", 'eps': "'eps' sets 'eps'"}
 
 def _opt_keys(opt): return sorted(k for k in opt.param_groups[0] if k != 'params')
 
 class ParamScheduler(Callback):
-    "Sets hyper-parameters of every param group before each training batch from schedules of `learn.pct_train`, or with `by='step'` of the optimizer step's index"
-    order,run_valid,deferred_events = Order.DEFAULT,False,('after_step',)   # counting the steps may wait for a compiled step
+    """Sets hyper-parameters of every param group before each training batch from schedules of
+    `learn.pct_train`, or with `by='step'` of the optimizer step's index"""
+    # counting the steps may wait for a compiled step
+    order,run_valid,deferred_events = Order.DEFAULT,False,('after_step',)
     def __init__(self, scheds, by='pct'):
         self.by = check_choice(by, 'by', ('pct', 'step'), who='ParamScheduler',
-                               hint="'pct': the fraction of the fit's batches done; 'step': the optimizer step's index")
+                               hint="'pct': the fraction of the fit's batches done; 'step': the optimizer "
+                                    "step's index")
         if not isinstance(scheds, dict): raise TypeError(
             f"ParamScheduler takes a dict mapping hyper-parameter names to schedules, e.g. "
             f"{{'lr': SchedCos(1e-2, 1e-4)}}, not {type(scheds).__name__}")
         for name,s in scheds.items():
             if not callable(s):
-                raise TypeError(f"ParamScheduler: the schedule for {name!r} must be a function of pos, not {s!r}")
+                raise TypeError(f"ParamScheduler: the schedule for {name!r} must be a function of pos, not "
+                                f"{s!r}")
         self.scheds,self.hps,self._plan,self.n_steps = dict(scheds),{name: [] for name in scheds},[],0
 
     def before_fit(self):
@@ -126,18 +134,22 @@ class ParamScheduler(Callback):
         if None not in locs:
             return [(*loc, [i for i,l in enumerate(locs) if l == loc]) for loc in dict.fromkeys(locs)]
         hint = f" ({_hp_hints[name]})" if name in _hp_hints else ''
-        raise ValueError(f"ParamScheduler cannot schedule {name!r}{hint} on {type(opt).__name__}: its param groups "
-                         f"have the keys {_opt_keys(opt)}. Schedule one of those, or use an optimizer that has "
+        raise ValueError(f"ParamScheduler cannot schedule {name!r}{hint} on {type(opt).__name__}: its param "
+                         f"groups "
+                         f"have the keys {_opt_keys(opt)}. Schedule one of those, or use an optimizer that "
+                         f"has "
                          f"{name!r}")
 
     def _check_value(self, name, value, opt):
         n = len(opt.param_groups)
         if isinstance(value, (list, tuple)):
             if len(value) != n: raise ValueError(
-                f"ParamScheduler: the schedule for {name!r} returns {len(value)} values, but {type(opt).__name__} has "
+                f"ParamScheduler: the schedule for {name!r} returns {len(value)} values, but "
+                f"{type(opt).__name__} has "
                 f"{n} param group{'s' if n > 1 else ''}: return one value, or a list with one value per group")
         elif not isinstance(value, (Real, torch.Tensor)) or isinstance(value, bool):
-            raise TypeError(f"ParamScheduler: the schedule for {name!r} must return a number (or a list of one per "
+            raise TypeError(f"ParamScheduler: the schedule for {name!r} must return a number (or a list of "
+                            f"one per "
                             f"param group), but returned {value!r} at pos=0")
 
     def before_batch(self):
@@ -163,7 +175,8 @@ class ParamScheduler(Callback):
         if isinstance(rec, Recorder): rec.hps = self.hps      # for `learn.recorder.plot_sched()`
 
     def state_dict(self):
-        "For checkpoints: the values set so far (`hps`) and the steps taken; `learn.pct_train` is saved with the loop"
+        """For checkpoints: the values set so far (`hps`) and the steps taken; `learn.pct_train` is saved with
+        the loop"""
         return {'hps': {k: list(v) for k,v in self.hps.items()}, 'n_steps': self.n_steps}
 
     def load_state_dict(self, state):
@@ -209,14 +222,16 @@ def _fit_scheduled(self:Learner, n_epoch, scheds, wd, cbs, reset_opt, resume):
 @patch
 def fit_one_cycle(self:Learner, n_epoch, lr_max=None, div=25., div_final=1e5, pct_start=0.25, wd=None,
                   moms=(0.95, 0.85, 0.95), cbs=None, reset_opt=False, resume=None):
-    "Fit `n_epoch` epochs with the 1cycle policy: lr from `lr_max/div` up to `lr_max` then down to `lr_max/div_final`"
+    """Fit `n_epoch` epochs with the 1cycle policy: lr from `lr_max/div` up to `lr_max` then down to
+    `lr_max/div_final`"""
     with self._exclusive('learn.fit_one_cycle()', lends=True):
         lr_max = check_lr(self.lr if lr_max is None else lr_max, 'lr_max', who='fit_one_cycle')
         check_number(div, 'div', gt=0, who='fit_one_cycle')
         check_number(div_final, 'div_final', gt=0, who='fit_one_cycle')
         check_fraction(pct_start, 'pct_start', who='fit_one_cycle', what=_of_training)
         if moms is not None and (not isinstance(moms, (list, tuple)) or len(moms) != 3):
-            raise ValueError(f"fit_one_cycle: moms must be (start, middle, end) momentums, like (0.95, 0.85, 0.95), "
+            raise ValueError(f"fit_one_cycle: moms must be (start, middle, end) momentums, like (0.95, 0.85, "
+                             f"0.95), "
                              f"not {moms!r}")
         self._check_fit(n_epoch, None, wd, 'fit_one_cycle')
         check_has_len(self.dls.train, 'fit_one_cycle')
@@ -227,14 +242,17 @@ def fit_one_cycle(self:Learner, n_epoch, lr_max=None, div=25., div_final=1e5, pc
             reset_opt = False                  # made just now if it had to be
             if has_momentum(opt): scheds['mom'] = combined_cos(pct_start, *moms)
             else: warn_user(
-                f"fit_one_cycle: {type(opt).__name__} has no momentum (neither 'momentum' nor 'betas' in its param "
+                f"fit_one_cycle: {type(opt).__name__} has no momentum (neither 'momentum' nor 'betas' in its "
+                f"param "
                 f"groups), so moms={moms} is not scheduled; pass moms=None to silence this", UserWarning)
         self._fit_scheduled(n_epoch, scheds, wd, cbs, reset_opt, resume)
 
 @patch
-def fit_flat_cos(self:Learner, n_epoch, lr=None, div_final=1e5, pct_start=0.75, wd=None, cbs=None, reset_opt=False,
+def fit_flat_cos(self:Learner, n_epoch, lr=None, div_final=1e5, pct_start=0.75, wd=None, cbs=None,
+                 reset_opt=False,
                  resume=None):
-    "Fit `n_epoch` epochs at a flat `lr` for `pct_start` of the fit, then with a cosine down to `lr/div_final`"
+    """Fit `n_epoch` epochs at a flat `lr` for `pct_start` of the fit, then with a cosine down to
+    `lr/div_final`"""
     with self._exclusive('learn.fit_flat_cos()', lends=True):
         lr = check_lr(self.lr if lr is None else lr, 'lr', who='fit_flat_cos')
         check_number(div_final, 'div_final', gt=0, who='fit_flat_cos')
@@ -242,33 +260,41 @@ def fit_flat_cos(self:Learner, n_epoch, lr=None, div_final=1e5, pct_start=0.75, 
         self._check_fit(n_epoch, None, wd, 'fit_flat_cos')
         check_has_len(self.dls.train, 'fit_flat_cos')
         lr,reset_opt = self._spread_for_fit(lr, reset_opt)
-        make = lambda v: combine_scheds([pct_start, 1 - pct_start], [SchedNo(v, v), SchedCos(v, v / div_final)])
+        make = lambda v: combine_scheds([pct_start, 1 - pct_start], [SchedNo(v, v), SchedCos(v,
+            v / div_final)])
         self._fit_scheduled(n_epoch, {'lr': _per_group(make, lr)}, wd, cbs, reset_opt, resume)
 
 # %% ../../nbs/11_schedule.ipynb #ff5fc374
 @patch
-def fine_tune(self:Learner, epochs, base_lr=2e-3, freeze_epochs=1, lr_mult=100, pct_start=0.3, div=5.0, **kwargs):
-    "Fit the head alone for `freeze_epochs` (body frozen), then all of it for `epochs` with lrs spread over the groups"
+def fine_tune(self:Learner, epochs, base_lr=2e-3, freeze_epochs=1, lr_mult=100, pct_start=0.3, div=5.0,
+              **kwargs):
+    """Fit the head alone for `freeze_epochs` (body frozen), then all of it for `epochs` with lrs spread over
+    the groups"""
     with self._exclusive('learn.fine_tune()', lends=True):
         check_lr(base_lr, 'base_lr', who='fine_tune')
         check_int(freeze_epochs, 'freeze_epochs', ge=0, who='fine_tune', hint='epochs with the body frozen')
         check_number(lr_mult, 'lr_mult', ge=1, who='fine_tune', hint='how much lower the first group lr is')
         if 'resume' in kwargs: raise TypeError(
-            "fine_tune is two fits and cannot resume as one: to continue its second fit, call learn.unfreeze() then "
+            "fine_tune is two fits and cannot resume as one: to continue its second fit, call "
+            "learn.unfreeze() then "
             "learn.fit_one_cycle(..., resume=True)")
         self._check_fit(epochs, None, kwargs.get('wd'), 'fine_tune')
         self.freeze()
         self.fit_one_cycle(freeze_epochs, slice(base_lr), pct_start=0.99, **kwargs)
         self.unfreeze()
-        self.fit_one_cycle(epochs, slice(base_lr / 2 / lr_mult, base_lr / 2), pct_start=pct_start, div=div, **kwargs)
+        self.fit_one_cycle(epochs, slice(base_lr / 2 / lr_mult, base_lr / 2), pct_start=pct_start, div=div,
+                           **kwargs)
 
 @patch
-def fit_sgdr(self:Learner, n_cycles, cycle_len, lr_max=None, cycle_mult=2, cbs=None, reset_opt=False, wd=None):
-    "Fit `n_cycles` cosine cycles of the lr from `lr_max` to 0, the first `cycle_len` epochs, each next `cycle_mult` x"
+def fit_sgdr(self:Learner, n_cycles, cycle_len, lr_max=None, cycle_mult=2, cbs=None, reset_opt=False,
+             wd=None):
+    """Fit `n_cycles` cosine cycles of the lr from `lr_max` to 0, the first `cycle_len` epochs, each next
+    `cycle_mult` x"""
     with self._exclusive('learn.fit_sgdr()', lends=True):
         n_cycles = check_int(n_cycles, 'n_cycles', ge=1, who='fit_sgdr', hint='the number of cosine cycles')
         cycle_len = check_int(cycle_len, 'cycle_len', ge=1, who='fit_sgdr', hint='epochs in the first cycle')
-        cycle_mult = check_int(cycle_mult, 'cycle_mult', ge=1, who='fit_sgdr', hint='1 for cycles of equal length')
+        cycle_mult = check_int(cycle_mult, 'cycle_mult', ge=1, who='fit_sgdr', hint='1 for cycles of equal '
+            'length')
         lr_max = check_lr(self.lr if lr_max is None else lr_max, 'lr_max', who='fit_sgdr')
         lens = [cycle_len * cycle_mult ** i for i in range(n_cycles)]
         self._check_fit(sum(lens), None, wd, 'fit_sgdr')
@@ -282,28 +308,32 @@ def _is_scheduler(o): return callable(getattr(o, 'step', None)) and hasattr(o, '
 
 # %% ../../nbs/11_schedule.ipynb #e529fd95
 class LRSchedulerCallback(Callback):
-    "Steps a `torch.optim.lr_scheduler` after every optimizer step that happened (`step_on='batch'`) or every epoch"
+    """Steps a `torch.optim.lr_scheduler` after every optimizer step that happened (`step_on='batch'`) or
+    every epoch"""
     order,run_valid,deferred_events = Order.DEFAULT,False,('after_step',)
     def __init__(self, scheduler, step_on='batch', monitor='valid_loss', opt_name=None):
         "`opt_name`: with several optimizers (`NamedOptimizers`), the name of the one `scheduler` is built on"
         check_choice(step_on, 'step_on', ('batch', 'epoch'), who='LRSchedulerCallback',
                      hint="'batch': after each optimizer step, 'epoch': after each epoch")
         if not _is_scheduler(scheduler) and not callable(scheduler):
-            raise TypeError(f"LRSchedulerCallback takes a torch.optim.lr_scheduler scheduler built on learn.opt, or a "
+            raise TypeError(f"LRSchedulerCallback takes a torch.optim.lr_scheduler scheduler built on "
+                            f"learn.opt, or a "
                             f"function opt -> scheduler (e.g. lambda opt: StepLR(opt, step_size=10)), "
                             f"not {scheduler!r}")
         self.make_scheduler = None if _is_scheduler(scheduler) else scheduler
         self.scheduler = scheduler if _is_scheduler(scheduler) else None
         self.step_on,self.monitor,self._cancelled_at,self._monitor_idx = step_on,monitor,-1,None
         self.opt_name = opt_name
-        self._live,self._pending = False,None      # whether this fit's scheduler exists; a state to load into it
+        self._live,self._pending = False,None  # whether this fit's scheduler exists; a state to load into it
         if self.scheduler is not None: self._check_plateau()
 
     def _check_plateau(self):
-        "Whether the scheduler is a `ReduceLROnPlateau`, which is stepped with a validation value once per epoch"
+        """Whether the scheduler is a `ReduceLROnPlateau`, which is stepped with a validation value once per
+        epoch"""
         plateau = isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         if plateau and self.step_on == 'batch': raise ValueError(
-            "LRSchedulerCallback: ReduceLROnPlateau steps on a validation value, once per epoch: pass step_on='epoch'")
+            "LRSchedulerCallback: ReduceLROnPlateau steps on a validation value, once per epoch: pass "
+            "step_on='epoch'")
         return plateau
 
     def before_fit(self):
@@ -313,10 +343,12 @@ class LRSchedulerCallback(Callback):
             f"steps, LRSchedulerCallback(..., opt_name={names[-1]!r})")
         opt = self.learn.opt if self.opt_name is None else self.learn.opt[self.opt_name]
         if self.make_scheduler is not None:
-            for pg in opt.param_groups: pg.pop('initial_lr', None)    # each fit's schedule starts from this fit's lr
+            # each fit's schedule starts from this fit's lr
+            for pg in opt.param_groups: pg.pop('initial_lr', None)
             self.scheduler = self.make_scheduler(opt)
             if not _is_scheduler(self.scheduler) or self.scheduler.optimizer is not opt:
-                raise ValueError(f"LRSchedulerCallback: the function {self.make_scheduler!r} must return a scheduler "
+                raise ValueError(f"LRSchedulerCallback: the function {self.make_scheduler!r} must return a "
+                                 f"scheduler "
                                  f"built on the optimizer it is given, but returned {self.scheduler!r}")
         else:
             self._check_own_opt(opt)
@@ -329,8 +361,10 @@ class LRSchedulerCallback(Callback):
         if self.scheduler.optimizer is opt: return
         raise ValueError(
             f"LRSchedulerCallback: {type(self.scheduler).__name__} was built on another optimizer "
-            f"({type(self.scheduler.optimizer).__name__} at {id(self.scheduler.optimizer):#x}), not on learn.opt "
-            f"({type(opt).__name__} at {id(opt):#x}); the learner makes its optimizer at the first fit and again with "
+            f"({type(self.scheduler.optimizer).__name__} at {id(self.scheduler.optimizer):#x}), not on "
+            f"learn.opt "
+            f"({type(opt).__name__} at {id(opt):#x}); the learner makes its optimizer at the first fit and "
+            f"again with "
             f"reset_opt=True. Pass a function instead, "
             f"LRSchedulerCallback(lambda opt: {type(self.scheduler).__name__}(opt, ...)), "
             f"or call learn.create_opt() and build the scheduler on learn.opt")
@@ -345,11 +379,13 @@ class LRSchedulerCallback(Callback):
         "Index of `monitor` in the Recorder's `last_valid`, whose columns are its `valid_names`"
         learn,rec = self.learn,getattr(self.learn, 'recorder', None)
         if learn.dls.valid is None or not isinstance(rec, Recorder): raise ValueError(
-            "LRSchedulerCallback: ReduceLROnPlateau needs a validation dataloader and the Recorder to read its value "
+            "LRSchedulerCallback: ReduceLROnPlateau needs a validation dataloader and the Recorder to read "
+            "its value "
             "from")
         names = rec.valid_names
         if self.monitor not in names: raise ValueError(
-            f"LRSchedulerCallback: ReduceLROnPlateau monitors {self.monitor!r}, which is not one of the validation "
+            f"LRSchedulerCallback: ReduceLROnPlateau monitors {self.monitor!r}, which is not one of the "
+            f"validation "
             f"values {names}")
         return names.index(self.monitor)
 
@@ -380,7 +416,8 @@ class LRSchedulerCallback(Callback):
     def load_state_dict(self, state):
         "Load the scheduler's state: at once during a fit, else into the scheduler the next fit starts with"
         if 'scheduler' not in state: return
-        if self.scheduler is not None and (self._live or self.make_scheduler is None): self._load(state['scheduler'])
+        if self.scheduler is not None and (self._live or self.make_scheduler is None):
+            self._load(state['scheduler'])
         else: self._pending = state['scheduler']
 
     def _load(self, state):
@@ -389,20 +426,24 @@ class LRSchedulerCallback(Callback):
 
 # %% ../../nbs/11_schedule.ipynb #fc74d0ba
 def fit_steps(learn):
-    "The optimizer steps of `learn`'s fit: its epochs times the steps of an epoch (`steps_in` of an accumulating callback)"
+    """The optimizer steps of `learn`'s fit: its epochs times the steps of an epoch (`steps_in` of an
+    accumulating callback)"""
     dl,n_epoch = learn.dls.train,learn.n_epoch
     n = n_batches(dl)
     if n is None: raise ValueError(
-        "a share of the fit's optimizer steps needs their number, but the training dataloader has no length: give a "
+        "a share of the fit's optimizer steps needs their number, but the training dataloader has no length: "
+        "give a "
         "number of steps instead (e.g. WarmupCallback(100))")
     per_epoch = next((cb.steps_in(dl) for cb in learn.cbs if name_is_own(cb, 'steps_in')), n)
     return n_epoch * per_epoch
 
 class WarmupCallback(Callback):
-    "Scales the lr of the first `n_steps` optimizer steps of a fit (a float in (0, 1): that share of the fit's steps) by a factor rising linearly from `start_factor` to 1"
+    """Scales the lr of the first `n_steps` optimizer steps of a fit (a float in (0, 1): that share of the
+    fit's steps) by a factor rising linearly from `start_factor` to 1"""
     order = Order.WARMUP
     def __init__(self, n_steps, start_factor=0.):
-        share = isinstance(n_steps, float) and 0 < n_steps < 1          # a share of the fit's steps: counted at its start
+        # a share of the fit's steps: counted at its start
+        share = isinstance(n_steps, float) and 0 < n_steps < 1
         if not share: check_int(n_steps, 'n_steps', ge=0, who='WarmupCallback',
                                 hint='a number of optimizer steps, or a share of them in (0, 1), e.g. 0.1')
         check_fraction(start_factor, 'start_factor', who='WarmupCallback')
@@ -416,7 +457,8 @@ class WarmupCallback(Callback):
 
     def before_fit(self):
         self.factors,self.n_done,self._saved = [],0,None
-        if isinstance(self.warmup, float): self.n_steps = round(self.warmup * fit_steps(self.learn))     # a share
+        # a share
+        if isinstance(self.warmup, float): self.n_steps = round(self.warmup * fit_steps(self.learn))
         if self.n_steps == 0: self.run = False
 
     def before_step(self):
@@ -435,9 +477,10 @@ class WarmupCallback(Callback):
         if not self.learn.step_taken: return          # cancelled (GradientAccumulation, a skipped fp16 step)
         self.factors.append(self.factor(self.n_done))
         self.n_done += 1
-        if self.n_done >= self.n_steps: self.run = False     # warmup over: out of the dispatch tables for this fit
+        # warmup over: out of the dispatch tables for this fit
+        if self.n_done >= self.n_steps: self.run = False
 
-    def after_batch(self): self._restore()       # a CancelBatchException raised after before_step skips after_step
+    def after_batch(self): self._restore()  # a CancelBatchException raised after before_step skips after_step
     def after_fit(self): self._restore()         # an error raised during the step
 
     def state_dict(self):

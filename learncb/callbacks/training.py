@@ -1,4 +1,4 @@
-"""Callbacks that change how a step is taken (accumulation, clipping, mixed precision) or where things sit in memory.
+"""Callbacks that change how a step is taken (accumulation, clipping, mixed precision) or where things sit.
 
 Docs: https://learncb.github.io/learncb/training.html.md"""
 
@@ -74,7 +74,8 @@ class GradientAccumulation(Callback):
         if learn.stepper.last_turn(): self.count = 0
 
     def steps_in(self, dl):
-        "The optimizer steps an epoch over `dl` takes: one every `n_acc` samples, and one for the rest at the epoch's end"
+        """The optimizer steps an epoch over `dl` takes: one every `n_acc` samples, and one for the rest at
+        the epoch's end"""
         n,bs = n_batches(dl),getattr(dl, 'batch_size', None)
         if not n or not bs: return n
         bs = self.learn.strategy.global_items(bs) if self.learn is not None else bs
@@ -104,21 +105,25 @@ class GradientClip(Callback):
         nn.utils.clip_grad_norm_(params, self.max_norm, self.norm_type)
 
 # %% ../../nbs/13_training.ipynb #7ebdabf8
-_amp_dtypes = {'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16, 'fp16': torch.float16, 'float16': torch.float16,
+_amp_dtypes = {'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16, 'fp16': torch.float16,
+               'float16': torch.float16,
                'half': torch.float16, torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}
 
 def _check_amp_dtype(dtype):
     if dtype is None: return None
     try: return _amp_dtypes[dtype]
     except (KeyError, TypeError): pass
-    raise ValueError(f"MixedPrecision: dtype must be torch.bfloat16, torch.float16 (or 'bf16', 'fp16'), or None to let "
+    raise ValueError(f"MixedPrecision: dtype must be torch.bfloat16, torch.float16 (or 'bf16', 'fp16'), or "
+                     f"None to let "
                      f"the device choose, not {dtype!r}")
 
 # %% ../../nbs/13_training.ipynb #83d7a1ec
 def autocast_for(device_type, dtype):
-    "A `torch.autocast` for `device_type` and `dtype`, or a `ValueError` when the device cannot autocast to `dtype`"
+    """A `torch.autocast` for `device_type` and `dtype`, or a `ValueError` when the device cannot autocast to
+    `dtype`"""
     if not torch.amp.is_autocast_available(device_type):
-        raise ValueError(f"MixedPrecision: torch.autocast does not support the device type {device_type!r} of the "
+        raise ValueError(f"MixedPrecision: torch.autocast does not support the device type {device_type!r} "
+                         f"of the "
                          f"model; train without MixedPrecision, or on CUDA or the CPU")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
@@ -127,7 +132,8 @@ def autocast_for(device_type, dtype):
     if refused or not autocast_enabled(ctx):
         other = 'torch.bfloat16' if dtype == torch.float16 else 'torch.float16'
         reason = refused or 'autocast turned itself off'
-        raise ValueError(f"MixedPrecision: autocast on {device_type!r} does not support {dtype} ({reason}); pass "
+        raise ValueError(f"MixedPrecision: autocast on {device_type!r} does not support {dtype} ({reason}); "
+                         f"pass "
                          f"dtype={other}, or dtype=None to let the device choose")
     return ctx
 
@@ -142,7 +148,8 @@ class _Region:
         if self.open: self.open = False; self.ctx.__exit__(None, None, None)
 
 class _StepProbe:
-    "Stands in for the optimizer in `GradScaler.step`: same `param_groups`, and a `step` that only notes it was allowed"
+    """Stands in for the optimizer in `GradScaler.step`: same `param_groups`, and a `step` that only notes it
+    was allowed"""
     def __init__(self, learn): self.learn,self.stepped = learn,False
     @property
     def param_groups(self): return self.learn.stepper.turn_opt().param_groups
@@ -157,10 +164,12 @@ def _to_float(o):
 
 # %% ../../nbs/13_training.ipynb #7f37f7d5
 class MixedPrecision(Callback):
-    "Forward pass and loss under `torch.autocast`; with float16, a `GradScaler` skipping steps whose gradients overflow"
+    """Forward pass and loss under `torch.autocast`; with float16, a `GradScaler` skipping steps whose
+    gradients overflow"""
     order = Order.MIXED_PRECISION
-    compiled_events = ('before_backward', 'before_step', 'after_step')   # autocast is entered outside the step
-    deferred_events = ('after_loss',)      # leaving autocast after the step changes nothing: backward and step do not autocast
+    compiled_events = ('before_backward', 'before_step', 'after_step')  # autocast is entered outside the step
+    # leaving autocast after the step changes nothing: backward and step do not autocast
+    deferred_events = ('after_loss',)
     def __init__(self, dtype=None, init_scale=2.**16, growth_interval=2000):
         self.dtype = _check_amp_dtype(dtype)
         self.init_scale = check_number(init_scale, 'init_scale', gt=0, who='MixedPrecision')
@@ -173,7 +182,7 @@ class MixedPrecision(Callback):
         return self.dtype or (torch.bfloat16 if device_type == 'cpu' else torch.float16)
 
     def before_fit(self):
-        strategy = self.learn.strategy          # FSDP's MixedPrecisionPolicy casts the model: no autocast, no scaler
+        strategy = self.learn.strategy  # FSDP's MixedPrecisionPolicy casts the model: no autocast, no scaler
         self.in_model = strategy.casts_model(self.amp_dtype(self.learn.device.type))
         if self.in_model:
             self._region,self._device_type,self.scaler = _Region(contextlib.nullcontext()),None,None
@@ -184,7 +193,8 @@ class MixedPrecision(Callback):
         self._probe = _StepProbe(self.learn)
 
     def _open_region(self):
-        "Make the autocast context for the model's device (unless it is made already); returns the device type"
+        """Make the autocast context for the model's device (unless it is made already); returns the device
+        type"""
         device_type = model_device(self.learn.model, self.learn.device).type
         if self._region is None or device_type != self._device_type:
             self._region = _Region(autocast_for(device_type, self.amp_dtype(device_type)))
@@ -225,7 +235,8 @@ class MixedPrecision(Callback):
         raise CancelStepException()
 
     def after_cancel_step(self):
-        "A later callback cancelled a step whose gradients were unscaled: scale them again for the next backward"
+        """A later callback cancelled a step whose gradients were unscaled: scale them again for the next
+        backward"""
         probe = self._probe
         if self.scaler is None or probe is None or not probe.stepped: return
         probe.stepped = False
@@ -242,7 +253,7 @@ class MixedPrecision(Callback):
 
     def after_fit(self):
         self._close_region()
-        self.in_model = False                   # validation after the fit runs on the plain model: autocast again
+        self.in_model = False  # validation after the fit runs on the plain model: autocast again
 
     def state_dict(self):
         "The scaler's state and `skipped_steps`, for a checkpoint"
@@ -258,17 +269,21 @@ class MixedPrecision(Callback):
 
 # %% ../../nbs/13_training.ipynb #7d8cc2d7
 def detach_state(state):
-    "A model's carried state (a tensor, or a tuple or list of them) cut from the graph of the batch that made it"
+    """A model's carried state (a tensor, or a tuple or list of them) cut from the graph of the batch that
+    made it"""
     if isinstance(state, torch.Tensor): return state.detach()
     return type(state)(detach_state(s) for s in state) if isinstance(state, (tuple, list)) else state
 
 class HiddenStateCallback(Callback):
-    "For `model(*xb, state) -> (output, state)`: each batch gets the state the previous one returned, detached; `init(learn)` makes the first of each pass"
-    order = Order.TRAIN_EVAL + 1            # the state is added to the inputs, and taken from the output, before anyone reads them
+    """For `model(*xb, state) -> (output, state)`: each batch gets the state the previous one returned,
+    detached; `init(learn)` makes the first of each pass"""
+    # the state is added to the inputs, and taken from the output, before anyone reads them
+    order = Order.TRAIN_EVAL + 1
     _state_attrs = ('hidden',)              # the training pass's state: a resumed epoch goes on with it
     def __init__(self, init):
         if not callable(init): raise TypeError(
-            f"HiddenStateCallback(init): init must be a function learn -> the first state of a pass, e.g. lambda learn: "
+            f"HiddenStateCallback(init): init must be a function learn -> the first state of a pass, e.g. "
+            f"lambda learn: "
             f"learn.model.init_hidden(learn.x.shape[1]), not {init!r}")
         self.init,self.hidden,self.valid_hidden = init,None,None
 
@@ -285,7 +300,8 @@ class HiddenStateCallback(Callback):
         "Keep the state the model returned; `learn.pred` is its output"
         learn,out = self.learn,self.learn.pred
         if not (isinstance(out, (tuple, list)) and len(out) == 2): raise TypeError(
-            f"HiddenStateCallback: the model returned {describe_value(out)}, not (output, state): its forward must "
+            f"HiddenStateCallback: the model returned {describe_value(out)}, not (output, state): its "
+            f"forward must "
             f"return the output and the state the next batch takes, as output, hidden = model(data, hidden)")
         learn.pred,state = out
         if learn.training: self.hidden = state
@@ -295,7 +311,8 @@ class HiddenStateCallback(Callback):
 
 # %% ../../nbs/13_training.ipynb #545ffde1
 class MoveModulesToDeviceCallback(Callback):
-    "Move every `nn.Module` attribute of the learner but the model (loss function, teacher...) to the model's device"
+    """Move every `nn.Module` attribute of the learner but the model (loss function, teacher...) to the
+    model's device"""
     order = Order.SETUP
     def move_modules(self):
         "Move the learner's `nn.Module` attributes, other than the model, to the model's device"
@@ -307,7 +324,8 @@ class MoveModulesToDeviceCallback(Callback):
 
 # %% ../../nbs/13_training.ipynb #a8ca4104
 def _channels_last(x):
-    return x.contiguous(memory_format=torch.channels_last) if isinstance(x, torch.Tensor) and x.ndim == 4 else x
+    return x.contiguous(memory_format=torch.channels_last) if isinstance(x,
+        torch.Tensor) and x.ndim == 4 else x
 
 class ChannelsLast(Callback):
     "Train in channels-last memory format: the model at `before_fit`, each 4-d input at `before_batch`"

@@ -1,4 +1,4 @@
-"""MixUp, CutMix, label smoothing, weight averaging (EMA, SWA), short epochs, frozen batch norm and test-time augmentation: what a fastai user's second notebook reaches for.
+"""MixUp, CutMix, label smoothing, EMA and SWA, short epochs, frozen batch norm, test-time augmentation.
 
 Docs: https://learncb.github.io/learncb/tricks.html.md"""
 
@@ -25,7 +25,8 @@ from ..preds import *
 
 # %% ../../nbs/29_tricks.ipynb #934551d5
 class MixHandler(Callback):
-    "Base of `MixUp` and `CutMix`: each training batch is mixed with a shuffled copy of itself, and its loss alike"
+    """Base of `MixUp` and `CutMix`: each training batch is mixed with a shuffled copy of itself, and its loss
+    alike"""
     run_valid = False                   # validation, `get_preds` and `predict` see the data as it is
     compiled_events = ('after_loss',)   # the mixed loss: tensor code
     fold = True                         # λ taken as max(λ, 1-λ) (MixUp), or kept as drawn (CutMix)
@@ -35,20 +36,25 @@ class MixHandler(Callback):
 
     def before_fit(self):
         if self.learn.loss_func is None:
-            raise ValueError(f"{type(self).__name__} mixes the losses of two sets of targets, so it needs the "
-                             f"learner's loss_func, but this learner's model computes its own loss (loss_func=None). "
+            raise ValueError(f"{type(self).__name__} mixes the losses of two sets of targets, so it needs "
+                             f"the "
+                             f"learner's loss_func, but this learner's model computes its own loss "
+                             f"(loss_func=None). "
                              f"Pass a loss_func to the Learner, or remove {type(self).__name__}")
 
     def draw_lambda(self):
-        "λ drawn from Beta(`alpha`, `alpha`); with `fold`, taken as max(λ, 1-λ): the batch's own targets weigh the most"
-        if self._beta is None: self._beta = torch.distributions.Beta(float(self.alpha), float(self.alpha))  # made once
+        """λ drawn from Beta(`alpha`, `alpha`); with `fold`, taken as max(λ, 1-λ): the batch's own targets
+        weigh the most"""
+        # made once
+        if self._beta is None: self._beta = torch.distributions.Beta(float(self.alpha), float(self.alpha))
         lam = float(self._beta.sample())            # on the CPU: no wait for the device
         return max(lam, 1 - lam) if self.fold else lam
 
     def before_batch(self):
         learn = self.learn
         if not learn.yb: return
-        self.lam = self.draw_lambda()          # from torch's generator: checkpoints keep it, a resumed run draws alike
+        # from torch's generator: checkpoints keep it, a resumed run draws alike
+        self.lam = self.draw_lambda()
         x = tensors_of(learn.xb)[0]
         self.perm = torch.randperm(x.shape[0]).to(x.device, non_blocking=True)
         learn.xb = self.mix(learn.xb)
@@ -68,30 +74,36 @@ class MixHandler(Callback):
 
 # %% ../../nbs/29_tricks.ipynb #d5b30217
 def _floats(xb, who):
-    "The positions of `xb`'s floating-point tensors, which can be mixed (an error naming the dtypes if there is none)"
+    """The positions of `xb`'s floating-point tensors, which can be mixed (an error naming the dtypes if there
+    is none)"""
     idx = [i for i,x in enumerate(xb) if isinstance(x, torch.Tensor) and x.is_floating_point()]
     if not idx: raise TypeError(f"{who} mixes floating-point inputs, but this batch's inputs are "
-                                f"{[getattr(x, 'dtype', type(x).__name__) for x in xb]}: use it on images, audio or "
+                                f"{[getattr(x, 'dtype', type(x).__name__) for x in xb]}: use it on images, "
+                                f"audio or "
                                 f"features, not on token ids or labels")
     return idx
 
 class MixUp(MixHandler):
-    "MixUp (Zhang et al., 2017): inputs `λ·x + (1-λ)·x[perm]`, loss `λ·loss(y) + (1-λ)·loss(y[perm])`, λ ~ Beta(α, α)"
+    """MixUp (Zhang et al., 2017): inputs `λ·x + (1-λ)·x[perm]`, loss `λ·loss(y) + (1-λ)·loss(y[perm])`, λ ~
+    Beta(α, α)"""
     def mix(self, xb):
         idx = _floats(xb, 'MixUp')
         return tuple(torch.lerp(x[self.perm], x, self.lam) if i in idx else x for i,x in enumerate(xb))
 
 # %% ../../nbs/29_tricks.ipynb #348c78d9
 class CutMix(MixHandler):
-    "CutMix (Yun et al., 2019): a box of each image is taken from another one; λ ~ Beta(α, α) unfolded, then the share left"
+    """CutMix (Yun et al., 2019): a box of each image is taken from another one; λ ~ Beta(α, α) unfolded, then
+    the share left"""
     fold = False
     def __init__(self, alpha=1.): super().__init__(alpha)
 
     def mix(self, xb):
         x = xb[0]
         if not isinstance(x, torch.Tensor) or x.ndim < 3 or not x.is_floating_point():
-            raise TypeError(f"CutMix cuts boxes out of images: its first input must be a floating-point batch of "
-                            f"images (batch, ..., height, width), not {describe_value(x)}; use MixUp for other data")
+            raise TypeError(f"CutMix cuts boxes out of images: its first input must be a floating-point "
+                            f"batch of "
+                            f"images (batch, ..., height, width), not {describe_value(x)}; use MixUp for "
+                            f"other data")
         h,w = x.shape[-2:]
         y1,y2,x1,x2 = self.last_box = self.box(h, w, self.lam)
         x = x.clone()                                   # the dataloader's tensor may be the user's data
@@ -108,10 +120,12 @@ class CutMix(MixHandler):
 
 # %% ../../nbs/29_tricks.ipynb #f1a08f1e
 class LabelSmoothingCrossEntropy(nn.CrossEntropyLoss):
-    "Cross-entropy against targets smoothed by `eps`: fastai's name for `nn.CrossEntropyLoss(label_smoothing=eps)`, torch's value"
+    """Cross-entropy against targets smoothed by `eps`: fastai's name for
+    `nn.CrossEntropyLoss(label_smoothing=eps)`, torch's value"""
     def __init__(self, eps=0.1, weight=None, reduction='mean'):
         check_number(eps, 'eps', ge=0, finite=True, who='LabelSmoothingCrossEntropy')
-        if eps >= 1: raise ValueError(f"LabelSmoothingCrossEntropy: eps={eps!r} leaves nothing of the targets: it "
+        if eps >= 1:
+            raise ValueError(f"LabelSmoothingCrossEntropy: eps={eps!r} leaves nothing of the targets: it "
                                       f"is the share of the target spread over all classes, usually 0.1")
         super().__init__(weight=weight, reduction=reduction, label_smoothing=eps)
         self.eps = eps
@@ -131,7 +145,8 @@ def _swap_weights(a, b):
         y.copy_(tmp)
 
 class WeightAveraging(Callback):
-    "Base of `EMACallback` and `SWACallback`: an `AveragedModel` of the learner's model (`average`), `swap`, `n_averaged`"
+    """Base of `EMACallback` and `SWACallback`: an `AveragedModel` of the learner's model (`average`), `swap`,
+    `n_averaged`"""
     def __init__(self): self.average,self._model,self._swapped,self._sharded = None,None,False,False
 
     def _start(self, **kwargs):
@@ -165,21 +180,25 @@ class WeightAveraging(Callback):
         return 0 if self.average is None else int(self.average.n_averaged)
 
     def swap(self):
-        "Exchange the model's weights and the average: the model then holds the average (call again to go back)"
-        if self._model is None: raise RuntimeError(f"{type(self).__name__}.swap: there is no average yet: it is made when a "
-                                                 f"fit with this callback starts (learn.fit(n, cbs=this_callback))")
+        """Exchange the model's weights and the average: the model then holds the average (call again to go
+        back)"""
+        if self._model is None:
+            raise RuntimeError(f"{type(self).__name__}.swap: there is no average yet: it is made when a "
+                                                 f"fit with this callback starts (learn.fit(n, "
+                                                 f"cbs=this_callback))")
         _swap_weights(self._model, self.average.module)       # the fit's model: it works after the fit too
         self._swapped = not self._swapped
 
 class EMACallback(WeightAveraging):
     "Keeps an exponential moving average of the weights, updated after every optimizer step by `decay`"
-    order = Order.AVERAGING                          # after the callbacks that cancel steps, before those that save
-    deferred_events = ('after_step',)                # it reads the weights the step made: after a compiled step too
+    order = Order.AVERAGING  # after the callbacks that cancel steps, before those that save
+    deferred_events = ('after_step',)  # it reads the weights the step made: after a compiled step too
     def __init__(self, decay=0.999, validate=True, replace_at_end=True, update_every=1, start_step=0):
         self.decay = check_number(decay, 'decay', gt=0, finite=True, who='EMACallback')
         self.update_every = check_int(update_every, 'update_every', ge=1, who='EMACallback')
         self.start_step = check_int(start_step, 'start_step', ge=0, who='EMACallback')
-        if decay >= 1: raise ValueError(f"EMACallback: decay={decay!r} never moves the average: use a value just "
+        if decay >= 1:
+            raise ValueError(f"EMACallback: decay={decay!r} never moves the average: use a value just "
                                         f"below 1, such as 0.999 (the average then spans about 1000 steps)")
         super().__init__()
         self.validate,self.replace_at_end,self._stepped,self._n = validate,replace_at_end,True,0
@@ -188,12 +207,13 @@ class EMACallback(WeightAveraging):
     def before_fit(self):
         self._start(multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=True)
         pairs = list(zip(_weights(self.average.module), _weights(self._model)))      # per fit, not per step
-        self._floats = {}                  # floating tensors by (device, dtype): one `_foreach_lerp_` for each group
+        self._floats = {}  # floating tensors by (device, dtype): one `_foreach_lerp_` for each group
         for a,m in pairs:
             if not a.is_floating_point(): continue
             avg,model = self._floats.setdefault((a.device, a.dtype), ([], []))
             avg.append(a); model.append(m)
-        self._others,self._pairs,self._n,self._steps = [(a, m) for a,m in pairs if not a.is_floating_point()],pairs,0,0
+        self._others,self._pairs,self._n,self._steps = [(a, m) for a,m in pairs
+                                                        if not a.is_floating_point()],pairs,0,0
 
     def after_cancel_step(self): self._stepped = False
 
@@ -210,7 +230,8 @@ class EMACallback(WeightAveraging):
         self._in_batch = False
 
     def _update(self):
-        "`AveragedModel.update_parameters` without its two host syncs a step (it reads `n_averaged` from the device)"
+        """`AveragedModel.update_parameters` without its two host syncs a step (it reads `n_averaged` from the
+        device)"""
         if self._n == 0:
             for a,m in self._pairs: a.copy_(m)
         else:
@@ -226,11 +247,12 @@ class EMACallback(WeightAveraging):
         if self._swapped: self.swap()
 
     def after_exception(self):
-        if self._swapped: self.swap()          # a checkpoint written after the error holds the training weights
+        if self._swapped: self.swap()  # a checkpoint written after the error holds the training weights
 
     def after_fit(self):
         if not self._whole(): return
-        if self.replace_at_end and self.n_averaged and not self._swapped and self.learn.exception is None: self.swap()
+        if self.replace_at_end and self.n_averaged and not self._swapped and self.learn.exception is None:
+            self.swap()
 
     def state_dict(self):
         "The average, for checkpoints (a resumed run goes on averaging where it was)"
@@ -245,16 +267,19 @@ class EMACallback(WeightAveraging):
 
 # %% ../../nbs/29_tricks.ipynb #b0ec6b48
 class SWACallback(WeightAveraging):
-    "Stochastic weight averaging: from epoch `start_epoch` (or that share of the fit) the lr anneals to `swa_lr`, and the weights are averaged each epoch"
-    order = Order.AVERAGING + 1                          # its lr comes after the schedulers' (order 0): it is the one that holds
+    """Stochastic weight averaging: from epoch `start_epoch` (or that share of the fit) the lr anneals to
+    `swa_lr`, and the weights are averaged each epoch"""
+    order = Order.AVERAGING + 1  # its lr comes after the schedulers' (order 0): it is the one that holds
     def __init__(self, start_epoch, swa_lr, anneal_epochs=1, anneal_strategy='cos', update_bn=True,
                  replace_at_end=True):
         if isinstance(start_epoch, float):      # a share of the fit, as Lightning's swa_epoch_start
-            check_fraction(start_epoch, 'start_epoch', who='SWACallback', hint='an epoch number, or a share of the fit such as 0.8')
+            check_fraction(start_epoch, 'start_epoch', who='SWACallback', hint='an epoch number, or a share '
+                'of the fit such as 0.8')
         else: check_int(start_epoch, 'start_epoch', ge=0, who='SWACallback')
         check_int(anneal_epochs, 'anneal_epochs', ge=0, who='SWACallback')
         check_choice(anneal_strategy, 'anneal_strategy', ('cos', 'linear'), who='SWACallback')
-        check_number(swa_lr, 'swa_lr', ge=0, finite=True, per_group=True, who='SWACallback', hint='the lr to anneal to, such as 0.05')
+        check_number(swa_lr, 'swa_lr', ge=0, finite=True, per_group=True, who='SWACallback',
+                     hint='the lr to anneal to, such as 0.05')
         self.start_epoch,self.swa_lr,self.anneal_epochs,self.anneal_strategy = start_epoch,swa_lr,anneal_epochs,anneal_strategy
         super().__init__()
         self.update_bn,self.replace_at_end = update_bn,replace_at_end
@@ -262,10 +287,13 @@ class SWACallback(WeightAveraging):
 
     def before_fit(self):
         learn,start = self.learn,self.start_epoch
-        self._first = int(start * learn.n_epoch) if isinstance(start, float) else start     # the first epoch averaged
+        # the first epoch averaged
+        self._first = int(start * learn.n_epoch) if isinstance(start, float) else start
         if self._first >= learn.n_epoch:
-            raise ValueError(f"SWACallback(start_epoch={start}) starts averaging at epoch {self._first}, after the "
-                             f"last epoch of this fit of {learn.n_epoch}: give a start_epoch below {learn.n_epoch}, or "
+            raise ValueError(f"SWACallback(start_epoch={start}) starts averaging at epoch {self._first}, "
+                             f"after the "
+                             f"last epoch of this fit of {learn.n_epoch}: give a start_epoch below "
+                             f"{learn.n_epoch}, or "
                              f"a share of the fit below 1")
         self._start(use_buffers=False)
         self.swalr,self._lrs,self._saved_swalr = None,None,None
@@ -331,7 +359,8 @@ def _update_bn(learn, model):
 
 # %% ../../nbs/29_tricks.ipynb #5a564200
 class ShortEpochCallback(Callback):
-    "Ends each training epoch after `pct` of its batches (at least one) or `n_batches`, each validation too if `short_valid`"
+    """Ends each training epoch after `pct` of its batches (at least one) or `n_batches`, each validation too
+    if `short_valid`"""
     order = Order.DEFAULT + 1
     def __init__(self, pct=0.01, short_valid=True, n_batches=None):
         self.pct = check_fraction(pct, 'pct', who='ShortEpochCallback')
@@ -344,8 +373,10 @@ class ShortEpochCallback(Callback):
 
     def _check_length(self, what):
         if self.n_batches is None and self.learn.n_iter is None: raise ValueError(
-            f"ShortEpochCallback(pct={self.pct}) ends an epoch after a share of its batches, but the {what} dataloader "
-            f"has no length (an IterableDataset?), so it has no share to take: give a number of batches instead, "
+            f"ShortEpochCallback(pct={self.pct}) ends an epoch after a share of its batches, but the {what} "
+            f"dataloader "
+            f"has no length (an IterableDataset?), so it has no share to take: give a number of batches "
+            f"instead, "
             f"ShortEpochCallback(n_batches=...)")
 
     def after_batch(self):
@@ -361,14 +392,16 @@ def frozen_bn_layers(model):
             (ps := list(m.parameters(recurse=False))) and not any(p.requires_grad for p in ps)]
 
 class BnFreeze(Callback):
-    "In training, keeps the frozen part's batch-norm layers in eval mode: their running statistics stay as they were"
+    """In training, keeps the frozen part's batch-norm layers in eval mode: their running statistics stay as
+    they were"""
     order,run_valid = TrainEvalCallback.order + 1,False      # right after the model is put in train mode
     def before_train(self):
         for m in frozen_bn_layers(plain_model(self.learn.model)): m.eval()
 
 # %% ../../nbs/29_tricks.ipynb #05ff7ac4
 class _Augment(Callback):
-    "Applies `augment` to each batch's inputs (the first input alone, or all of them as arguments when there are several)"
+    """Applies `augment` to each batch's inputs (the first input alone, or all of them as arguments when there
+    are several)"""
     def __init__(self, augment): self.augment = augment
     def before_batch(self):
         xb = self.learn.xb
@@ -376,7 +409,8 @@ class _Augment(Callback):
 
 @patch
 def tta(self:Learner, ds_idx=1, dl=None, n=4, augment=None, with_decoded=False, use_max=False):
-    "Predictions averaged (their maximum with `use_max`) over the plain pass and `n` with `augment` applied: `(preds, targs)`"
+    """Predictions averaged (their maximum with `use_max`) over the plain pass and `n` with `augment` applied:
+    `(preds, targs)`"""
     if not callable(augment):
         raise TypeError(f"tta averages predictions over passes with augment applied to each batch of inputs; "
                         f"augment={augment!r} is not a function: pass one, e.g. augment=lambda x: x.flip(-1)")

@@ -1,4 +1,4 @@
-"""`CheckpointCallback` and `fit(resume=...)`: a run's whole state saved as it trains, into a store, and resumed from any batch to the weights of an uninterrupted run.
+"""`CheckpointCallback`: a run's whole state saved as it trains, resumed from any batch to the same weights.
 
 Docs: https://learncb.github.io/learncb/checkpoint.html.md"""
 
@@ -25,13 +25,16 @@ def checkpoints_in(folder):
     return FileStore(folder).list()[::-1]
 
 def store_for(learn, folder=None, background=True):
-    "Where `learn`'s checkpoints are kept: in `folder` (a path or URL) if given, else its `CheckpointCallback`'s store (the one it was given, or one in its folder; `learn.path/'checkpoints'` without a callback), sharded when the strategy shards the model"
+    """Where `learn`'s checkpoints are kept: in `folder` (a path or URL) if given, else its
+    `CheckpointCallback`'s store (the one it was given, or one in its folder; `learn.path/'checkpoints'`
+    without a callback), sharded when the strategy shards the model"""
     if folder is None:
         cb = next((cb for cb in learn.cbs if isinstance(cb, CheckpointCallback)), None)
         if cb is not None and cb.store is not None: return cb.store
         folder = cb.folder if cb is not None else learn.path/'checkpoints'
     sharded = learn.strategy.sharded           # every rank writes its shards (DCP), or rank 0 the file
-    return store_at(folder, sharded, map_location=model_device(learn.model, learn.device), background=background)
+    return store_at(folder, sharded, map_location=model_device(learn.model, learn.device),
+                    background=background)
 
 def _stepped_uncounted(learn, pos):
     "Whether the current training batch is past its step stage (the weights have seen it) but not yet counted"
@@ -39,7 +42,8 @@ def _stepped_uncounted(learn, pos):
     return new_batch and learn.step_taken is not None and learn.train_iter == pos['train_iter']
 
 def _count_batch(learn):
-    "Finish the current training batch as the loop would: gradients zeroed after a step taken, the batch counted"
+    """Finish the current training batch as the loop would: gradients zeroed after a step taken, the batch
+    counted"""
     if learn.step_taken: learn.opt.zero_grad()
     counter = getattr(learn, 'train_eval', None)
     if counter is not None: counter.after_batch()
@@ -47,19 +51,22 @@ def _count_batch(learn):
 
 # %% ../../nbs/16_checkpoint.ipynb #3b263719
 class CheckpointCallback(Callback):
-    "Saves resumable checkpoints every `every_n_steps` training batches and every epoch, keeping the last `keep_last`"
-    order,remove_on_lr_find,run_valid = Order.CHECKPOINT,True,False     # its batch handlers follow training batches only
-    def __init__(self, path='checkpoints', every_n_steps=None, every_epoch=True, keep_last=2, on_exception=True,
+    """Saves resumable checkpoints every `every_n_steps` training batches and every epoch, keeping the last
+    `keep_last`"""
+    # its batch handlers follow training batches only
+    order,remove_on_lr_find,run_valid = Order.CHECKPOINT,True,False
+    def __init__(self, path='checkpoints', every_n_steps=None, every_epoch=True, keep_last=2,
+                 on_exception=True,
                  signals=('SIGTERM',), background=True, store=None, requeue=False):
         check_int(every_n_steps, 'every_n_steps', ge=1, allow_none=True, who='CheckpointCallback')
         check_int(keep_last, 'keep_last', ge=1, who='CheckpointCallback')
         self.path,self.every_n_steps,self.every_epoch = path if is_url(path) else Path(path),every_n_steps,every_epoch
         self.keep_last,self.on_exception,self.signals,self.background = keep_last,on_exception,signals,background
-        self.store = store                              # where checkpoints go; `None`: the strategy's, in `path`
-        self.requeue = requeue                          # after a signal's checkpoint: `scontrol requeue` (SLURM)
+        self.store = store  # where checkpoints go; `None`: the strategy's, in `path`
+        self.requeue = requeue  # after a signal's checkpoint: `scontrol requeue` (SLURM)
         self._guard = SignalGuard(signals, on_exception)   # holds the signals to the end of a batch
         self.last,self._stateful,self._loader_end,self._kept = None,False,None,[]
-        self._user_dl = None                 # (the training dataloader the user gave, the one ordered for this fit)
+        self._user_dl = None  # (the training dataloader the user gave, the one ordered for this fit)
         self._stopped_at = None                         # the checkpoint of a signal's stop
         self._writer,self._pending,self._store = BackgroundWriter(),None,None
         self._pos = {'at': None, 'epoch': 0, 'iter': -1, 'train_iter': 0, 'pct_train': 0., 'dirty': False}
@@ -74,35 +81,45 @@ class CheckpointCallback(Callback):
         learn = self.learn
         self._store = self.store if self.store is not None else store_for(learn, self.folder, self.background)
         self._store.prepare()
-        self._kept = self._store.list()[::-1]           # what `_prune` removes from, with what this fit writes
-        resuming = None if learn.resume_from is None else learn.resume     # a fit that resumes: its ResumeCallback
+        self._kept = self._store.list()[::-1]  # what `_prune` removes from, with what this fit writes
+        # a fit that resumes: its ResumeCallback
+        resuming = None if learn.resume_from is None else learn.resume
         self._take_order()
         if resuming is None:
             self._warn_earlier_run()
-            self._pos.update(at=None, epoch=0, iter=-1, train_iter=learn.train_iter, pct_train=learn.pct_train, dirty=False)
+            self._pos.update(at=None, epoch=0, iter=-1, train_iter=learn.train_iter,
+                             pct_train=learn.pct_train, dirty=False)
         else:
             loop = resuming.state['loop']
-            self._pos.update(at=resuming.at, epoch=resuming.epoch, iter=resuming.iter, train_iter=loop['train_iter'],
+            self._pos.update(at=resuming.at, epoch=resuming.epoch, iter=resuming.iter,
+                             train_iter=loop['train_iter'],
                              pct_train=loop['pct_train'], dirty=False)
         self._stateful,self._loader_end,self._stopped_at,self._pending = has_state(learn.dls.train),None,None,None
-        # a dataloader with neither a state nor a sampler learncb orders resumes by replaying its epoch: from its start
+        # a dataloader with neither a state nor a sampler learncb orders resumes by replaying its epoch: from
+        # its start
         self._replays,learn.epoch_rng = not self._stateful and sampler_of(learn.dls.train) is None,None
-        self._guard.hold_ctrl_c = self.on_exception     # Ctrl-C is held (to save at the end of the batch) with it
+        # Ctrl-C is held (to save at the end of the batch) with it
+        self._guard.hold_ctrl_c = self.on_exception
         self._guard.start(lambda: self.learn is not None and self.learn.fitting)
 
     def _warn_earlier_run(self):
         if not (earlier := self._store.list()): return
         n = f"{len(earlier)} checkpoint{'s' if len(earlier) > 1 else ''}"
-        warn_user(f"{store_place(self._store)} already holds {n} of an earlier run (the newest: {ref_name(earlier[0])}): this run "
-                      f"removes them as it passes them, but until then resume=True takes the newest there. Give each "
-                      f"run its own folder (CheckpointCallback(path=...)), or pass resume=True to continue that run")
+        warn_user(f"{store_place(self._store)} already holds {n} of an earlier run (the newest: "
+                  f"{ref_name(earlier[0])}): this run "
+                      f"removes them as it passes them, but until then resume=True takes the newest there. "
+                      f"Give each "
+                      f"run its own folder (CheckpointCallback(path=...)), or pass resume=True to continue "
+                      f"that run")
 
     def _take_order(self):
-        "Order the training dataloader by a `ResumableSampler` for this fit, as its own sampler would (if it can)"
+        """Order the training dataloader by a `ResumableSampler` for this fit, as its own sampler would (if it
+        can)"""
         self._user_dl = take_order(self.learn)
 
     def before_train(self):
-        "The random state this epoch starts from, for a dataloader a resume replays (`ResumeCallback` puts back a resumed epoch's)"
+        """The random state this epoch starts from, for a dataloader a resume replays (`ResumeCallback` puts
+        back a resumed epoch's)"""
         if self._replays: self.learn.epoch_rng = epoch_start_state(self.learn.dl)
 
     def _give_order_back(self):
@@ -111,7 +128,8 @@ class CheckpointCallback(Callback):
         give_order_back(self.learn, taken)
 
     def after_rollback(self):
-        "A callback put the run back to an earlier batch of this epoch (`SpikeGuard`): that is the last complete point now"
+        """A callback put the run back to an earlier batch of this epoch (`SpikeGuard`): that is the last
+        complete point now"""
         learn = self.learn
         at = 'batch' if learn.iter >= 0 else ('epoch_end' if learn.epoch > 0 else None)
         self._pos.update(at=at, epoch=learn.epoch if at == 'batch' else learn.epoch - 1, iter=learn.iter,
@@ -123,7 +141,8 @@ class CheckpointCallback(Callback):
         learn,pos = self.learn,self._pos
         pos['at'],pos['epoch'],pos['iter'],pos['dirty'] = 'batch',learn.epoch,learn.iter,False
         pos['train_iter'],pos['pct_train'] = learn.train_iter,learn.pct_train
-        if self._stateful and learn.iter == learn.n_iter - 1:     # the last batch: its state, before the epoch ends
+        # the last batch: its state, before the epoch ends
+        if self._stateful and learn.iter == learn.n_iter - 1:
             self._loader_end = (learn.epoch, learn.iter, learn.dls.train.state_dict())
         if self._writer.error is not None: self._writer.check()  # a failed background write is raised here
         if self._guard.watching and self._guard.stop_asked(): self._stop_now()
@@ -131,17 +150,21 @@ class CheckpointCallback(Callback):
 
     def after_epoch(self):
         learn = self.learn
-        self._pos.update(at='epoch_end', epoch=learn.epoch, train_iter=learn.train_iter, pct_train=learn.pct_train,
+        self._pos.update(at='epoch_end', epoch=learn.epoch, train_iter=learn.train_iter,
+                         pct_train=learn.pct_train,
                          dirty=False)
         if self._guard.stop_asked(wait=True): self._stop_now()
         elif self.every_epoch: self.save()
 
     def after_exception(self):
         learn,e = self.learn,self.learn.exception
-        self._guard.alone(); self._pending = None       # another rank may be gone: nothing more to wait for together
+        # another rank may be gone: nothing more to wait for together
+        self._guard.alone(); self._pending = None
         try:
-            if self._stopped_at is not None: return                 # a signal's stop: saved (its handler may exit)
-            if isinstance(e, (KeyboardInterrupt, SignalStop)) and (self._guard.signal or self._guard.caught): return   # held: saved
+            if self._stopped_at is not None: return  # a signal's stop: saved (its handler may exit)
+            # held: saved
+            if isinstance(e, (KeyboardInterrupt, SignalStop)) and (self._guard.signal or self._guard.caught):
+                return
             self._writer.wait()
             if not self.on_exception or self._pos['at'] is None or num_distrib() > 1: return
             if learn.training: self._settle_position()
@@ -158,19 +181,21 @@ class CheckpointCallback(Callback):
             self._writer.close()
 
     def _settle_position(self):
-        "Where a training batch that was interrupted leaves the run: that batch once its step stage is over, else the one before"
+        """Where a training batch that was interrupted leaves the run: that batch once its step stage is over,
+        else the one before"""
         learn,pos = self.learn,self._pos
         if _stepped_uncounted(learn, pos): _count_batch(learn)
         if learn.train_iter > pos['train_iter']:         # counted by TrainEvalCallback: stepped, done; exact
             pos.update(at='batch', epoch=learn.epoch, iter=learn.iter, train_iter=learn.train_iter,
                        pct_train=learn.pct_train, dirty=False)
-        elif (learn.epoch, learn.iter) != (pos['epoch'], pos['iter']) and learn.iter >= 0:   # -1: put back before
-            pos['dirty'] = True           # begun since the last complete point: resumed from there, not exactly
+        # -1: put back before
+        elif (learn.epoch, learn.iter) != (pos['epoch'], pos['iter']) and learn.iter >= 0:
+            pos['dirty'] = True  # begun since the last complete point: resumed from there, not exactly
 
     def after_fit(self):
         try:
             if self.learn.exception is None:
-                self._writer.wait()                                 # the last checkpoint is on disk when the fit ends
+                self._writer.wait()  # the last checkpoint is on disk when the fit ends
                 self._finish_pending()
                 self._guard.close()
         finally:
@@ -180,7 +205,8 @@ class CheckpointCallback(Callback):
             self._store = None                                  # and a default store's memory with it
             self._give_order_back()
         signum = self._guard.take()
-        if signum is not None and self.learn.exception is None:    # the signal came when no batch was left to finish
+        # the signal came when no batch was left to finish
+        if signum is not None and self.learn.exception is None:
             if signum == signal.SIGINT: raise KeyboardInterrupt("interrupted at the end of the fit")
             raise self._signal_stop(signum, self.last)
 
@@ -195,41 +221,48 @@ class CheckpointCallback(Callback):
         raise self._signal_stop(self._guard.signal, path)
 
     def _signal_stop(self, signum, path):
-        "The `SignalStop` that ends the fit, once the job is requeued (`requeue`) and the signal's own handler has run"
+        """The `SignalStop` that ends the fit, once the job is requeued (`requeue`) and the signal's own
+        handler has run"""
         e = SignalStop(signum, path)
         if is_rank0():
             print(f"learncb: {e}", file=sys.stderr, flush=True)
             if self.requeue: requeue_slurm_job()
-        self._guard.pass_on(signum)             # the handler set before the fit (submitit's requeues, then exits)
+        self._guard.pass_on(signum)  # the handler set before the fit (submitit's requeues, then exits)
         return e
 
     def save(self):
-        "Write a checkpoint as of the run's last complete point (a training batch or an epoch), then remove old ones"
+        """Write a checkpoint as of the run's last complete point (a training batch or an epoch), then remove
+        old ones"""
         learn,pos = self.learn,self._pos
-        if learn.exception is None: learn('before_checkpoint')    # a callback may check the run first (SpikeGuard)
+        # a callback may check the run first (SpikeGuard)
+        if learn.exception is None: learn('before_checkpoint')
         state = learn.state_dict()
-        state['loop'].update(epoch=pos['epoch'], iter=pos['iter'], train_iter=pos['train_iter'], pct_train=pos['pct_train'])
-        state.update(at=pos['at'], exact=not pos['dirty'], checkpointing=dict(every_n_steps=self.every_n_steps,
+        state['loop'].update(epoch=pos['epoch'], iter=pos['iter'], train_iter=pos['train_iter'],
+                             pct_train=pos['pct_train'])
+        state.update(at=pos['at'], exact=not pos['dirty'],
+                     checkpointing=dict(every_n_steps=self.every_n_steps,
                      every_epoch=self.every_epoch, keep_last=self.keep_last, on_exception=self.on_exception,
                      requeue=self.requeue))
         end = self._loader_end
         if end is not None and end[0] == pos['epoch'] and (pos['at'] == 'epoch_end' or pos['iter'] == end[1]):
             state.update(loader=end[2], loader_drain=pos['at'] == 'epoch_end')
         name,store = checkpoint_name(pos['train_iter'], pos['at']),self._store
-        if store.collective:                     # every rank its shards: copied now, written by the store (DCP's thread)
+        if store.collective:  # every rank its shards: copied now, written by the store (DCP's thread)
             self._finish_pending()
             self._pending = store.save(state, name)
             if not self.background: self._finish_pending()
         elif is_rank0():                         # copied now: training goes on changing the tensors
-            self._writer.wait()                  # the write before is done: a large state is copied into its memory again
+            self._writer.wait()  # the write before is done: a large state is copied into its memory again
             write = store.save(state, name)
-            if self.background: self._writer.submit(partial(self._write_and_prune, write))   # the rest off the thread
+            # the rest off the thread
+            if self.background: self._writer.submit(partial(self._write_and_prune, write))
             else: self._write_and_prune(write)
         self.last = store.ref(name)
         return self.last
 
     def wait(self):
-        "Block until every checkpoint asked for so far is written (and the old ones pruned); the last one's reference"
+        """Block until every checkpoint asked for so far is written (and the old ones pruned); the last one's
+        reference"""
         self._writer.wait()
         self._finish_pending()
         return self.last
@@ -247,7 +280,8 @@ class CheckpointCallback(Callback):
         "Remove the checkpoints older than `ref` beyond `keep_last` (rank 0)"
         if not is_rank0(): return
         key = checkpoint_key(ref)
-        kept = sorted({*self._kept, ref}, key=checkpoint_key)    # kept in memory: a listing costs ~0.3 ms a save
+        # kept in memory: a listing costs ~0.3 ms a save
+        kept = sorted({*self._kept, ref}, key=checkpoint_key)
         older = [r for r in kept if checkpoint_key(r) < key]
         gone = older[:max(0, len(older) - self.keep_last + 1)]
         for old in gone: self._store.remove(old)

@@ -1,4 +1,4 @@
-"""Stopping on SIGTERM with a checkpoint, the ranks agreeing on when, and checkpoint writes off the training thread.
+"""Stopping on SIGTERM with a checkpoint, the ranks agreeing on when, and writes off the training thread.
 
 Docs: https://learncb.github.io/learncb/preemption.html.md"""
 
@@ -16,12 +16,14 @@ from ..ranks import *
 
 # %% ../../nbs/16b_preemption.ipynb #d5df6957
 class SignalStop(SystemExit):
-    "A fit stopped by a signal once its checkpoint was written; uncaught, the process exits with 128 + the signal number"
+    """A fit stopped by a signal once its checkpoint was written; uncaught, the process exits with 128 + the
+    signal number"""
     def __init__(self, signum, path):
         super().__init__(128 + signum)
         self.signum,self.path = signum,path
     def __str__(self):
-        return (f"stopped by {signal.Signals(self.signum).name}, with the run saved in {self.path}: start the same "
+        return (f"stopped by {signal.Signals(self.signum).name}, with the run saved in {self.path}: start "
+                f"the same "
                 f"command again with learn.fit(..., resume='auto') to go on (exit code {self.code})")
 
 # %% ../../nbs/16b_preemption.ipynb #f9fb2395
@@ -32,11 +34,14 @@ def check_signals(signals, who='CheckpointCallback'):
     out = []
     for s in listify(signals):
         name = s if isinstance(s, str) else None
-        try: sig = signal.Signals(s) if not isinstance(s, str) else signal.Signals[s if s.startswith('SIG') else 'SIG' + s]
+        try:
+            sig = signal.Signals(s) if not isinstance(s, str) else signal.Signals[s if s.startswith('SIG')
+                else 'SIG' + s]
         except (KeyError, ValueError, TypeError): sig = None
         if sig is None or sig.name in _uncatchable:
             why = 'cannot be caught' if sig is not None else 'is not a signal'
-            raise ValueError(f"{who}: signals={signals!r}: {name or s!r} {why}; name signals a process can catch, "
+            raise ValueError(f"{who}: signals={signals!r}: {name or s!r} {why}; name signals a process can "
+                             f"catch, "
                              f"e.g. 'SIGTERM' (Kubernetes, docker stop) or 'SIGUSR1' (SLURM's --signal)")
         if sig not in out: out.append(sig)
     return out
@@ -52,7 +57,8 @@ def requeue_slurm_job():
     "Put this SLURM job back in the queue (`scontrol requeue`); `True` if it was, else a warning says why not"
     job = slurm_job_id()
     if job is None:
-        warn_user("CheckpointCallback(requeue=True): this is not a SLURM job (no SLURM_JOB_ID), so nothing was "
+        warn_user("CheckpointCallback(requeue=True): this is not a SLURM job (no SLURM_JOB_ID), so nothing "
+                  "was "
                       "requeued: start the same command again to go on")
         return False
     try: res = subprocess.run(['scontrol', 'requeue', job], capture_output=True, text=True, timeout=60)
@@ -67,13 +73,15 @@ def requeue_slurm_job():
 
 # %% ../../nbs/16b_preemption.ipynb #4845c2dd
 class SignalExchange:
-    "Each rank's caught signal, exchanged while the next batch trains: every rank learns of one at the same boundary"
+    """Each rank's caught signal, exchanged while the next batch trains: every rank learns of one at the same
+    boundary"""
     def __init__(self):
         import torch.distributed as dist
         self.dist,self.group,self.pending = dist,_control_group(),None
 
     def agreed(self, signum, wait=False):
-        "The signal any rank had caught at the last boundary (with `wait`: at this one), or `None`; posts this one's"
+        """The signal any rank had caught at the last boundary (with `wait`: at this one), or `None`; posts
+        this one's"""
         got = self._take()
         if got: return got
         if wait: return self._post(signum, wait=True) or None
@@ -103,14 +111,16 @@ _control = {}
 on_group_end(_control.clear)       # the groups made here end with the run's group
 
 def checkpoint_group():
-    "A gloo group of its own for checkpoints written in the background (DCP's async save): apart from training's"
+    """A gloo group of its own for checkpoints written in the background (DCP's async save): apart from
+    training's"""
     import torch.distributed as dist
     if _control.get('ckpt_world') is not dist.group.WORLD:
         _control.update(ckpt_world=dist.group.WORLD, ckpt=dist.new_group(backend='gloo'))
     return _control['ckpt']
 
 def _control_group():
-    "A gloo group over every rank (the default group if it is gloo's): small CPU messages that never sync a GPU"
+    """A gloo group over every rank (the default group if it is gloo's): small CPU messages that never sync a
+    GPU"""
     import torch.distributed as dist
     world = dist.group.WORLD
     if dist.get_backend() == 'gloo': return world
@@ -119,28 +129,32 @@ def _control_group():
 
 # %% ../../nbs/16b_preemption.ipynb #036fe61e
 class SignalGuard:
-    "Holds Ctrl-C and `signals` while `running()`, until the end of a batch asks `stop_asked()`; every rank then agrees"
+    """Holds Ctrl-C and `signals` while `running()`, until the end of a batch asks `stop_asked()`; every rank
+    then agrees"""
     def __init__(self, signals=('SIGTERM',), hold_ctrl_c=True, who='CheckpointCallback'):
         self.signums,self.hold_ctrl_c,self.who = check_signals(signals, who),hold_ctrl_c,who
-        self.caught,self.signal,self.watching = None,None,False   # this rank's signal; the one to stop for; either may be
+        # this rank's signal; the one to stop for; either may be
+        self.caught,self.signal,self.watching = None,None,False
         self._exchange,self._old,self._before = None,{},{}
 
     def start(self, running):
-        "Hold the signals from now on, while `running()` is true (after it, a signal is passed on as it comes)"
-        self.restore()                                  # left by an earlier start that could not give them back
+        """Hold the signals from now on, while `running()` is true (after it, a signal is passed on as it
+        comes)"""
+        self.restore()  # left by an earlier start that could not give them back
         self.caught = self.signal = None
         self._exchange = SignalExchange() if num_distrib() > 1 else None
         self.watching = self._exchange is not None
         if threading.current_thread() is not threading.main_thread(): return self._warn_off_main_thread()
         def hold(signum, frame):
-            if not running():                           # the fit is over: give the signal back, and pass it on
+            if not running():  # the fit is over: give the signal back, and pass it on
                 self.restore()
                 return signal.raise_signal(signum)
             self.caught,self.watching = signum,True
             signal.signal(signum, self._old[signum])    # a second one acts at once
         held = ([signal.SIGINT] if self.hold_ctrl_c else []) + self.signums
         before = {s: signal.signal(s, hold) for s in held}
-        self._old = {s: signal.SIG_DFL if h is None else h for s,h in before.items()}   # None: set outside Python
+        # None: set outside Python
+        self._old = {s: signal.SIG_DFL if h is None else h for s,h in before.items()}
         self._before = dict(self._old)                  # kept to the end: a stop calls its signal's handler
 
     def _warn_off_main_thread(self):
@@ -148,13 +162,17 @@ class SignalGuard:
         if not self.signums: return
         names = ', '.join(signal.Signals(s).name for s in self.signums)
         warn_user(f"{self.who}: this fit runs off the main thread ({threading.current_thread().name}; Ray "
-                      f"Train runs the training function so), where Python cannot catch signals: {names} will not stop "
-                      f"it at the end of a batch with an exact checkpoint. Its checkpoints every_n_steps and at each "
-                      f"epoch are still written; run the fit on the main thread to stop exactly on a signal, or pass "
+                      f"Train runs the training function so), where Python cannot catch signals: {names} "
+                      f"will not stop "
+                      f"it at the end of a batch with an exact checkpoint. Its checkpoints every_n_steps and "
+                      f"at each "
+                      f"epoch are still written; run the fit on the main thread to stop exactly on a signal, "
+                      f"or pass "
                       f"signals=() to silence this")
 
     def stop_asked(self, wait=False):
-        "Whether a signal caught on this rank (or, in a distributed run, on any rank: every rank at once) asks to stop"
+        """Whether a signal caught on this rank (or, in a distributed run, on any rank: every rank at once)
+        asks to stop"""
         if self._exchange is None: self.signal = self.caught
         elif self.signal is None: self.signal = self._exchange.agreed(self.caught, wait=wait)
         return self.signal is not None
@@ -175,7 +193,8 @@ class SignalGuard:
         return signum
 
     def pass_on(self, signum):
-        "Call the handler that was in force for `signum` before `start` (submitit's requeues the job, then exits)"
+        """Call the handler that was in force for `signum` before `start` (submitit's requeues the job, then
+        exits)"""
         handler = self._before.get(signum)
         if callable(handler): handler(signum, None)
 
@@ -186,14 +205,17 @@ class SignalGuard:
 
 # %% ../../nbs/16b_preemption.ipynb #fce0742d
 class BackgroundWriter:
-    "Runs writes one at a time on a thread of its own, started once and kept; a write's error is raised in the caller"
+    """Runs writes one at a time on a thread of its own, started once and kept; a write's error is raised in
+    the caller"""
     def __init__(self): self.thread,self.error,self._jobs,self._idle = None,None,None,threading.Event()
 
     def submit(self, write):
         "Run `write()` on the writer's thread, once the write before it is done"
         self.wait()
-        if self.thread is None or not self.thread.is_alive():     # a thread made once: starting one per write costs
-            self._jobs,self._idle = queue.SimpleQueue(),threading.Event()     # the training thread about a millisecond
+        # a thread made once: starting one per write costs
+        if self.thread is None or not self.thread.is_alive():
+            # the training thread about a millisecond
+            self._jobs,self._idle = queue.SimpleQueue(),threading.Event()
             self.thread = threading.Thread(target=self._run, args=(self._jobs, self._idle),
                                            name='learncb checkpoint writer', daemon=True)
             self.thread.start()
@@ -218,7 +240,8 @@ class BackgroundWriter:
             raise e
 
     def close(self):
-        "Wait for the write in flight, then end the thread (the next `submit` starts another); its error stays for `check`"
+        """Wait for the write in flight, then end the thread (the next `submit` starts another); its error
+        stays for `check`"""
         if self.thread is None: return
         self._jobs.put(None)
         self.thread.join()

@@ -1,4 +1,4 @@
-"""A checkpoint of a model sharded by FSDP: a folder where each rank writes its own shard, counted only once complete.
+"""A checkpoint of a model sharded by FSDP: a folder where each rank writes its shard, counted once complete.
 
 Docs: https://learncb.github.io/learncb/sharded.html.md"""
 
@@ -17,7 +17,8 @@ from ..ranks import *
 from ..files import *
 
 # %% ../../nbs/16a_sharded.ipynb #5703cf2e
-sharded_marker,_rest = 'complete.pt','learncb.pt'    # the file written last: the folder counts once it is there; the state without tensors
+# the file written last: the folder counts once it is there; the state without tensors
+sharded_marker,_rest = 'complete.pt','learncb.pt'
 _tensor_parts = ('model', 'grads', 'opt')
 
 def file_checksum(path):
@@ -29,12 +30,14 @@ def _barrier():
     gather_objects(None)
 
 def shard_rank(path):
-    "The rank that wrote file `path` of a sharded checkpoint (DCP's `__RANK_N.distcp`); 0 for the files rank 0 writes"
+    """The rank that wrote file `path` of a sharded checkpoint (DCP's `__RANK_N.distcp`); 0 for the files rank
+    0 writes"""
     m = re.match(r'__(\d+)_\d+\.distcp$', Path(path).name)
     return int(m[1]) if m else 0
 
 def rank_files(folder):
-    "The files of sharded checkpoint folder `folder` this rank wrote: its shards (rank 0: and the files of no rank)"
+    """The files of sharded checkpoint folder `folder` this rank wrote: its shards (rank 0: and the files of
+    no rank)"""
     return sorted(f for f in Path(folder).rglob('*') if f.is_file() and shard_rank(f) == rank_distrib())
 
 # %% ../../nbs/16a_sharded.ipynb #3705394b
@@ -45,15 +48,18 @@ def _flat_tensors(state):
     if state['opt'] is not None:
         names = state['opt_params']
         for i,per_param in state['opt']['state'].items():
-            flat.update({f'opt/{names[i]}/{k}': v for k,v in per_param.items() if isinstance(v, torch.Tensor)})
+            flat.update({f'opt/{names[i]}/{k}': v for k,v in per_param.items() if isinstance(v,
+                torch.Tensor)})
     return flat
 
 def _without_tensors(state):
-    "Checkpoint `state` without its tensors: what rank 0 writes beside the shards (optimizer state keyed by name)"
+    """Checkpoint `state` without its tensors: what rank 0 writes beside the shards (optimizer state keyed by
+    name)"""
     opt = state['opt']
     if opt is not None:
         names = state['opt_params']
-        opt = {'param_groups': [{**g, 'params': [names[i] for i in g['params']]} for g in opt['param_groups']],
+        opt = {'param_groups': [{**g, 'params': [names[i] for i in g['params']]} for g
+                                in opt['param_groups']],
                'state': {names[i]: {k: v for k,v in s.items() if not isinstance(v, torch.Tensor)}
                          for i,s in opt['state'].items()}}
     return {**{k: v for k,v in state.items() if k not in _tensor_parts}, 'opt': opt}
@@ -64,18 +70,21 @@ def save_sharded(state, folder):
     return finish_sharded(start_sharded(state, folder))
 
 class ShardedSave:
-    "A sharded checkpoint being written: its folder, the state without tensors, and DCP's future (`None`: written)"
-    def __init__(self, folder, rest, future=None): self.folder,self.rest,self.future = Path(folder),rest,future
+    """A sharded checkpoint being written: its folder, the state without tensors, and DCP's future (`None`:
+    written)"""
+    def __init__(self, folder, rest, future=None):
+        self.folder,self.rest,self.future = Path(folder),rest,future
 
 def start_sharded(state, folder, group=None):
-    "Start writing checkpoint `state` to `folder`: copied to the CPU now, written by DCP's thread if `group` is given"
+    """Start writing checkpoint `state` to `folder`: copied to the CPU now, written by DCP's thread if `group`
+    is given"""
     import torch.distributed.checkpoint as dcp
     folder = Path(folder)
     if is_rank0():
         if folder.exists(): shutil.rmtree(folder)         # a folder of this name a killed run left unfinished
         folder.mkdir(parents=True)
     _barrier()
-    folder.mkdir(parents=True, exist_ok=True)            # on every node: nodes may share no disk (a store at a URL)
+    folder.mkdir(parents=True, exist_ok=True)  # on every node: nodes may share no disk (a store at a URL)
     with warnings.catch_warnings():
         warnings.filterwarnings('ignore', message='.*torch.distributed is disabled')
         if group is None:
@@ -85,16 +94,19 @@ def start_sharded(state, folder, group=None):
     return ShardedSave(folder, _without_tensors(state), future)
 
 def finish_sharded(save):
-    "Wait for every rank's shards of `save`, then rank 0 writes the rest and the marker: from then on the folder counts"
+    """Wait for every rank's shards of `save`, then rank 0 writes the rest and the marker: from then on the
+    folder counts"""
     error = None
     try:
         if save.future is not None: save.future.result()
     except Exception as e: error = f"{type(e).__name__}: {e}"
     folder = save.folder
-    own = {f.name: file_checksum(f) for f in folder.glob(f'__{rank_distrib()}_*.distcp')} if error is None else {}
-    parts = gather_objects((error, own))                  # every rank learns whether every rank's shards are written
+    own = {f.name: file_checksum(f) for f
+           in folder.glob(f'__{rank_distrib()}_*.distcp')} if error is None else {}
+    parts = gather_objects((error, own))  # every rank learns whether every rank's shards are written
     if (errors := [f"rank {r}: {e}" for r,(e,_) in enumerate(parts) if e is not None]):
-        raise OSError(f"the checkpoint {folder} was not written ({'; '.join(errors)}); the checkpoints before it are "
+        raise OSError(f"the checkpoint {folder} was not written ({'; '.join(errors)}); the checkpoints "
+                      f"before it are "
                       f"kept. Free space or fix the folder's permissions, then resume")
     sums = {k: v for _,d in parts for k,v in d.items()}
     state = save.rest
@@ -115,17 +127,22 @@ def _check_files(folder, sums):
     names = sorted(sums)[rank_distrib()::num_distrib()]
     bad = [n for n in names if not (folder/n).is_file() or file_checksum(folder/n) != sums[n]]
     bad = sorted(n for part in gather_objects(bad) for n in part)
-    if bad: raise _incomplete(folder, f"{short_list(bad)} {'is' if len(bad) == 1 else 'are'} missing or changed since "
+    if bad:
+        raise _incomplete(folder, f"{short_list(bad)} {'is' if len(bad) == 1 else 'are'} missing or changed "
+                                  f"since "
                                       f"written (a kill or a disk error while it was written, or an edit)")
 
 def read_sharded(folder):
-    "The state in checkpoint folder `folder` without its tensors, if it is complete and intact; else `CorruptFileError`"
+    """The state in checkpoint folder `folder` without its tensors, if it is complete and intact; else
+    `CorruptFileError`"""
     folder = Path(folder)
     if not (folder/sharded_marker).is_file(): raise _incomplete(
-        folder, f"it has no {sharded_marker}, the marker written last: the run stopped before every rank had written its shard")
+        folder, f"it has no {sharded_marker}, the marker written last: the run stopped before every rank had "
+                f"written its shard")
     marker = check_checksum(load_torch_file(folder/sharded_marker), folder/sharded_marker, required=True)
     if marker.get('format') != 'learncb-sharded-checkpoint':
-        raise ValueError(f"{folder} is not a learncb checkpoint folder (its {sharded_marker} is of another kind)")
+        raise ValueError(f"{folder} is not a learncb checkpoint folder (its {sharded_marker} is of another "
+                         f"kind)")
     _check_files(folder, marker['files'])
     state = check_checksum(load_torch_file(folder/_rest), folder/_rest, required=True)
     state['model'] = {k[6:]: v for k,v in _saved_tensors(folder).items() if k.startswith('model/')}
@@ -138,7 +155,8 @@ def _metadata(folder):
     return dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
 
 def _saved_tensors(folder):
-    "Every tensor of checkpoint folder `folder` as a `meta` tensor of its size and dtype, by key: nothing read"
+    """Every tensor of checkpoint folder `folder` as a `meta` tensor of its size and dtype, by key: nothing
+    read"""
     return {k: torch.empty(tuple(m.size), dtype=m.properties.dtype, device='meta')
             for k,m in _metadata(folder).items() if hasattr(m, 'size')}
 
@@ -146,12 +164,14 @@ def _saved_tensors(folder):
 def _target(key, saved, model_state, params):
     "An empty tensor to read `key` into: laid out as the model's own tensor of that name if the sizes agree"
     part,_,name = key.partition('/')
-    like = {'model': model_state.get(name), 'grads': params.get(name)}.get(part, params.get(name.rpartition('/')[0]))
+    like = {'model': model_state.get(name), 'grads': params.get(name)}.get(part,
+        params.get(name.rpartition('/')[0]))
     if like is not None and like.shape == saved.shape: return torch.empty_like(like, dtype=saved.dtype)
     return torch.empty(saved.shape, dtype=saved.dtype)
 
 def load_sharded(state, model, opt_params):
-    "`state` of `read_sharded` with its tensors read for `model`; the optimizer's in the order of names `opt_params`"
+    """`state` of `read_sharded` with its tensors read for `model`; the optimizer's in the order of names
+    `opt_params`"""
     import torch.distributed.checkpoint as dcp
     folder,params = Path(state['folder']),dict(model.named_parameters())
     own = model.state_dict()
@@ -165,13 +185,16 @@ def load_sharded(state, model, opt_params):
     return out
 
 def _opt_by_index(opt, tensors, names, folder):
-    "The optimizer state `opt` (keyed by parameter name) with its tensors, keyed by position in `names` as torch's"
+    """The optimizer state `opt` (keyed by parameter name) with its tensors, keyed by position in `names` as
+    torch's"""
     index = {n: i for i,n in enumerate(names)}
     if (unknown := [n for g in opt['param_groups'] for n in g['params'] if n not in index]): raise ValueError(
-        f"{folder} has optimizer state for parameters the model does not have: {short_list(unknown)}; resume it "
+        f"{folder} has optimizer state for parameters the model does not have: {short_list(unknown)}; resume "
+        f"it "
         f"with the model it was trained with")
     state = {index[n]: dict(s) for n,s in opt['state'].items()}       # the values that are not tensors
     for k,v in tensors.items():
         n,_,key = k.rpartition('/')
         state.setdefault(index[n], {})[key] = v
-    return {'state': state, 'param_groups': [{**g, 'params': [index[n] for n in g['params']]} for g in opt['param_groups']]}
+    return {'state': state, 'param_groups': [{**g, 'params': [index[n] for n in g['params']]} for g
+                                             in opt['param_groups']]}

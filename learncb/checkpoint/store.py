@@ -1,4 +1,4 @@
-"""`CheckpointStore`, where a run's checkpoints are kept: write one atomically, read it back, list the complete ones, remove old ones. One file each (`FileStore`), or a folder of every rank's shards (`ShardedStore`), or a store of your own.
+"""`CheckpointStore`, where checkpoints are kept: atomic writes, reads, listing, removal.
 
 Docs: https://learncb.github.io/learncb/store.html.md"""
 
@@ -39,11 +39,13 @@ def checkpoint_key(ref):
 class CheckpointStore(ABC):
     "Where a run's checkpoints are kept: save one, read it back, list them (newest first), remove one"
     collective = False
-    "Whether every rank writes its own part (a sharded model): `save` and its `finish` then run on every rank together"
+    """Whether every rank writes its own part (a sharded model): `save` and its `finish` then run on every
+    rank together"""
 
     @abstractmethod
     def save(self, state, name):
-        "Take what checkpoint `state` needs now; returns `finish()`, which writes it and returns its reference"
+        """Take what checkpoint `state` needs now; returns `finish()`, which writes it and returns its
+        reference"""
 
     @abstractmethod
     def read(self, ref):
@@ -62,13 +64,15 @@ class CheckpointStore(ABC):
         return name
 
     def prepare(self):
-        "Called when a fit that writes checkpoints here starts, on every rank: nothing to do unless the store says"
+        """Called when a fit that writes checkpoints here starts, on every rank: nothing to do unless the
+        store says"""
 
     def __repr__(self): return f'{type(self).__name__}()'
 
 # %% ../../nbs/16d_store.ipynb #b0898fb6
 def tensors_pending(state):
-    "Whether the tensors of checkpoint `state` are still in its store, to be read laid out as the model that loads them"
+    """Whether the tensors of checkpoint `state` are still in its store, to be read laid out as the model that
+    loads them"""
     return 'folder' in state
 
 def read_tensors(state, model, opt_params):
@@ -76,11 +80,13 @@ def read_tensors(state, model, opt_params):
     return load_sharded(state, model, opt_params) if tensors_pending(state) else state
 
 def _kept_buffer(snapshot, min_bytes=2**20):
-    "The memory of `snapshot` for the next one to copy into, if it is large: there, memory touched before is ~4x faster"
+    """The memory of `snapshot` for the next one to copy into, if it is large: there, memory touched before is
+    ~4x faster"""
     return snapshot.buffer if snapshot.data is not None and snapshot.data.numel() >= min_bytes else None
 
 class FileStore(CheckpointStore):
-    "Each checkpoint one file in `folder`, written atomically with its checksum (rank 0 writes); reads sharded folders too"
+    """Each checkpoint one file in `folder`, written atomically with its checksum (rank 0 writes); reads
+    sharded folders too"""
     def __init__(self, folder, map_location=None):
         self.folder,self.map_location,self._buffer = Path(folder),map_location,None
 
@@ -95,21 +101,23 @@ class FileStore(CheckpointStore):
 
     def save(self, state, name):
         path = self.ref(name)
-        if not is_rank0(): return lambda: path               # every rank holds the whole state: rank 0 writes it
-        snapshot = StateSnapshot(state, self._buffer)         # copied now: training goes on changing the tensors
+        if not is_rank0(): return lambda: path  # every rank holds the whole state: rank 0 writes it
+        snapshot = StateSnapshot(state, self._buffer)  # copied now: training goes on changing the tensors
         self._buffer = _kept_buffer(snapshot)
         return partial(snapshot.write, path)
 
     def read(self, ref):
         path = Path(ref)
-        if path.is_dir(): return read_sharded(path)           # its tensors are read when loaded: `read_tensors`
+        if path.is_dir(): return read_sharded(path)  # its tensors are read when loaded: `read_tensors`
         state = load_torch_file(path, map_location=self.map_location, unpack=False)
-        if is_snapshot(state): return read_snapshot(state, path)          # checked against its checksum as it is read
-        return check_checksum(state, path, required=state.get('version', 1) >= 2) if isinstance(state, dict) else state
+        if is_snapshot(state): return read_snapshot(state, path)  # checked against its checksum as it is read
+        return check_checksum(state, path, required=state.get('version', 1) >= 2) if isinstance(state,
+            dict) else state
 
     def list(self):
         if not self.folder.is_dir(): return []
-        return sorted((p for p in self.folder.iterdir() if is_checkpoint_name(p)), key=checkpoint_key, reverse=True)
+        return sorted((p for p in self.folder.iterdir() if is_checkpoint_name(p)), key=checkpoint_key,
+                      reverse=True)
 
     def remove(self, ref):
         path = Path(ref)
@@ -130,35 +138,43 @@ class ShardedStore(FileStore):
         return self.folder/Path(name).with_suffix('').name
 
     def save(self, state, name):
-        if self.background and self._group is None: self._group = checkpoint_group()    # a collective: every rank
+        # a collective: every rank
+        if self.background and self._group is None: self._group = checkpoint_group()
         started = start_sharded(state, self.ref(name), self._group if self.background else None)
         return partial(finish_sharded, started)
 
 # %% ../../nbs/16d_store.ipynb #d1741c0f
 def is_url(path):
-    "Whether `path` is a URL of an fsspec file system (`s3://bucket/run`, `gs://...`, `memory://...`), not a local path"
-    return isinstance(path, str) and re.match(r'^[a-zA-Z][\w+.-]*://', path) is not None and not path.startswith('file://')
+    """Whether `path` is a URL of an fsspec file system (`s3://bucket/run`, `gs://...`, `memory://...`), not a
+    local path"""
+    return isinstance(path, str) and re.match(r'^[a-zA-Z][\w+.-]*://',
+                                              path) is not None and not path.startswith('file://')
 
 def url_parent(ref):
     "The folder of checkpoint `ref`: a URL's (everything before its last `/`), or a path's"
     return str(ref).rstrip('/').rsplit('/', 1)[0] if is_url(str(ref)) else Path(ref).parent
 
 def marker_of(ref, folder):
-    "The marker whose presence says checkpoint `ref` is complete, written last: `sharded_marker` in a folder, `.complete` beside a file"
+    """The marker whose presence says checkpoint `ref` is complete, written last: `sharded_marker` in a
+    folder, `.complete` beside a file"""
     return f'{ref}/{sharded_marker}' if folder else f'{ref}.complete'
 
 class FsspecStore(CheckpointStore):
-    "Checkpoints at `url` (`s3://bucket/run`, any fsspec file system): written on local disk first, then uploaded, marked last"
+    """Checkpoints at `url` (`s3://bucket/run`, any fsspec file system): written on local disk first, then
+    uploaded, marked last"""
     def __init__(self, url, sharded=False, map_location=None, background=True, **storage_options):
         try: import fsspec
-        except ImportError as e: raise ImportError(f"checkpoints at {url} need fsspec (and s3fs for s3://): pip install "
+        except ImportError as e:
+            raise ImportError(f"checkpoints at {url} need fsspec (and s3fs for s3://): pip install "
                                                    f"'learncb[s3]'") from e
         self.url,self.folder = url.rstrip('/'),url.rstrip('/')
         self.fs,self.root = fsspec.core.url_to_fs(self.url, **storage_options)
         stage = tempfile.mkdtemp(prefix='learncb-stage-')       # this process's own: nodes may share no disk
-        self.local = ShardedStore(stage, map_location, background) if sharded else FileStore(stage, map_location)
+        self.local = ShardedStore(stage, map_location, background) if sharded else FileStore(stage,
+            map_location)
         weakref.finalize(self, shutil.rmtree, stage, ignore_errors=True)
-        self.collective,self._downloads = sharded,tempfile.mkdtemp(prefix='learncb-read-')   # kept: read after the store
+        # kept: read after the store
+        self.collective,self._downloads = sharded,tempfile.mkdtemp(prefix='learncb-read-')
 
     def ref(self, name):
         "The URL of checkpoint `name`: a file (`url/name.pt`), or a folder of shards (`url/name`)"
@@ -171,7 +187,8 @@ class FsspecStore(CheckpointStore):
     def save(self, state, name): return partial(self._upload, self.local.save(state, name), name)
 
     def _upload(self, write, name):
-        "Write the checkpoint on local disk with `write`, upload it (each rank its shards), then mark it complete, last"
+        """Write the checkpoint on local disk with `write`, upload it (each rank its shards), then mark it
+        complete, last"""
         staged,remote = Path(write()),self._remote(name)
         if self.collective: self._upload_folder(staged, remote)
         elif is_rank0():
@@ -190,7 +207,8 @@ class FsspecStore(CheckpointStore):
     def read(self, ref):
         name = Path(str(ref)).name
         remote,marker = self._remote(name),self._marker_of(name)
-        if not self.fs.exists(marker): raise CorruptFileError(f"the checkpoint {ref} is incomplete: it has no marker "
+        if not self.fs.exists(marker):
+            raise CorruptFileError(f"the checkpoint {ref} is incomplete: it has no marker "
             f"({Path(marker).name}), which is written last, once the upload is done")
         local = Path(self._downloads)/name
         if self.collective:
@@ -203,7 +221,8 @@ class FsspecStore(CheckpointStore):
         self.fs.invalidate_cache(self.root)                    # another process may have written since
         try: found = self.fs.ls(self.root, detail=False)
         except FileNotFoundError: return []
-        return sorted((f'{self.url}/{Path(p).name}' for p in found if is_checkpoint_name(p)), key=checkpoint_key,
+        return sorted((f'{self.url}/{Path(p).name}' for p in found if is_checkpoint_name(p)),
+                      key=checkpoint_key,
                       reverse=True)
 
     def remove(self, ref):
@@ -218,6 +237,7 @@ class FsspecStore(CheckpointStore):
     def __repr__(self): return f'{type(self).__name__}({self.url!r})'
 
 def store_at(folder, sharded=False, map_location=None, background=True):
-    "The store of checkpoints in `folder`: a `FsspecStore` at a URL, else a `ShardedStore` (`sharded`) or a `FileStore`"
+    """The store of checkpoints in `folder`: a `FsspecStore` at a URL, else a `ShardedStore` (`sharded`) or a
+    `FileStore`"""
     if is_url(str(folder)): return FsspecStore(str(folder), sharded, map_location, background)
     return ShardedStore(folder, map_location, background) if sharded else FileStore(folder, map_location)

@@ -1,4 +1,4 @@
-"""`distrib_ctx` and `launch`: fits over every process torchrun (or a notebook) started, with DDP, FSDP or a strategy of your own; the same callbacks, numbers that agree, one rank that speaks, exact resume.
+"""`distrib_ctx` and `launch`: fits over torchrun's processes with DDP, FSDP or a strategy of yours.
 
 Docs: https://learncb.github.io/learncb/distributed.html.md"""
 
@@ -12,8 +12,10 @@ import datetime, gc, os, time, uuid
 from contextlib import contextmanager
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  its functions take the default group as a default argument when imported:
-                             # imported now, before any group, they hold none, and an ended group is freed at once
+# noqa: F401  its functions take the default group as a default argument when imported:
+import torch.distributed.nn
+                             # imported now, before any group, they hold none, and an ended group is freed at
+                             # once
 from fastcore.basics import patch
 from ..core import *
 from ..utils import *
@@ -31,33 +33,42 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 
 # %% ../../nbs/23c_distributed.ipynb #0b2fdfb2
 def launched_world():
-    "The number of processes `torchrun` (or `launch`) started for this run: its `WORLD_SIZE`, 1 when not launched"
+    """The number of processes `torchrun` (or `launch`) started for this run: its `WORLD_SIZE`, 1 when not
+    launched"""
     return int(os.environ.get('WORLD_SIZE', 1))
 
 def global_batch_dl(dl, n, world, seed=0):
-    "`dl` with `n // world` items a batch, in `DistributedSampler`'s order from `seed`: one process's part of a global batch `n`"
+    """`dl` with `n // world` items a batch, in `DistributedSampler`'s order from `seed`: one process's part
+    of a global batch `n`"""
     check_int(n, 'global_batch', ge=1, who='distrib_ctx', hint='the items of a step over all processes')
     if n % world: raise ValueError(
-        f"distrib_ctx(global_batch={n}) over {world} processes: {n} items cannot be shared equally; give a global "
-        f"batch that {world} divides ({n - n % world or world} or {n + world - n % world}), or run on a number of "
+        f"distrib_ctx(global_batch={n}) over {world} processes: {n} items cannot be shared equally; give a "
+        f"global "
+        f"batch that {world} divides ({n - n % world or world} or {n + world - n % world}), or run on a "
+        f"number of "
         f"processes that divides {n}")
     if type(dl) is not DataLoader: raise TypeError(
-        f"distrib_ctx(global_batch=...) sets the batch size of the training dataloader, which must be a torch "
+        f"distrib_ctx(global_batch=...) sets the batch size of the training dataloader, which must be a "
+        f"torch "
         f"DataLoader, not a {type(dl).__name__}: set its batch size yourself, {n} // num_distrib()")
     torchs = isinstance(dl.sampler, (RandomSampler, SequentialSampler, DistributedSampler))
-    order = resumable_sampler(dl, seed) if torchs else dl.sampler          # a sampler of the user's own: as it is
+    order = resumable_sampler(dl, seed) if torchs else dl.sampler  # a sampler of the user's own: as it is
     return rebuild_dataloader(dl, order, dl.generator, batch_size=n // world)
 
 _ctx_defaults = {'shard': None, 'device_ids': 'auto', 'find_unused_parameters': False}
 
 def _as_strategy(strategy, shard, device_ids, find_unused_parameters):
-    "The `Strategy` `distrib_ctx` runs: one by name (`'ddp'`, `'fsdp'` cut by `shard`, one registered) or one of yours"
+    """The `Strategy` `distrib_ctx` runs: one by name (`'ddp'`, `'fsdp'` cut by `shard`, one registered) or
+    one of yours"""
     if isinstance(strategy, Strategy):
-        if shard is not None: raise ValueError(f"distrib_ctx: shard={shard!r} says how FSDP cuts the model, but the "
-                                               f"strategy is {strategy!r}: give it to the strategy, FSDP(shard=...)")
+        if shard is not None:
+            raise ValueError(f"distrib_ctx: shard={shard!r} says how FSDP cuts the model, but the "
+                                               f"strategy is {strategy!r}: give it to the strategy, "
+                                               f"FSDP(shard=...)")
         return strategy
     if isinstance(strategy, type) and issubclass(strategy, Strategy): raise TypeError(
-        f"distrib_ctx: strategy={strategy.__name__} is a class: pass an instance, strategy={strategy.__name__}()")
+        f"distrib_ctx: strategy={strategy.__name__} is a class: pass an instance, "
+        f"strategy={strategy.__name__}()")
     given = {'shard': shard, 'device_ids': device_ids, 'find_unused_parameters': find_unused_parameters}
     return strategy_named(strategy, **{k: v for k,v in given.items() if v != _ctx_defaults[k]})
 
@@ -65,7 +76,8 @@ def _as_strategy(strategy, shard, device_ids, find_unused_parameters):
 @contextmanager
 def distrib_ctx(self:Learner, strategy='ddp', shard=None, backend=None, timeout=1800, device_ids='auto',
                 find_unused_parameters=False, global_batch=None):
-    "Context manager: fits inside run over every process torchrun started, with `strategy`; a no-op in one process"
+    """Context manager: fits inside run over every process torchrun started, with `strategy`; a no-op in one
+    process"""
     strategy = _as_strategy(strategy, shard, device_ids, find_unused_parameters)
     world = num_distrib() if dist.is_initialized() else launched_world()
     with self._global_batch(global_batch, 1 if strategy.reads_whole_batch else world, strategy.seed):
@@ -77,9 +89,11 @@ def distrib_ctx(self:Learner, strategy='ddp', shard=None, backend=None, timeout=
         if getattr(strategy, 'device_ids', 'auto') == 'auto': self._to_rank_device(move=not strategy.sharded)
         before,self.strategy = self.strategy,strategy
         try:
-            with strategy.session(self), self.added_cbs([DistributedCallback(strategy), RankAgreement(strategy),
+            with strategy.session(self), self.added_cbs([DistributedCallback(strategy),
+                                                         RankAgreement(strategy),
                                                          *strategy.callbacks()]): yield self
-            if started: dist.barrier()          # every rank done before the group ends (not after an error: no waiting)
+            # every rank done before the group ends (not after an error: no waiting)
+            if started: dist.barrier()
         finally:
             self.strategy = before
             if started: _end_group()
@@ -87,7 +101,8 @@ def distrib_ctx(self:Learner, strategy='ddp', shard=None, backend=None, timeout=
 @patch
 @contextmanager
 def _global_batch(self:Learner, n, world, seed):
-    "For a `distrib_ctx`: the training dataloader of `global_batch_dl` (none when `n` is `None`), the user's back after"
+    """For a `distrib_ctx`: the training dataloader of `global_batch_dl` (none when `n` is `None`), the user's
+    back after"""
     if n is None:
         yield
         return
@@ -103,35 +118,43 @@ def _end_group():
     dist.destroy_process_group()
     group_ended()
     free_dtensor_caches()
-    gc.collect()        # else gloo's threads may outlive the interpreter's teardown and abort the process at exit
+    gc.collect()  # else gloo's threads may outlive the interpreter's teardown and abort the process at exit
 
 @patch
 def _start_group(self:Learner, backend, timeout):
-    "Start the process group torchrun's environment describes: NCCL for a learner on GPUs, one per rank, else gloo"
+    """Start the process group torchrun's environment describes: NCCL for a learner on GPUs, one per rank,
+    else gloo"""
     local_world = int(os.environ.get('LOCAL_WORLD_SIZE', launched_world()))
     on_gpus = self.device.type == 'cuda' and torch.cuda.device_count() >= local_world
     wait = datetime.timedelta(seconds=timeout)
     store,rank,world = next(dist.rendezvous('env://', timeout=wait))
-    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':    # torchrun's store outlives a round: it holds the
-        store = dist.PrefixStore(f'learncb/round{agree_on_round(store, rank, world, timeout)}', store)  # last one's keys
-    try: dist.init_process_group(backend or ('nccl' if on_gpus else 'gloo'), store=store, rank=rank, world_size=world,
+    # torchrun's store outlives a round: it holds the
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
+        # last one's keys
+        store = dist.PrefixStore(f'learncb/round{agree_on_round(store, rank, world, timeout)}', store)
+    try:
+        dist.init_process_group(backend or ('nccl' if on_gpus else 'gloo'), store=store, rank=rank,
+                                world_size=world,
                                  timeout=wait)
     except dist.DistStoreError as e: raise _elastic_hint(e) from e
     return True
 
 def agree_on_round(store, rank, world, timeout=1800, retry=2.0):
-    "A number that every rank of this rendezvous round, and no earlier round, gets from `store` (rank 0 draws it)"
+    """A number that every rank of this rendezvous round, and no earlier round, gets from `store` (rank 0
+    draws it)"""
     if rank == 0: return _lead_round(store, world, time.monotonic() + timeout)
     nonce,deadline = uuid.uuid4().hex.encode(),time.monotonic() + timeout
-    while time.monotonic() < deadline:              # the round rank 0 announced: an earlier round's never answers
+    while time.monotonic() < deadline:  # the round rank 0 announced: an earlier round's never answers
         store.wait(['learncb/round'], datetime.timedelta(seconds=timeout))
         n = int(store.get('learncb/round'))
         store.set(f'learncb/round{n}/hello{rank}', nonce)
-        if _answered(store, f'learncb/round{n}/welcome{rank}', nonce, min(deadline, time.monotonic() + retry)): return n
+        if _answered(store, f'learncb/round{n}/welcome{rank}', nonce, min(deadline,
+                time.monotonic() + retry)): return n
     raise dist.DistStoreError(f"rank {rank} found no rendezvous round that rank 0 opened within {timeout} s")
 
 def _lead_round(store, world, deadline):
-    "Rank 0: draw a round number never drawn on this store, announce it, and welcome each rank that answers it"
+    """Rank 0: draw a round number never drawn on this store, announce it, and welcome each rank that answers
+    it"""
     n = store.add('learncb/rounds', 1)
     store.set('learncb/round', str(n))
     for r in range(1, world):
@@ -150,13 +173,17 @@ def _answered(store, key, nonce, until):
 def _elastic_hint(e):
     "A store timeout when the group starts, with what to try under torchrun's elastic agent"
     if 'TORCHELASTIC_RUN_ID' not in os.environ: return e
-    return dist.DistStoreError(f"{e}\nthe process group could not start in this rendezvous round. If a node was "
-        f"joining an elastic run (torchrun --nnodes=MIN:MAX), start every torchrun with the environment variable "
-        f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torch's shared rendezvous store times out a node that joins a running job")
+    return dist.DistStoreError(f"{e}\nthe process group could not start in this rendezvous round. If a node "
+                               f"was "
+        f"joining an elastic run (torchrun --nnodes=MIN:MAX), start every torchrun with the environment "
+        f"variable "
+        f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torch's shared rendezvous store times out a node that joins "
+        f"a running job")
 
 @patch
 def _to_rank_device(self:Learner, move=True):
-    "Put a learner on CUDA on this rank's GPU (`LOCAL_RANK`), its model too if `move`; the ids DDP takes (`None` on CPU)"
+    """Put a learner on CUDA on this rank's GPU (`LOCAL_RANK`), its model too if `move`; the ids DDP takes
+    (`None` on CPU)"""
     if self.device.type != 'cuda': return None
     local = int(os.environ.get('LOCAL_RANK', rank_distrib())) % torch.cuda.device_count()
     torch.cuda.set_device(local)
@@ -171,7 +198,8 @@ def _launched(rank, fn, args, nprocs, port):
     fn(*args)
 
 def launch(fn, *args, nprocs=2, start_method='fork', port=None):
-    "Run `fn(*args)` in `nprocs` processes that form a distributed run (in each, `learn.distrib_ctx()` joins it)"
+    """Run `fn(*args)` in `nprocs` processes that form a distributed run (in each, `learn.distrib_ctx()` joins
+    it)"""
     check_int(nprocs, 'nprocs', ge=1, who='launch', hint='the number of processes')
     import torch.multiprocessing as mp
     mp.start_processes(_launched, args=(fn, args, nprocs, port or free_port()), nprocs=nprocs,

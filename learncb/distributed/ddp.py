@@ -1,4 +1,4 @@
-"""`DDP`, the strategy of data-parallel training: every rank holds the whole model in `DistributedDataParallel`, reads its share of each batch, and the gradients are averaged in the backward pass.
+"""`DDP`: every rank holds the whole model, reads its share of each batch, and the gradients are averaged.
 
 Docs: https://learncb.github.io/learncb/ddp.html.md"""
 

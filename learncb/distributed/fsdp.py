@@ -1,4 +1,4 @@
-"""`FSDP`, the strategy that shards the model over the ranks with PyTorch's FSDP2 (`fully_shard`): each rank holds a part of every parameter, gradient and optimizer state, and checkpoints are folders of every rank's shards.
+"""`FSDP`: FSDP2's `fully_shard` shards parameters, gradients and optimizer state; checkpoints are folders.
 
 Docs: https://learncb.github.io/learncb/fsdp.html.md"""
 
@@ -27,8 +27,10 @@ def _post_order(m):
     yield m
 
 def _shard_rule(shard):
-    "The test of a module that `shard` stands for: a function of a module, a module class, or a collection of them"
-    classes = ((shard,) if isinstance(shard, type) else tuple(shard) if isinstance(shard, (set, frozenset, list, tuple))
+    """The test of a module that `shard` stands for: a function of a module, a module class, or a collection
+    of them"""
+    classes = ((shard,) if isinstance(shard, type) else tuple(shard) if isinstance(shard, (set, frozenset,
+        list, tuple))
                else None)
     if classes and all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
         return lambda m: isinstance(m, classes)
@@ -37,14 +39,16 @@ def _shard_rule(shard):
                     f"lambda m: isinstance(m, Block), a module class, or a set of them, not {shard!r}")
 
 def units_to_shard(model, shard=None):
-    "The submodules of `model` FSDP shards as units, children before parents; `None`: each direct child with parameters"
+    """The submodules of `model` FSDP shards as units, children before parents; `None`: each direct child with
+    parameters"""
     if shard is None: return [m for m in model.children() if next(m.parameters(), None) is not None]
     rule = _shard_rule(shard)
     return [m for m in _post_order(model) if m is not model and rule(m)]
 
 # %% ../../nbs/23b_fsdp.ipynb #115ca651
 def fsdp_model(model, shard=None, device=None, mp_policy=None):
-    "A copy of `model` sharded over the ranks by FSDP2: `fully_shard` on the units `shard` picks, then the root"
+    """A copy of `model` sharded over the ranks by FSDP2: `fully_shard` on the units `shard` picks, then the
+    root"""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, StateDictOptions
@@ -56,7 +60,8 @@ def fsdp_model(model, shard=None, device=None, mp_policy=None):
     fully_shard(out, **kw)
     out.to_empty(device=device)
     weights = model.state_dict()        # rank 0's are broadcast, as DDP does: every rank starts from the same
-    set_model_state_dict(out, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(out, weights, options=StateDictOptions(full_state_dict=True,
+                                                                broadcast_from_rank0=True))
     with torch.no_grad():               # buffers that are not in the state dict (persistent=False) are copied
         own = dict(model.named_buffers())
         for n,b in out.named_buffers():
@@ -64,7 +69,8 @@ def fsdp_model(model, shard=None, device=None, mp_policy=None):
     return out
 
 def _rank0_buffers(model):
-    "Give every rank rank 0's buffers (BatchNorm's running statistics), as DDP does: under FSDP each rank has its own"
+    """Give every rank rank 0's buffers (BatchNorm's running statistics), as DDP does: under FSDP each rank
+    has its own"""
     with torch.no_grad():
         for b in model.buffers():
             if not is_sharded(b): dist.broadcast(b, src=0)
@@ -77,7 +83,8 @@ def _gather_into(sharded, model):
 
 # %% ../../nbs/23b_fsdp.ipynb #83af721a
 class FSDP(Strategy):
-    "Training sharded by FSDP2: a sharded copy of the model trains, then its weights and optimizer state are gathered back"
+    """Training sharded by FSDP2: a sharded copy of the model trains, then its weights and optimizer state are
+    gathered back"""
     sharded = True
     def __init__(self, shard=None):
         super().__init__()
@@ -87,15 +94,18 @@ class FSDP(Strategy):
     reduces = 'backward'          # FSDP's hooks reduce-scatter each unit's gradients in its backward
 
     def wrap(self, learn):
-        "Shard a copy of the model over the ranks and make its optimizer, carrying over the state the optimizer had"
+        """Shard a copy of the model over the ranks and make its optimizer, carrying over the state the
+        optimizer had"""
         if not learn.owns_opt: raise ValueError(
-            "under FSDP the learner makes the optimizer for the sharded parameters from learn.opt_func, so an "
+            "under FSDP the learner makes the optimizer for the sharded parameters from learn.opt_func, so "
+            "an "
             "optimizer set by hand (learn.opt = ...) cannot be used: set learn.opt_func (e.g. partial(SGD, "
             "momentum=0.9)) and learn.opt = None")
         self._plain,self._plain_opt,self._mp = learn.model,learn.opt,self._precision(learn)
         self._plain_opt_state = map_tensors(torch.Tensor.cpu, self._plain_opt.state_dict())    # on an error
         learn.model = fsdp_model(self._plain, self.shard, learn.device, self._policy())
-        learn.create_opt()        # the same groups (splitter), of the sharded parameters; then the old state and hypers
+        # the same groups (splitter), of the sharded parameters; then the old state and hypers
+        learn.create_opt()
         learn.opt.load_state_dict(opt_state_like(self._plain_opt.state_dict(), learn.opt))
         self._plain.to('cpu')     # the whole weights and optimizer state wait out the fit in CPU memory
         self._plain_opt.state.clear()
@@ -157,16 +167,19 @@ class FSDP(Strategy):
     def before_validate(self, learn): _rank0_buffers(learn.model)
 
     def after_validate(self, learn):
-        "A rank with fewer validation batches runs its last one again, unseen: every forward of FSDP is a collective"
+        """A rank with fewer validation batches runs its last one again, unseen: every forward of FSDP is a
+        collective"""
         for _ in range(self._extra_forwards if learn.xb is not None else 0):
             learn.forward_batch()
 
     def _precision(self, learn):
-        "The learner's `MixedPrecision` callback, if any: FSDP's `MixedPrecisionPolicy` casts the model in its stead"
+        """The learner's `MixedPrecision` callback, if any: FSDP's `MixedPrecisionPolicy` casts the model in
+        its stead"""
         mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
         if mp is None: return None
         if mp.dtype == torch.float16: raise ValueError(
-            "MixedPrecision('fp16') under FSDP: learncb maps MixedPrecision to FSDP's MixedPrecisionPolicy, which has no "
+            "MixedPrecision('fp16') under FSDP: learncb maps MixedPrecision to FSDP's MixedPrecisionPolicy, "
+            "which has no "
             "gradient scaler here; use MixedPrecision('bf16') (MixedPrecision() is bf16 under FSDP)")
         return mp
 
@@ -180,24 +193,29 @@ class FSDP(Strategy):
         return model.set_requires_gradient_sync if isinstance(model, FSDPModule) else None
 
     def _policy(self):
-        "FSDP's `MixedPrecisionPolicy` for a `MixedPrecision` callback: weights in bf16, gradients reduced and outputs in fp32"
+        """FSDP's `MixedPrecisionPolicy` for a `MixedPrecision` callback: weights in bf16, gradients reduced
+        and outputs in fp32"""
         if self._mp is None: return None
         from torch.distributed.fsdp import MixedPrecisionPolicy
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                    output_dtype=torch.float32)
 
     def unwrap(self, learn):
-        "Gather the trained weights and optimizer state back into the plain model and its optimizer (not after an error)"
+        """Gather the trained weights and optimizer state back into the plain model and its optimizer (not
+        after an error)"""
         sharded,opt = plain_model(learn.model),learn.opt      # inside a compiled model's wrapper, if any
         if self._plain is None: return              # `wrap` did not get to shard it
         self._plain.to(learn.device)
-        if learn.exception is None:                 # gathering is a collective: only when every rank came here
+        if learn.exception is None:  # gathering is a collective: only when every rank came here
             _rank0_buffers(sharded)
             _gather_into(sharded, self._plain)
             self._plain_opt.load_state_dict(whole_state(opt.state_dict(), rank0=False))
         else:
             self._plain_opt.load_state_dict(self._plain_opt_state)
-            add_note(learn.exception, "learncb: the FSDP fit ended with an error, so its weights were not gathered: "
-                     "learn.model has the weights it had before the fit; the run's progress is in its last checkpoint")
+            add_note(learn.exception, "learncb: the FSDP fit ended with an error, so its weights were not "
+                                      "gathered: "
+                     "learn.model has the weights it had before the fit; the run's progress is in its last "
+                     "checkpoint")
         learn.model,learn.opt = self._plain,self._plain_opt     # `create_opt` made it: `learn.owns_opt` again
         self._plain = None
 

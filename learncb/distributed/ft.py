@@ -26,7 +26,8 @@ from .replicas import *
 
 # %% ../../nbs/23e_ft.ipynb #a1f0e003
 def _share(n, k, r):
-    "Items `[lo, hi)` of a batch of `n` that replica `r` of `k` computes: contiguous, sizes differing by one at most"
+    """Items `[lo, hi)` of a batch of `n` that replica `r` of `k` computes: contiguous, sizes differing by one
+    at most"""
     return (r * n // k, (r + 1) * n // k) if r is not None else (0, 0)
 
 def _sliced(b, lo, hi):
@@ -51,7 +52,8 @@ class TorchFT(Strategy):
         if shard is not None and within != 'fsdp': raise ValueError(
             f"TorchFT: shard={shard!r} says how FSDP cuts the model inside a replica group, but "
             f"within={within!r}: pass within='fsdp' with it")
-        for k,v in dict(timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=connect_timeout).items():
+        for k,v in dict(timeout=timeout, quorum_timeout=quorum_timeout,
+                        connect_timeout=connect_timeout).items():
             check_number(v, k, gt=0, who='TorchFT', hint='seconds')
         self.quorum_every = check_number(quorum_every, 'quorum_every', ge=0, who='TorchFT', hint='seconds')
         self._quorum_due,self._last_quorum = True,0.
@@ -132,7 +134,8 @@ class TorchFT(Strategy):
         finally: self._shutdown()
 
     def _start(self):
-        "Make the torchft manager of this replica group: its own store, gloo, learncb's state to heal from and to"
+        """Make the torchft manager of this replica group: its own store, gloo, learncb's state to heal from
+        and to"""
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo
         lighthouse,group,_ = self.settings
@@ -141,7 +144,8 @@ class TorchFT(Strategy):
         self._pg = ProcessGroupGloo(timeout=td(self.timeout))      # the manager configures it at each quorum
         self.manager = Manager(
             pg=self._pg, load_state_dict=self._receive, state_dict=self._served_state,
-            min_replica_size=1, use_async_quorum=False, timeout=td(self.timeout), quorum_timeout=td(self.quorum_timeout),
+            min_replica_size=1, use_async_quorum=False, timeout=td(self.timeout),
+            quorum_timeout=td(self.quorum_timeout),
             connect_timeout=td(self.connect_timeout), rank=self.group_rank, world_size=self.group_world,
             store_addr=host, store_port=port, lighthouse_addr=lighthouse, replica_id=f'learncb_{group}',
             init_sync=False)
@@ -161,7 +165,8 @@ class TorchFT(Strategy):
         self.manager,self.learn,self._store = None,None,None
 
     def join(self, learn):
-        "The first quorum of this process, before the first batch: the state of a live peer to heal from, or `None`"
+        """The first quorum of this process, before the first batch: the state of a live peer to heal from, or
+        `None`"""
         self.learn,self._grads = learn,FlatGrads()      # the step's lists of parameters are the fit's
         if self.manager is None: self._start()
         if not self._first_fit:                  # a later fit of the block: its first step forms the quorum
@@ -181,15 +186,21 @@ class TorchFT(Strategy):
         try: self.manager.start_quorum(shrink_only=shrink_only)
         except Exception as e:
             if not isinstance(e, TimeoutError) and 'timeout' not in str(e).lower(): raise
-            raise TimeoutError(f"strategy='torchft': no quorum formed within quorum_timeout={self.quorum_timeout} s "
-                               f"(lighthouse {self.settings[0]}): check that the lighthouse runs and that as many "
-                               f"replicas as its --min_replicas are started, or raise TorchFT(quorum_timeout=...)") from e
+            raise TimeoutError(f"strategy='torchft': no quorum formed within "
+                               f"quorum_timeout={self.quorum_timeout} s "
+                               f"(lighthouse {self.settings[0]}): check that the lighthouse runs and that as "
+                               f"many "
+                               f"replicas as its --min_replicas are started, or raise "
+                               f"TorchFT(quorum_timeout=...)") from e
         self.rank,self._quorum_due = self.manager.participating_rank(),False
         self._last_quorum = time.monotonic()
         if self._received is not None and not heal: raise RuntimeError(
-            "strategy='torchft': this replica fell behind the run in the middle of its fit (its quorum said to heal "
-            "from a peer ahead of it, as when the lighthouse formed a quorum without the others for longer than its "
-            "join_timeout_ms): start the replica again, and it heals at its first step; give the lighthouse a "
+            "strategy='torchft': this replica fell behind the run in the middle of its fit (its quorum said "
+            "to heal "
+            "from a peer ahead of it, as when the lighthouse formed a quorum without the others for longer "
+            "than its "
+            "join_timeout_ms): start the replica again, and it heals at its first step; give the lighthouse "
+            "a "
             "join_timeout_ms longer than a validation")
 
     def quorum_share(self, n, joins=True, again=False):
@@ -206,7 +217,8 @@ class TorchFT(Strategy):
     def _receive(self, state): self._received = state
 
     def _served_state(self):
-        "The run's state for a replica that heals from this one: as a checkpoint after the last committed step"
+        """The run's state for a replica that heals from this one: as a checkpoint after the last committed
+        step"""
         learn = self.learn
         state = local_shards(learn.state_dict(live=True))   # with what callbacks have pending
         state['loop'] = {**state['loop'], 'iter': learn.iter - 1}
@@ -219,7 +231,8 @@ class TorchFT(Strategy):
         return 1 if self.inner is None else self.group_world
 
     def sum_and_commit(self, learn, params, loss):
-        "Sum the gradients and `loss` over the quorum (one all-reduce); the global batch's loss if the quorum commits, else `None`"
+        """Sum the gradients and `loss` over the quorum (one all-reduce); the global batch's loss if the
+        quorum commits, else `None`"""
         m,parts = self.manager,[local_part(p) for p in params]
         own = _weights_sum(parts) if m.current_step() == 0 else None    # at step 0, afresh: compare models
         due = time.monotonic() - self._last_quorum >= self.quorum_every     # asks a quorum at the next step
@@ -414,7 +427,8 @@ def fault_tolerant(step_class):
 
 # %% ../../nbs/23e_ft.ipynb #a1f0e005
 class ReplicaCallback(Callback):
-    "The replica's part of a fit under `TorchFT`: the first quorum and heal, the random state before each batch, the step"
+    """The replica's part of a fit under `TorchFT`: the first quorum and heal, the random state before each
+    batch, the step"""
     order = Order.REPLICA      # after a checkpoint's restore: a live peer's state is newer
     def __init__(self, strategy): self.strategy,self.heal,self.rng = strategy,None,None
 
@@ -422,7 +436,8 @@ class ReplicaCallback(Callback):
         "Join the run: a replica behind the others takes a live peer's state and starts where they are"
         learn = self.learn
         if getattr(learn.recorder, 'train_metrics', False): raise ValueError(
-            "strategy='torchft': Recorder(train_metrics=True) is not supported yet (each replica predicts its share of "
+            "strategy='torchft': Recorder(train_metrics=True) is not supported yet (each replica predicts "
+            "its share of "
             "a batch): validate with the metrics instead")
         state = self.strategy.join(learn)
         self.heal = None if state is None else self._healing(state)
@@ -432,7 +447,7 @@ class ReplicaCallback(Callback):
         check_same_run(learn, state, where)
         learn.check_state(state, where)
         for cb in learn.cbs:
-            if isinstance(cb, ResumeCallback): cb.run = False           # the peer's state is newer than a checkpoint
+            if isinstance(cb, ResumeCallback): cb.run = False  # the peer's state is newer than a checkpoint
         heal = ResumeCallback(state, where)
         heal.learn = learn
         heal.before_fit()

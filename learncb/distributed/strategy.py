@@ -22,12 +22,14 @@ strategies = {}
 "The strategies `distrib_ctx(strategy=name)` finds: `{name: a Strategy class, or a function that makes one}`"
 
 def register_strategy(name, make=None):
-    "Make `make` (a `Strategy` class, or a function returning one) the strategy `distrib_ctx(strategy=name)` runs"
+    """Make `make` (a `Strategy` class, or a function returning one) the strategy `distrib_ctx(strategy=name)`
+    runs"""
     if make is None: return lambda make: register_strategy(name, make)          # as a decorator
     if not isinstance(name, str) or not name: raise TypeError(
         f"register_strategy: the name must be a non-empty string, like 'my-ddp', not {name!r}")
     if not callable(make): raise TypeError(
-        f"register_strategy({name!r}, {make!r}): give a Strategy subclass or a function that returns a Strategy")
+        f"register_strategy({name!r}, {make!r}): give a Strategy subclass or a function that returns a "
+        f"Strategy")
     strategies[name] = make
     if isinstance(make, type): strategy_names.setdefault(make, name)
     return make
@@ -40,23 +42,28 @@ def _takes(make):
     return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 def strategy_named(name, **options):
-    "A new strategy of the one registered as `name`, made with `options`; a clear error for an unknown name or option"
+    """A new strategy of the one registered as `name`, made with `options`; a clear error for an unknown name
+    or option"""
     check_choice(name, 'strategy', tuple(strategies), who='distrib_ctx',
-                 hint="or a Strategy instance, e.g. DDP(); a strategy of yours joins with register_strategy(name, cls)")
+                 hint="or a Strategy instance, e.g. DDP(); a strategy of yours joins with "
+                      "register_strategy(name, cls)")
     make,takes = strategies[name],_takes(strategies[name])
     for k,v in options.items():
         if takes is not None and k not in takes:
             why = " says how FSDP cuts the model: pass strategy='fsdp'" if k == 'shard' else ''
-            raise ValueError(f"distrib_ctx: strategy={name!r} ({getattr(make, '__name__', make)}) takes no {k}= "
+            raise ValueError(f"distrib_ctx: strategy={name!r} ({getattr(make, '__name__', make)}) takes no "
+                             f"{k}= "
                              f"(given {k}={v!r}){why}; it takes {', '.join(takes) or 'no options'}")
     out = make(**options)
     if not isinstance(out, Strategy): raise TypeError(
-        f"the strategy registered as {name!r} made {type(out).__name__}, not a Strategy: register a Strategy subclass")
+        f"the strategy registered as {name!r} made {type(out).__name__}, not a Strategy: register a Strategy "
+        f"subclass")
     return out
 
 # %% ../../nbs/23_strategies.ipynb #6341031e
 class DistributedCallback(Callback):
-    "Runs a fit the way `strategy` says: this rank's share of the data, the model it trains, rank 0 alone speaking"
+    """Runs a fit the way `strategy` says: this rank's share of the data, the model it trains, rank 0 alone
+    speaking"""
     order = Order.SETUP
     def __init__(self, strategy): self.strategy = strategy
 
@@ -66,7 +73,8 @@ class DistributedCallback(Callback):
         learn.dls = DataLoaders(strategy.shard_train(learn.dls.train),
                                 None if learn.dls.valid is None else strategy.shard_valid(learn.dls.valid))
         strategy.wrap(learn)
-        learn.logger = strategy.logger_for(learn.logger)      # callbacks marked `rank0_only` are left out by the learner
+        # callbacks marked `rank0_only` are left out by the learner
+        learn.logger = strategy.logger_for(learn.logger)
 
     def before_validate(self): self.strategy.before_validate(self.learn)
     def after_validate(self): self.strategy.after_validate(self.learn)
@@ -74,11 +82,12 @@ class DistributedCallback(Callback):
     def after_fit(self):
         learn = self.learn
         self.strategy.unwrap(learn)
-        learn.loss_grad = None       # its graph holds DDP's hooks, and through them the process group: let them go
+        learn.loss_grad = None  # its graph holds DDP's hooks, and through them the process group: let them go
         learn.dls,learn.logger = self._dls,self._logger
 
 class RankAgreement(Callback):
-    "Last at the end of each epoch: a stop asked on any rank stops every rank (a collective: ranks wait for each other)"
+    """Last at the end of each epoch: a stop asked on any rank stops every rank (a collective: ranks wait for
+    each other)"""
     order = Order.FINAL
     def __init__(self, strategy): self.strategy = strategy
     def after_epoch(self):

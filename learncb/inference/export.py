@@ -1,4 +1,4 @@
-"""`predict` one item, `test_dl` for many; `export`/`load_learner`: a file for inference that runs no code when loaded.
+"""`predict` one item, `test_dl` for many; `export`/`load_learner`: a file for inference that runs no code.
 
 Docs: https://learncb.github.io/learncb/inference.html.md"""
 
@@ -29,10 +29,12 @@ from .program import check_program
 
 # %% ../../nbs/19_inference.ipynb #8157b0be
 def _inputs_of(item, n_inp, where='the item'):
-    "The first `n_inp` elements of `item` (a tensor is one input): the model's inputs of one item, without targets"
+    """The first `n_inp` elements of `item` (a tensor is one input): the model's inputs of one item, without
+    targets"""
     if isinstance(item, (tuple, list)) and len(item) >= n_inp: return tuple(item[:n_inp])
     if not isinstance(item, (tuple, list)) and n_inp == 1: return (item,)
-    raise ValueError(f"{where} is {describe_value(item)}, but the model takes n_inp={n_inp} inputs: each item must be "
+    raise ValueError(f"{where} is {describe_value(item)}, but the model takes n_inp={n_inp} inputs: each "
+                     f"item must be "
                      f"a tuple of (at least) {n_inp} tensors, its inputs first")
 
 class _Inputs(Dataset):
@@ -61,7 +63,8 @@ def _test_ds(items, n_inp):
     "A dataset of the inputs of `items`: a tensor (one item per row), a list of items, or a dataset"
     if isinstance(items, torch.Tensor):
         if items.ndim == 0 or n_inp != 1: raise ValueError(
-            f"test_dl got {describe_value(items)}: a tensor gives one item per row, of one input (the model takes "
+            f"test_dl got {describe_value(items)}: a tensor gives one item per row, of one input (the model "
+            f"takes "
             f"n_inp={n_inp}); for several inputs pass a list of tuples, or TensorDataset(x1, x2, ...)")
         return TensorDataset(items)
     if isinstance(items, (list, tuple)):
@@ -70,10 +73,12 @@ def _test_ds(items, n_inp):
             if not isinstance(item, Mapping): _inputs_of(item, n_inp, f'item {i}')
         return _Inputs(list(items), n_inp)
     if isinstance(items, DataLoader): raise TypeError(
-        "test_dl takes items, not a DataLoader: pass the DataLoader to get_preds directly, learn.get_preds(dl=dl)")
+        "test_dl takes items, not a DataLoader: pass the DataLoader to get_preds directly, "
+        "learn.get_preds(dl=dl)")
     if isinstance(items, IterableDataset) or not isinstance(items, Dataset): raise TypeError(
         f"test_dl takes a tensor, a list of items or a torch Dataset (with __len__ and __getitem__), not "
-        f"{describe_value(items)}" + ("; wrap an array in torch.as_tensor" if hasattr(items, '__array__') else ''))
+        f"{describe_value(items)}" + ("; wrap an array in torch.as_tensor" if hasattr(items, '__array__')
+                                      else ''))
     return _Inputs(items, n_inp)
 
 @patch
@@ -99,7 +104,8 @@ def _indexed_datasets(self:Learner, with_collate=False):
 
 @patch
 def _item_shapes(self:Learner):
-    "The shapes of one item's inputs in the learner's data (validation set, else training set); `None` if unknown"
+    """The shapes of one item's inputs in the learner's data (validation set, else training set); `None` if
+    unknown"""
     for ds in self._indexed_datasets():
         try: xs = _inputs_of(ds[0], self.n_inp)
         except Exception: continue
@@ -113,15 +119,19 @@ def _one_item(self:Learner, item):
     if isinstance(item, Mapping): return self._one_dict_item(item)
     xs = tuple(item) if isinstance(item, (tuple, list)) else (item,)
     if len(xs) != self.n_inp: raise ValueError(
-        f"predict takes one item: the model's n_inp={self.n_inp} input tensor(s), but got {describe_value(item)}; "
+        f"predict takes one item: the model's n_inp={self.n_inp} input tensor(s), but got "
+        f"{describe_value(item)}; "
         f"pass its inputs alone, without a target" + (", as a tuple" if self.n_inp > 1 else ''))
     if not all(isinstance(x, torch.Tensor) for x in xs): raise TypeError(
         f"predict takes tensors, not {describe_value(item)}: convert the item with torch.as_tensor")
     shapes = self._item_shapes()
     if shapes and all(x.ndim == len(s) + 1 and list(x.shape[1:]) == list(s) for x,s in zip(xs, shapes)):
-        raise ValueError(f"predict takes one item, without a batch dimension, but got {describe_value(xs[0])}: a "
-                         f"batch of {xs[0].shape[0]} items of shape {tuple(shapes[0])}, the shape of an item in the "
-                         f"data. For many items use learn.get_preds(dl=learn.test_dl(x)); for one, learn.predict(x[0])")
+        raise ValueError(f"predict takes one item, without a batch dimension, but got "
+                         f"{describe_value(xs[0])}: a "
+                         f"batch of {xs[0].shape[0]} items of shape {tuple(shapes[0])}, the shape of an item "
+                         f"in the "
+                         f"data. For many items use learn.get_preds(dl=learn.test_dl(x)); for one, "
+                         f"learn.predict(x[0])")
     return xs
 
 @patch
@@ -139,7 +149,8 @@ def _row(o, i):
 
 @patch
 def predict(self:Learner, item):
-    "Prediction of one `item` (a tensor, or a tuple of `n_inp`, without batch dimension): `(decoded, activated)`"
+    """Prediction of one `item` (a tensor, or a tuple of `n_inp`, without batch dimension): `(decoded,
+    activated)`"""
     with rng_kept():
         xs = self._one_item(item)
         with self.no_bar(), torch.inference_mode():
@@ -170,7 +181,8 @@ def _decodes_name(loss_func):
     return 'identity'
 
 def head_names(loss_func):
-    "`(activation, decoding)`: names in `activations` and `decodings` of what `get_preds` applies for `loss_func`"
+    """`(activation, decoding)`: names in `activations` and `decodings` of what `get_preds` applies for
+    `loss_func`"""
     return _act_name(loss_func),_decodes_name(loss_func)
 
 # %% ../../nbs/19_inference.ipynb #b8004d1f
@@ -199,7 +211,8 @@ def _data_sample(self:Learner):
             n = len(ds)
             batch = collate([ds[i] for i in (0, min(1, n - 1))]) if n else None
             if n: return _as_sample(batch_inputs(batch, self.n_inp, self.label_key), self.n_inp),None
-        except Exception as e: return None,f"no sample batch could be made of the data ({_reason(e)}): pass sample="
+        except Exception as e:
+            return None,f"no sample batch could be made of the data ({_reason(e)}): pass sample="
     return None,"there is no dataset to take a sample batch from: pass sample=, the inputs of a batch"
 
 # %% ../../nbs/19_inference.ipynb #78fecdbd
@@ -216,7 +229,8 @@ def _torch_quiet():
 def _same_outputs(a, b):
     ta,tb = tensors_of(a),tensors_of(b)
     return len(ta) == len(tb) and all(x.shape == y.shape and x.dtype == y.dtype and
-                                      torch.allclose(x.double(), y.double(), rtol=1e-4, atol=1e-6, equal_nan=True)
+                                      torch.allclose(x.double(), y.double(), rtol=1e-4, atol=1e-6,
+                                                     equal_nan=True)
                                       for x,y in zip(ta, tb))
 
 def _agrees(m, ep, *xbs):
@@ -224,7 +238,8 @@ def _agrees(m, ep, *xbs):
     with torch.no_grad(): return all(_same_outputs(m(*xb), ep.module()(*xb)) for xb in xbs)
 
 def _export_program(m, xb):
-    "`(program, batch)`: `m` captured with a free batch dimension (`batch=None`), else for batches of one item"
+    """`(program, batch)`: `m` captured with a free batch dimension (`batch=None`), else for batches of one
+    item"""
     two = xb if xb[0].shape[0] > 1 else tuple(torch.cat([x, x]) for x in xb)     # one item would fix the size
     one = tuple(x[:1] for x in xb)
     dim = torch.export.Dim('batch', min=1)
@@ -234,15 +249,18 @@ def _export_program(m, xb):
         why = "for a batch of one item, its program gives other outputs than the model"
     except Exception as e: why = _reason(e)
     ep = torch.export.export(m, one)
-    if not _agrees(m, ep, one): raise ValueError("the captured program gives other outputs than the model on a sample "
-                                                 "item (its forward depends on something fixed when it was traced)")
+    if not _agrees(m, ep, one):
+        raise ValueError("the captured program gives other outputs than the model on a sample "
+                                                 "item (its forward depends on something fixed when it was "
+                                                 "traced)")
     warn_user(f"export: the model's code depends on the batch size ({why}), so its program is captured for "
                   f"batches of one item: a learner loaded from the file predicts one item at a time",
                   UserWarning)
     return ep,1
 
 def _capture(model, xb, n_inp):
-    "`(program bytes, batch, None)` of `model` captured by torch.export on inputs `xb`, or `(None, None, reason)`"
+    """`(program bytes, batch, None)` of `model` captured by torch.export on inputs `xb`, or `(None, None,
+    reason)`"""
     try:
         m = copy.deepcopy(model).to('cpu').eval()
         with _torch_quiet(): ep,batch = _export_program(m, xb)
@@ -275,7 +293,9 @@ def _vocab_list(vocab):
         if isinstance(v, str): out.append(str(v))               # a numpy string too
         elif isinstance(v, numbers.Integral) and not isinstance(v, bool): out.append(int(v))
         elif is_number(v): out.append(float(v))
-        else: raise TypeError(f"export: learn.vocab[{i}] is {describe_value(v)}: class names must be strings or "
+        else:
+            raise TypeError(f"export: learn.vocab[{i}] is {describe_value(v)}: class names must be strings "
+                            f"or "
                               f"numbers to be written to a file that loads without code; e.g. learn.vocab = "
                               f"[str(c) for c in learn.vocab]")
     return out
@@ -287,8 +307,10 @@ def _head_for_file(loss_func):
     for name,what,arg,registry in zip(head_names(loss_func), ('activation', 'decodes'), ('act', 'decodes'),
                                       (activations, decodings)):
         if name is None:
-            warn_user(f"export: the loss function's {what} is a function of its own, which a file cannot name "
-                          f"(it knows {', '.join(registry)}): the file says 'identity', so a learner loaded from it "
+            warn_user(f"export: the loss function's {what} is a function of its own, which a file cannot "
+                      f"name "
+                          f"(it knows {', '.join(registry)}): the file says 'identity', so a learner loaded "
+                          f"from it "
                           f"gives the model's raw outputs there; give the function back when loading: "
                           f"load_learner(path, {arg}=...)", UserWarning)
             name = 'identity'
@@ -297,7 +319,8 @@ def _head_for_file(loss_func):
 
 @patch
 def export(self:Learner, fname='export.pt', with_program=True, sample=None):
-    "Write what inference needs to `path/fname`, a file `load_learner` reads without running code; returns its path"
+    """Write what inference needs to `path/fname`, a file `load_learner` reads without running code; returns
+    its path"""
     path = Path(fname) if Path(fname).is_absolute() else self.path/fname
     act,dec = _head_for_file(head_loss(self))
     vocab = _vocab_list(getattr(self, 'vocab', None))
@@ -305,11 +328,15 @@ def export(self:Learner, fname='export.pt', with_program=True, sample=None):
     for k,v in weights.items(): weights[k] = v.detach().cpu()
     with rng_kept():
         if with_program: program,batch,shapes,why = self._program(sample)
-        else: program,batch,shapes,why = None,None,self._item_shapes(),"it was exported with with_program=False"
+        else:
+            program,batch,shapes,why = None,None,self._item_shapes(),"it was exported with with_program=False"
     if program is None and with_program:
-        warn_user(f"export: torch.export could not capture the model ({why}), so {path} holds its weights only: "
-                      f"load it with load_learner(path, model=MyModel(...)), a model of its class", UserWarning)
-    state = {'learncb_export': 1, 'model': weights, 'n_inp': self.n_inp, 'act': act, 'decodes': dec, 'vocab': vocab,
+        warn_user(f"export: torch.export could not capture the model ({why}), so {path} holds its weights "
+                  f"only: "
+                      f"load it with load_learner(path, model=MyModel(...)), a model of its class",
+                      UserWarning)
+    state = {'learncb_export': 1, 'model': weights, 'n_inp': self.n_inp, 'act': act, 'decodes': dec,
+             'vocab': vocab,
              'item_shapes': shapes, 'program_batch': batch, 'program_error': why,
              'torch_version': str(torch.__version__),
              'program': None if program is None else torch.frombuffer(bytearray(program), dtype=torch.uint8)}
@@ -331,19 +358,24 @@ class ExportedModel(nn.Module):
 
 # %% ../../nbs/19_inference.ipynb #e1a66e9e
 class _NoLoss:
-    "The `loss_func` of an `InferenceLearner`: none, only the `activation` and `decodes` that `get_preds` applies"
+    """The `loss_func` of an `InferenceLearner`: none, only the `activation` and `decodes` that `get_preds`
+    applies"""
     def __init__(self, activation, decodes): self.activation,self.decodes = activation,decodes
     def __call__(self, pred, *yb):
-        raise ValueError("a learner from load_learner has no loss function (an exported file holds none), so it "
-                         "takes batches of inputs only: learn.get_preds(dl=learn.test_dl(items)) drops the targets; "
+        raise ValueError("a learner from load_learner has no loss function (an exported file holds none), so "
+                         "it "
+                         "takes batches of inputs only: learn.get_preds(dl=learn.test_dl(items)) drops the "
+                         "targets; "
                          "or set learn.loss_func (e.g. nn.CrossEntropyLoss()) to compute losses")
     def __repr__(self): return f'no loss (activation {self.activation!r}, decodes {self.decodes!r})'
 
 class InferenceLearner(Learner):
-    "What `load_learner` returns: a `Learner` without data or loss function, for `predict`, `test_dl`, `get_preds`"
+    """What `load_learner` returns: a `Learner` without data or loss function, for `predict`, `test_dl`,
+    `get_preds`"""
     def __init__(self, model, n_inp=1, act=_identity, decodes=_identity, vocab=None, item_shapes=None,
                  batch_size=None, device='cpu', path='.'):
-        super().__init__(DataLoaders(None, None), model, loss_func=_NoLoss(act, decodes), n_inp=n_inp, device=device,
+        super().__init__(DataLoaders(None, None), model, loss_func=_NoLoss(act, decodes), n_inp=n_inp,
+                         device=device,
                          path=path)
         self.vocab,self.item_shapes,self.batch_size = vocab,item_shapes,batch_size
 
@@ -363,14 +395,17 @@ class InferenceLearner(Learner):
     def test_dl(self, items, bs=None, **kwargs):
         "`Learner.test_dl`; batches of one item when the program was captured for one (`batch_size=1`)"
         if self.batch_size is not None and bs not in (None, self.batch_size): raise ValueError(
-            f"test_dl: bs={bs}, but the model's program was captured for batches of {self.batch_size} (its code "
+            f"test_dl: bs={bs}, but the model's program was captured for batches of {self.batch_size} (its "
+            f"code "
             f"depends on the batch size): leave bs out, or load the file with model=MyModel(...)")
         return super().test_dl(items, bs=bs if self.batch_size is None else self.batch_size, **kwargs)
 
     def fit(self, *args, **kwargs):
         "Not for a learner from `load_learner`: it has no data and no loss; it can predict, not train"
-        raise TypeError("a learner from load_learner predicts; it cannot train (no data, no loss function, and a "
-                        "program captured in eval mode). To train more, make a Learner(dls, model, loss_func) with a "
+        raise TypeError("a learner from load_learner predicts; it cannot train (no data, no loss function, "
+                        "and a "
+                        "program captured in eval mode). To train more, make a Learner(dls, model, "
+                        "loss_func) with a "
                         "model of the class (load_learner(path, model=MyModel(...)).model has the weights)")
 
 # %% ../../nbs/19_inference.ipynb #a43f4228
@@ -379,10 +414,12 @@ _checks = {
                                                    for k,t in v.items()),
     'n_inp': lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
     'act': lambda v: v in activations, 'decodes': lambda v: v in decodings,
-    'vocab': lambda v: v is None or (isinstance(v, list) and all(isinstance(o, (str, int, float)) for o in v)),
+    'vocab': lambda v: v is None or (isinstance(v, list) and all(isinstance(o, (str, int, float)) for o
+                                                                 in v)),
     'item_shapes': lambda v: v is None or (isinstance(v, list) and all(
         isinstance(s, list) and all(isinstance(i, int) for i in s) for s in v)),
-    'program': lambda v: v is None or (isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.ndim == 1),
+    'program': lambda v: v is None or (isinstance(v, torch.Tensor) and v.dtype == torch.uint8
+                                       and v.ndim == 1),
     'program_batch': lambda v: v in (None, 1), 'program_error': lambda v: v is None or isinstance(v, str),
     'torch_version': lambda v: isinstance(v, str)}
 
@@ -394,10 +431,13 @@ def _read_export(path):
                 if isinstance(state, dict) and 'model' in state else '')
         raise ValueError(f"{path} is not a file written by learn.export(){hint}")
     if state['learncb_export'] != 1: raise ValueError(
-        f"{path} was written in export format {state['learncb_export']!r}, which this learncb cannot read: upgrade it")
+        f"{path} was written in export format {state['learncb_export']!r}, which this learncb cannot read: "
+        f"upgrade it")
     check_checksum(state, path, required=True)
     bad = [k for k,ok in _checks.items() if k not in state or not ok(state[k])]
-    if bad: raise CorruptFileError(f"{path} is not a valid export: its entries {bad} are missing or of the wrong kind")
+    if bad:
+        raise CorruptFileError(f"{path} is not a valid export: its entries {bad} are missing or of the wrong "
+                               f"kind")
     return state
 
 def _head_fn(given, saved, registry, arg):
@@ -411,13 +451,16 @@ def _head_fn(given, saved, registry, arg):
 def _program_model(state, path, device):
     "The model of the file's program, checked then loaded, on `device`"
     if state['program'] is None: raise ValueError(
-        f"{path} holds the model's weights only, not a program that runs without the model's code (when it was "
-        f"exported: {state['program_error']}). Pass a model of its class and load_learner loads the weights into "
+        f"{path} holds the model's weights only, not a program that runs without the model's code (when it "
+        f"was "
+        f"exported: {state['program_error']}). Pass a model of its class and load_learner loads the weights "
+        f"into "
         f"it: load_learner(path, model=MyModel(...))")
     blob = check_program(state['program'].numpy().tobytes(), state['n_inp'], path)
     try: ep = torch.export.load(io.BytesIO(blob))
     except Exception as e: raise RuntimeError(
-        f"{path}: torch {torch.__version__} cannot read the program that torch {state['torch_version']} wrote "
+        f"{path}: torch {torch.__version__} cannot read the program that torch {state['torch_version']} "
+        f"wrote "
         f"({_reason(e)}); load the weights into a model of its class instead: load_learner(path, "
         f"model=MyModel(...))") from e
     if device.type != 'cpu':
@@ -426,7 +469,8 @@ def _program_model(state, path, device):
     return ExportedModel(ep.module())
 
 def load_learner(fname, model=None, device='cpu', act=None, decodes=None):
-    "Read a file of `export` without running code from it: an `InferenceLearner` of its program, or of `model`"
+    """Read a file of `export` without running code from it: an `InferenceLearner` of its program, or of
+    `model`"""
     path = Path(fname)
     state = _read_export(path)
     act = _head_fn(act, state['act'], activations, 'act')
@@ -437,4 +481,5 @@ def load_learner(fname, model=None, device='cpu', act=None, decodes=None):
         load_model_state(check_model(model), state['model'], path)
         batch = None
     return InferenceLearner(model, n_inp=state['n_inp'], act=act, decodes=decodes, vocab=state['vocab'],
-                            item_shapes=state['item_shapes'], batch_size=batch, device=device, path=path.parent)
+                            item_shapes=state['item_shapes'], batch_size=batch, device=device,
+                            path=path.parent)

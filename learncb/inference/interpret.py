@@ -1,4 +1,4 @@
-"""Which items a classifier gets wrong and why: top losses, a confusion matrix, the most confused classes, a report.
+"""Which items a classifier gets wrong and why: top losses, a confusion matrix, the most confused, a report.
 
 Docs: https://learncb.github.io/learncb/interpret.html.md"""
 
@@ -18,7 +18,8 @@ from ..preds import *
 
 # %% ../../nbs/20_interpret.ipynb #fa97934e
 def _default_act(loss_func):
-    "The activation of the outputs of a model trained with `loss_func`: `activation_of`, softmax for `F.cross_entropy`"
+    """The activation of the outputs of a model trained with `loss_func`: `activation_of`, softmax for
+    `F.cross_entropy`"""
     if loss_func is F.cross_entropy: return lambda x: torch.softmax(x, dim=-1)
     return activation_of(loss_func)
 
@@ -28,8 +29,10 @@ def _gathered(cls, learn, dl, act):
         return learn.get_preds(dl=dl, with_input=True, with_loss=True, with_decoded=True,
                                act=act or _default_act(learn.loss_func))
     except Exception as e:
-        raise add_note(e, f"learncb: {cls.__name__}.from_learner gathers the inputs, predictions, decoded predictions "
-                          f"and one loss per item in one pass of learn.get_preds(with_input=True, with_loss=True, "
+        raise add_note(e, f"learncb: {cls.__name__}.from_learner gathers the inputs, predictions, decoded "
+                          f"predictions "
+                          f"and one loss per item in one pass of learn.get_preds(with_input=True, "
+                          f"with_loss=True, "
                           f"with_decoded=True), and that pass failed")
 
 def _index(o, idxs):
@@ -43,8 +46,10 @@ class Interpretation:
     "The inputs, predictions, targets, decoded predictions and per-item losses of a model on one dataloader"
     def __init__(self, dl, inputs, preds, targs, decoded, losses, learn=None):
         if not isinstance(losses, torch.Tensor) or losses.ndim != 1:
-            raise ValueError(f"{type(self).__name__} needs one loss per item (a tensor of shape (n_items,)), not "
-                             f"{describe_value(losses)}: gather them with learn.get_preds(with_loss=True), whose "
+            raise ValueError(f"{type(self).__name__} needs one loss per item (a tensor of shape (n_items,)), "
+                             f"not "
+                             f"{describe_value(losses)}: gather them with learn.get_preds(with_loss=True), "
+                             f"whose "
                              f"loss function must give one loss per item when called with reduction='none'")
         self.dl,self.inputs,self.preds,self.targs,self.decoded,self.losses = dl,inputs,preds,targs,decoded,losses
         self.learn = learn
@@ -58,11 +63,14 @@ class Interpretation:
     def __len__(self): return len(self.losses)
 
     def __getitem__(self, idxs):
-        "`(inputs, preds, targs, decoded, losses)` of the items at `idxs` (an index, a slice, a list or a tensor)"
-        return tuple(_index(o, idxs) for o in (self.inputs, self.preds, self.targs, self.decoded, self.losses))
+        """`(inputs, preds, targs, decoded, losses)` of the items at `idxs` (an index, a slice, a list or a
+        tensor)"""
+        return tuple(_index(o, idxs) for o in (self.inputs, self.preds, self.targs, self.decoded,
+                                               self.losses))
 
     def plot_top_losses(self, k, largest=True, nrows=None, ncols=None, figsize=None, **kwargs):
-        "Show the `k` items of the largest losses, titled `predicted/actual / loss / probability`; a table if not images"
+        """Show the `k` items of the largest losses, titled `predicted/actual / loss / probability`; a table
+        if not images"""
         k = check_int(k, 'k', ge=1, who='plot_top_losses', hint='how many items to show')
         x = self._first_input()
         rows = self._loss_rows(*self.top_losses(k, largest))
@@ -86,14 +94,16 @@ class Interpretation:
         return _fmt(v.item() if v.numel() == 1 else v.tolist())
 
     def _probability(self, i):
-        "The probability of the predicted class of item `i` (the largest), or `None` when `preds` are not one per class"
+        """The probability of the predicted class of item `i` (the largest), or `None` when `preds` are not
+        one per class"""
         p = self.preds
         return p[i].max().item() if isinstance(p, torch.Tensor) and p.ndim == 2 else None
 
     def _first_input(self):
         x = self.inputs[0] if isinstance(self.inputs, (tuple, list)) else self.inputs
         if not isinstance(x, torch.Tensor):
-            raise ValueError(f"plot_top_losses shows the inputs, but this {type(self).__name__} has {describe_value(x)}: "
+            raise ValueError(f"plot_top_losses shows the inputs, but this {type(self).__name__} has "
+                             f"{describe_value(x)}: "
                              f"build it with from_learner, which keeps them, or pass the inputs as a tensor")
         return x
 
@@ -106,12 +116,15 @@ class Interpretation:
         return rows
 
     def top_losses(self, k=None, largest=True):
-        "`(losses, indices)` of the `k` largest losses (the smallest with `largest=False`), sorted; `k=None`: all items"
+        """`(losses, indices)` of the `k` largest losses (the smallest with `largest=False`), sorted;
+        `k=None`: all items"""
         n = len(self.losses)
         k = check_int(k, 'k', ge=0, allow_none=True, who='top_losses',
                       hint='how many losses to return, or None for all of them')
         if k is None: k = n
-        if k > n: raise ValueError(f"top_losses: k={k} but there are only {n} items: pass k <= {n}, or k=None for all")
+        if k > n:
+            raise ValueError(f"top_losses: k={k} but there are only {n} items: pass k <= {n}, or k=None for "
+                             f"all")
         return self.losses.topk(k, largest=largest)
 
 # %% ../../nbs/20_interpret.ipynb #491907ca
@@ -124,7 +137,8 @@ def _image_layout(shape):
     return None
 
 def _as_image(t, layout):
-    "The item `t` as an array `imshow` takes: `(H, W)`, or `(H, W, 3)` scaled to [0, 1] when it is not already"
+    """The item `t` as an array `imshow` takes: `(H, W)`, or `(H, W, 3)` scaled to [0, 1] when it is not
+    already"""
     t = t.detach().cpu()
     if layout == 'chw': t = t.permute(1, 2, 0)
     if t.ndim == 3 and t.shape[2] == 1: t = t[..., 0]
@@ -142,7 +156,8 @@ def _grid(n, nrows=None, ncols=None, figsize=None, title=None):
     if ncols is None: ncols = math.ceil(n / nrows) if nrows else math.ceil(math.sqrt(n))
     if nrows is None: nrows = math.ceil(n / ncols)
     if nrows * ncols < n:
-        raise ValueError(f"plot_top_losses: {nrows} rows of {ncols} cannot hold {n} items: pass more rows or columns, "
+        raise ValueError(f"plot_top_losses: {nrows} rows of {ncols} cannot hold {n} items: pass more rows or "
+                         f"columns, "
                          f"or leave nrows or ncols out")
     fig,axs = plt.subplots(nrows, ncols, figsize=figsize or (2.2 * ncols, 2.2 * nrows + 0.5), squeeze=False)
     for ax in axs.flat: ax.axis('off')
@@ -172,20 +187,25 @@ def _show_image(ax, img, **kwargs):
 
 # %% ../../nbs/20_interpret.ipynb #9b59def4
 def _check_classes(preds, targs, losses, who):
-    "An error naming what is wrong when `preds` are not one score per class, or `targs` not one class per item"
+    """An error naming what is wrong when `preds` are not one score per class, or `targs` not one class per
+    item"""
     if not isinstance(preds, torch.Tensor) or preds.ndim != 2:
         raise ValueError(f"{who} needs predictions of shape (n_items, n_classes), one score per class, not "
-                         f"{describe_value(preds)}: make the model return one output per class (and train it with "
+                         f"{describe_value(preds)}: make the model return one output per class (and train it "
+                         f"with "
                          f"nn.CrossEntropyLoss), or use Interpretation for the top losses alone")
     n,c = preds.shape
-    if not isinstance(targs, torch.Tensor) or targs.shape != (n,) or targs.is_floating_point() or targs.is_complex():
+    if not isinstance(targs,
+                      torch.Tensor) or targs.shape != (n,) or targs.is_floating_point() or targs.is_complex():
         raise ValueError(f"{who} needs targets that are class indices, an int tensor of shape ({n},), not "
                          f"{describe_value(targs)}{' of floats' if isinstance(targs, torch.Tensor) else ''}: "
                          f"one-hot or multi-label targets are not supported")
-    if len(losses) != n: raise ValueError(f"{who}: {len(losses)} losses for {n} predictions: pass one loss per item")
+    if len(losses) != n:
+        raise ValueError(f"{who}: {len(losses)} losses for {n} predictions: pass one loss per item")
     if n and not (0 <= targs.min() and targs.max() < c):
         bad = targs[(targs < 0) | (targs >= c)][0].item()
-        raise ValueError(f"{who}: the target {bad} is not a class index in [0, {c}): the model predicts {c} classes")
+        raise ValueError(f"{who}: the target {bad} is not a class index in [0, {c}): the model predicts {c} "
+                         f"classes")
 
 def _vocab_of(vocab, learn, n_classes, who):
     "The names of the `n_classes` classes: `vocab`, else `learn.vocab`, else their numbers as strings"
@@ -193,7 +213,8 @@ def _vocab_of(vocab, learn, n_classes, who):
     if vocab is None: return [str(i) for i in range(n_classes)]
     vocab = list(vocab)
     if len(vocab) != n_classes:
-        raise ValueError(f"{who}: the vocab has {len(vocab)} names ({vocab[:5]}{'...' if len(vocab) > 5 else ''}) "
+        raise ValueError(f"{who}: the vocab has {len(vocab)} names "
+                         f"({vocab[:5]}{'...' if len(vocab) > 5 else ''}) "
                          f"but the model predicts {n_classes} classes: give one name per class")
     return vocab
 
@@ -204,7 +225,8 @@ class ClassificationInterpretation(Interpretation):
         super().__init__(dl, inputs, preds, targs, decoded, losses, learn=learn)
         who = type(self).__name__
         _check_classes(preds, targs, losses, who)
-        if not isinstance(decoded, torch.Tensor) or decoded.shape != targs.shape or decoded.is_floating_point():
+        if not isinstance(decoded,
+                          torch.Tensor) or decoded.shape != targs.shape or decoded.is_floating_point():
             self.decoded = preds.argmax(-1)
         self.vocab = _vocab_of(vocab, learn, preds.shape[1], who)
 
@@ -216,26 +238,31 @@ class ClassificationInterpretation(Interpretation):
     def _name(self, v): return str(self.vocab[int(v)])
 
     def print_classification_report(self, digits=2):
-        "Print precision, recall, F1 and support of each class, the accuracy and the averages, with `digits` decimals"
+        """Print precision, recall, F1 and support of each class, the accuracy and the averages, with `digits`
+        decimals"""
         check_int(digits, 'digits', ge=0, who='print_classification_report')
         print('\n'.join(_report_lines(self.classification_report(), [str(v) for v in self.vocab], digits)))
 
     def classification_report(self):
-        "Precision, recall, F1 and support of each class, accuracy, macro and weighted averages, as a dict of floats"
+        """Precision, recall, F1 and support of each class, accuracy, macro and weighted averages, as a dict
+        of floats"""
         cm = self.confusion_matrix().double()
         tp,support = cm.diag(),cm.sum(1)
         precision,recall = _ratio(tp, cm.sum(0)),_ratio(tp, support)
         f1 = _ratio(2 * precision * recall, precision + recall)
         n,w = int(support.sum()),support / support.sum().clamp_min(1)
-        res = {str(v): _scores(p, r, f, int(s)) for v,p,r,f,s in zip(self.vocab, precision.tolist(), recall.tolist(),
+        res = {str(v): _scores(p, r, f, int(s)) for v,p,r,f,s in zip(self.vocab, precision.tolist(),
+                                                                     recall.tolist(),
                                                                       f1.tolist(), support.tolist())}
         res['accuracy'] = tp.sum().item() / max(n, 1)
         res['macro avg'] = _scores(precision.mean().item(), recall.mean().item(), f1.mean().item(), n)
-        res['weighted avg'] = _scores((precision * w).sum().item(), (recall * w).sum().item(), (f1 * w).sum().item(), n)
+        res['weighted avg'] = _scores((precision * w).sum().item(), (recall * w).sum().item(),
+                                      (f1 * w).sum().item(), n)
         return res
 
     def most_confused(self, min_val=1):
-        "`(actual, predicted, count)` of the cells off the diagonal of the confusion matrix with `count >= min_val`, sorted"
+        """`(actual, predicted, count)` of the cells off the diagonal of the confusion matrix with `count >=
+        min_val`, sorted"""
         check_number(min_val, 'min_val', who='most_confused', hint='the smallest count of mistakes to list')
         cm = self.confusion_matrix()
         cm.fill_diagonal_(0)
@@ -245,7 +272,8 @@ class ClassificationInterpretation(Interpretation):
 
     def plot_confusion_matrix(self, normalize=False, title='Confusion matrix', cmap='Blues',
                               norm_dec=2, plot_txt=True, figsize=None, ax=None):
-        "Plot the confusion matrix (rows: actual, columns: predicted), each row divided by its total with `normalize`"
+        """Plot the confusion matrix (rows: actual, columns: predicted), each row divided by its total with
+        `normalize`"""
         import matplotlib.pyplot as plt
         cm = self.confusion_matrix()
         if normalize: cm = _normalized(cm)
@@ -260,7 +288,8 @@ class ClassificationInterpretation(Interpretation):
         return ax
 
     def confusion_matrix(self):
-        "Counts of the items of each actual class (rows) predicted as each class (columns): `(n_classes, n_classes)`"
+        """Counts of the items of each actual class (rows) predicted as each class (columns): `(n_classes,
+        n_classes)`"""
         c = self.n_classes
         return torch.bincount(self.targs.long() * c + self.decoded.long(), minlength=c * c).view(c, c)
 

@@ -1,4 +1,4 @@
-"""`check_program`: a `torch.export` archive is read only after all of it has been checked, so that loading it runs no code.
+"""`check_program`: a `torch.export` archive is read only once all of it is checked, so loading runs no code.
 
 Docs: https://learncb.github.io/learncb/program.html.md"""
 
@@ -13,17 +13,21 @@ import torch
 
 # %% ../../nbs/19a_program.ipynb #06de0900
 def _refused(path, why):
-    return ValueError(f"{path}: refused to load its torch.export program: {why}. learn.export never writes this: the "
-                      f"file was altered or crafted, and loading it could run code. Only load files you trust; to use "
+    return ValueError(f"{path}: refused to load its torch.export program: {why}. learn.export never writes "
+                      f"this: the "
+                      f"file was altered or crafted, and loading it could run code. Only load files you "
+                      f"trust; to use "
                       f"the weights alone, pass the model: load_learner(path, model=MyModel(...))")
 
 _archive_files = {'archive_format', 'archive_version', 'byteorder', '.data/version', '.data/serialization_id',
-                  'models/model.json', 'data/sample_inputs/model.pt', 'data/weights/model_weights_config.json',
+                  'models/model.json', 'data/sample_inputs/model.pt',
+                  'data/weights/model_weights_config.json',
                   'data/constants/model_constants_config.json'}
 _payload_file = re.compile(r'data/(weights/weight|constants/tensor)_\d+')
 
 def _archive(blob, path):
-    "`(root, {name under root: bytes})` of the zip archive `blob`, refused if it holds a file a program does not"
+    """`(root, {name under root: bytes})` of the zip archive `blob`, refused if it holds a file a program does
+    not"""
     try:
         z = zipfile.ZipFile(io.BytesIO(blob))
         files = [(i.filename, z.read(i)) for i in z.infolist()]
@@ -44,7 +48,8 @@ def _archive(blob, path):
 # %% ../../nbs/19a_program.ipynb #af793644
 def _no_duplicates(pairs):
     keys = [k for k,_ in pairs]
-    if len(set(keys)) != len(keys): raise ValueError(f"duplicate keys {sorted({k for k in keys if keys.count(k) > 1})}")
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate keys {sorted({k for k in keys if keys.count(k) > 1})}")
     return dict(pairs)
 
 def _json(files, name, path):
@@ -60,7 +65,8 @@ def _check_payloads(files, name, folder, prefix, path):
         if not isinstance(meta, dict) or meta.get('use_pickle') is not False:
             raise _refused(path, f"{k!r} in {name} is stored as a pickle, which runs code when it is read")
         file = meta.get('path_name')
-        if not (isinstance(file, str) and re.fullmatch(prefix + r'_\d+', file) and f'{folder}/{file}' in files):
+        if not (isinstance(file, str) and re.fullmatch(prefix + r'_\d+', file) and f'{folder}/{file}'
+                in files):
             raise _refused(path, f"{k!r} in {name} is not a tensor file of the archive ({file!r})")
 
 def _check_sample_inputs(files, n_inp, path):
@@ -73,13 +79,18 @@ def _check_sample_inputs(files, n_inp, path):
     if not ok: raise _refused(path, f"its sample inputs are not {n_inp or 'the'} input tensors of the model")
 
 # %% ../../nbs/19a_program.ipynb #54996f9c
-_sym_names = {'Symbol', 'Integer', 'Rational', 'Float', 'Max', 'Min', 'Eq', 'Ne', 'Lt', 'Le', 'Gt', 'Ge', 'And',
-              'Or', 'Not', 'Mod', 'floor', 'ceiling', 'Abs', 'sqrt', 'Pow', 'Mul', 'Add', 'True', 'False', 'oo',
+_sym_names = {'Symbol', 'Integer', 'Rational', 'Float', 'Max', 'Min', 'Eq', 'Ne', 'Lt', 'Le', 'Gt', 'Ge',
+              'And',
+              'Or', 'Not', 'Mod', 'floor', 'ceiling', 'Abs', 'sqrt', 'Pow', 'Mul', 'Add', 'True', 'False',
+              'oo',
               'zoo', 'nan', 'positive', 'negative', 'nonnegative', 'nonpositive', 'integer', 'real', 'finite',
-              'FloorDiv', 'ModularIndexing', 'Where', 'PythonMod', 'CleanDiv', 'CeilToInt', 'FloorToInt', 'CeilDiv',
+              'FloorDiv', 'ModularIndexing', 'Where', 'PythonMod', 'CleanDiv', 'CeilToInt', 'FloorToInt',
+              'CeilDiv',
               'LShift', 'RShift', 'PowByNatural', 'FloatPow', 'FloatTrueDiv', 'IntTrueDiv', 'TruncToFloat',
-              'TruncToInt', 'RoundToInt', 'RoundDecimal', 'ToFloat', 'Identity', 'IsNonOverlappingAndDenseIndicator'}
-_sym_token = re.compile(r"\s*(?:(?P<name>[A-Za-z_]\w*)|'(?P<str>[A-Za-z_]\w*)'|(?P<num>\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)"
+              'TruncToInt', 'RoundToInt', 'RoundDecimal', 'ToFloat', 'Identity',
+              'IsNonOverlappingAndDenseIndicator'}
+_sym_token = re.compile(
+    r"\s*(?:(?P<name>[A-Za-z_]\w*)|'(?P<str>[A-Za-z_]\w*)'|(?P<num>\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)"
                         r"|(?P<op>\*\*|//|==|!=|<=|>=|[-+*/%(),<>=&|~]))")
 _symbol = re.compile(r'[a-z]+\d+')
 
@@ -95,7 +106,8 @@ def _safe_sym_expr(s):
         pos = m.end()
     return True
 
-_sym_ops = re.compile(r'_operator\.(getitem|add|sub|mul|floordiv|truediv|mod|pow|neg|eq|ne|lt|le|gt|ge|and_|or_|not_)'
+_sym_ops = re.compile(
+    r'_operator\.(getitem|add|sub|mul|floordiv|truediv|mod|pow|neg|eq|ne|lt|le|gt|ge|and_|or_|not_)'
                       r'|torch\.sym_(float|int|max|min|not|ite|sqrt|sum)|math\.(ceil|floor|trunc|sqrt)')
 _aten_op = re.compile(r'torch\.ops\.(aten|prims)\.(?P<op>[A-Za-z_]\w*)\.[A-Za-z_]\w*')
 _unsafe_ops = {'from_file'}       # reads a file named in the graph
@@ -114,7 +126,8 @@ def _check_graph(o, path):
             if k in ('target', 'as_operator') and not _safe_target(v):
                 raise _refused(path, f"it calls {v!r}, not an ATen operator")
             if k == 'expr_str' and not _safe_sym_expr(v):
-                raise _refused(path, f"a shape expression, {str(v)[:80]!r}, is not plain arithmetic on shapes")
+                raise _refused(path,
+                               f"a shape expression, {str(v)[:80]!r}, is not plain arithmetic on shapes")
             if k in ('as_custom_obj', 'custom_obj', 'as_graph'):
                 raise _refused(path, "it uses a custom object or a subgraph")
             _check_graph(v, path)
@@ -124,11 +137,14 @@ def _check_graph(o, path):
 _input_kinds = {'user_input', 'parameter', 'buffer', 'tensor_constant'}
 
 def _check_program_json(d, path):
-    if not isinstance(d, dict) or not isinstance(d.get('graph_module'), dict): raise _refused(path, "no graph")
-    if d.get('guards_code'): raise _refused(path, "it carries guard code, Python that runs when the program is called")
+    if not isinstance(d, dict) or not isinstance(d.get('graph_module'), dict):
+        raise _refused(path, "no graph")
+    if d.get('guards_code'):
+        raise _refused(path, "it carries guard code, Python that runs when the program is called")
     rc = d.get('range_constraints', {})
     if not (isinstance(rc, dict) and all(_symbol.fullmatch(k) and isinstance(v, dict) and
-                                         all(isinstance(v.get(b), (int, type(None))) for b in ('min_val', 'max_val'))
+                                         all(isinstance(v.get(b), (int, type(None))) for b in ('min_val',
+            'max_val'))
                                          for k,v in rc.items())):
         raise _refused(path, "its shape ranges are not plain integers")
     specs = d['graph_module'].get('signature', {}).get('input_specs', [])
@@ -136,21 +152,25 @@ def _check_program_json(d, path):
         kind = next(iter(s), None) if isinstance(s, dict) and len(s) == 1 else None
         if kind not in _input_kinds or (kind == 'user_input' and 'as_tensor' not in s[kind].get('arg', {})):
             raise _refused(path, f"an input of its graph is not a tensor: {str(s)[:80]}")
-    if d['graph_module'].get('graph', {}).get('custom_obj_values'): raise _refused(path, "it holds custom objects")
+    if d['graph_module'].get('graph', {}).get('custom_obj_values'):
+        raise _refused(path, "it holds custom objects")
     _check_graph(d, path)
 
 # %% ../../nbs/19a_program.ipynb #5bfd79e8
 def _rezip(root, files):
-    "A fresh zip archive of `files` under `root`: the files that were checked, and nothing a zip reader could add"
+    """A fresh zip archive of `files` under `root`: the files that were checked, and nothing a zip reader
+    could add"""
     out = io.BytesIO()
     with zipfile.ZipFile(out, 'w', zipfile.ZIP_STORED) as z:
         for name,b in files.items(): z.writestr(f'{root}/{name}', b)
     return out.getvalue()
 
 def check_program(blob, n_inp=None, path='the program'):
-    "The bytes of a `torch.export.save` archive, rewritten from checked parts; raise if loading it could run code"
+    """The bytes of a `torch.export.save` archive, rewritten from checked parts; raise if loading it could run
+    code"""
     root,files = _archive(bytes(blob), path)
-    if not re.fullmatch(r'[A-Za-z0-9_.-]+', root) or root in ('.', '..'): raise _refused(path, f"its folder {root!r}")
+    if not re.fullmatch(r'[A-Za-z0-9_.-]+', root) or root in ('.', '..'):
+        raise _refused(path, f"its folder {root!r}")
     _check_payloads(files, 'data/weights/model_weights_config.json', 'data/weights', 'weight', path)
     _check_payloads(files, 'data/constants/model_constants_config.json', 'data/constants', 'tensor', path)
     _check_sample_inputs(files, n_inp, path)

@@ -1,4 +1,4 @@
-"""`learn.summary()`: each layer's output shape and parameters on one batch; totals, optimizer, loss, callbacks.
+"""`learn.summary()`: each layer's output shape and parameters on one batch; totals, optimizer, callbacks.
 
 Docs: https://learncb.github.io/learncb/summary.html.md"""
 
@@ -25,7 +25,8 @@ from ..items import shifts_labels
 
 # %% ../../nbs/21_summary.ipynb #de12a6e8
 def shape_str(o):
-    "How `summary` writes the shape of `o`: `64 x 128` for a tensor; each tensor's for a tuple, list or dict of them"
+    """How `summary` writes the shape of `o`: `64 x 128` for a tensor; each tensor's for a tuple, list or dict
+    of them"""
     if isinstance(o, torch.Tensor): return ' x '.join(map(str, o.shape)) if o.ndim else 'scalar'
     if isinstance(o, dict): return ', '.join(f'{k}: {_nested_shape(v)}' for k,v in o.items()) or '{}'
     if isinstance(o, (tuple, list)): return ', '.join(map(_nested_shape, o)) or '()'
@@ -38,7 +39,8 @@ def _nested_shape(o):
 
 # %% ../../nbs/21_summary.ipynb #a5002694
 def summary_modules(model):
-    "The `(name, module)` pairs `summary` lists: modules without children, and modules with parameters of their own"
+    """The `(name, module)` pairs `summary` lists: modules without children, and modules with parameters of
+    their own"""
     return [(n, m) for n,m in model.named_modules()
             if next(m.children(), None) is None or next(m.parameters(recurse=False), None) is not None]
 
@@ -73,7 +75,8 @@ def _modes_kept(model):
         for m,mode in modes: m.train(mode)
 
 def layer_info(model, *xb, **kw):
-    "A `LayerInfo` per module `summary_modules` lists, with the output shape of its first call in `model(*xb, **kw)`"
+    """A `LayerInfo` per module `summary_modules` lists, with the output shape of its first call in
+    `model(*xb, **kw)`"""
     mods,shapes = summary_modules(model),{}
     def hook(name):
         def record(m, i, o):       # returns None: the output goes on unchanged
@@ -110,12 +113,15 @@ def _dl_kept(dl):
 # %% ../../nbs/21_summary.ipynb #a4a63985
 def _first_batch(dl):
     "The first batch of the training dataloader `dl`, leaving `dl` and the random generators as they were"
-    if dl is None: raise ValueError("learn.summary() runs the model on the first batch of the training dataloader, "
+    if dl is None:
+        raise ValueError("learn.summary() runs the model on the first batch of the training dataloader, "
                                     "but there is none: pass one in DataLoaders(train, valid)")
     with rng_kept(), _dl_kept(dl):
-        it = iter(copy.copy(dl) if isinstance(dl, DataLoader) else dl)   # the copy's iterator and workers end here
+        # the copy's iterator and workers end here
+        it = iter(copy.copy(dl) if isinstance(dl, DataLoader) else dl)
         try: return next(it)
-        except StopIteration: raise ValueError("the training dataloader yielded no batches, and learn.summary() "
+        except StopIteration:
+            raise ValueError("the training dataloader yielded no batches, and learn.summary() "
                                                "needs one: check its dataset and batch_size") from None
         finally: del it
 
@@ -174,13 +180,15 @@ def layer_table(rows):
     "The lines of the table of `rows` (`LayerInfo`s): one per layer, columns as wide as their widest cell"
     cells = [_headers] + [_cells(r) for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(_headers))]
-    line = lambda c: '  '.join(f'{s:>{w}}' if i == 3 else f'{s:<{w}}' for i,(s,w) in enumerate(zip(c, widths)))
+    line = lambda c: '  '.join(f'{s:>{w}}' if i == 3 else f'{s:<{w}}' for i,(s,w) in enumerate(zip(c,
+        widths)))
     rule = '=' * len(line(_headers))
     return [rule, line(_headers).rstrip(), rule] + [line(c).rstrip() for c in cells[1:]] + [rule]
 
 # %% ../../nbs/21_summary.ipynb #97467b92
 class LearnerSummary(str):
-    "What `Learner.summary` returns: a `str` that shows as the text; `rows`, `total_params`... hold its numbers"
+    """What `Learner.summary` returns: a `str` that shows as the text; `rows`, `total_params`... hold its
+    numbers"""
     def __new__(cls, text, rows, total_params, trainable_params):
         self = super().__new__(cls, text)
         self.rows,self.total_params,self.trainable_params = rows,total_params,trainable_params
@@ -190,11 +198,13 @@ class LearnerSummary(str):
 
 # %% ../../nbs/21_summary.ipynb #cbc02216
 def _xb_of(b, n_inp, label_key='labels'):
-    "The inputs of batch `b`, as `Learner.one_batch` splits it (a dict: the model's keyword arguments, but the labels)"
+    """The inputs of batch `b`, as `Learner.one_batch` splits it (a dict: the model's keyword arguments, but
+    the labels)"""
     if isinstance(b, Mapping): return ({k: v for k,v in b.items() if k != label_key},)
     return tuple(b[:n_inp]) if isinstance(b, (tuple, list)) else (b,)
 
-_forward_note = ("learncb: learn.summary() ran the model once, in eval mode, on the first batch of the training "
+_forward_note = ("learncb: learn.summary() ran the model once, in eval mode, on the first batch of the "
+                 "training "
                  "dataloader (its first n_inp items, moved to the model's device), without callbacks")
 
 def _has_forward(model):
@@ -207,14 +217,16 @@ def _summary_text(learn, xb, rows, total, trainable):
     shapes = '' if _has_forward(learn.model) else '; no forward of its own, so no output shapes'
     lines = [f"{type(learn.model).__name__} (input shape: {inp}{shapes})"]
     lines += layer_table(rows)
-    if any(r.shared for r in rows): lines.append('* holds parameters of an earlier layer (tied): counted once below')
+    if any(r.shared for r in rows):
+        lines.append('* holds parameters of an earlier layer (tied): counted once below')
     lines += [f'Total params: {_num(total)}', f'Trainable params: {_num(trainable)}',
               f'Non-trainable params: {_num(total - trainable)}', '']
     return '\n'.join(lines + _opt_lines(learn) + [_loss_line(learn), ''] + _cb_lines(learn))
 
 @patch
 def summary(self:Learner):
-    "Each layer's output shape on the first training batch and parameters; totals; the optimizer, loss and callbacks"
+    """Each layer's output shape on the first training batch and parameters; totals; the optimizer, loss and
+    callbacks"""
     with self._exclusive('learn.summary()', inside=True):
         xb = _xb_of(_first_batch(to_dls(self.dls).train), self.n_inp, self.label_key)
         with rng_kept():

@@ -1,4 +1,4 @@
-"""`MLflowCallback`: each fit an MLflow run with its hyper-parameters, epoch table, batch losses and, if asked, model.
+"""`MLflowCallback`: each fit an MLflow run with its hyper-parameters, table, batch losses and the model.
 
 Docs: https://learncb.github.io/learncb/mlflow.html.md"""
 
@@ -18,7 +18,8 @@ from .tracking import ExperimentTrackerCallback, import_optional
 # %% ../../nbs/25_mlflow.ipynb #fbb3afd6
 @contextmanager
 def _quiet(*names):
-    "The loggers `names` drop their messages below WARNING meanwhile (MLflow's notes when it makes a new database)"
+    """The loggers `names` drop their messages below WARNING meanwhile (MLflow's notes when it makes a new
+    database)"""
     loggers = [logging.getLogger(n) for n in names]
     levels = [l.level for l in loggers]
     for l in loggers: l.setLevel(logging.WARNING)
@@ -30,9 +31,11 @@ _mlflow_status = {'finished': 'FINISHED', 'failed': 'FAILED', 'killed': 'KILLED'
 
 # %% ../../nbs/25_mlflow.ipynb #6e2aef72
 class MLflowCallback(ExperimentTrackerCallback):
-    "Logs the hyper-parameters, epoch table and batch loss and lr of each fit to an MLflow run (`log_model`: the model)"
+    """Logs the hyper-parameters, epoch table and batch loss and lr of each fit to an MLflow run (`log_model`:
+    the model)"""
     package,extra,_default_name = 'mlflow','mlflow','mlflow'
-    def __init__(self, tracking_uri=None, experiment_name='learncb', run_name=None, log_every=50, hparams=None,
+    def __init__(self, tracking_uri=None, experiment_name='learncb', run_name=None, log_every=50,
+                 hparams=None,
                  log_model=False, tags=None, artifact_location=None):
         super().__init__(log_every=log_every, hparams=hparams, log_model=log_model)
         self.tracking_uri,self.experiment_name,self.run_name = tracking_uri,experiment_name,run_name
@@ -41,7 +44,8 @@ class MLflowCallback(ExperimentTrackerCallback):
 
     @property
     def uri(self):
-        "The tracking URI: `tracking_uri`, else `$MLFLOW_TRACKING_URI`, else `sqlite:///<learn.path>/mlflow.db`"
+        """The tracking URI: `tracking_uri`, else `$MLFLOW_TRACKING_URI`, else
+        `sqlite:///<learn.path>/mlflow.db`"""
         if self._uri is not None: return self._uri
         if self.tracking_uri is not None: return str(self.tracking_uri)
         if os.environ.get('MLFLOW_TRACKING_URI'): return os.environ['MLFLOW_TRACKING_URI']
@@ -53,18 +57,20 @@ class MLflowCallback(ExperimentTrackerCallback):
 
     def log_params(self, params):
         Param = _mlflow('entities').Param
-        ps = [Param(k, str(v)[:6000]) for k,v in params.items()]       # MLflow keeps 6000 characters of a value
+        ps = [Param(k, str(v)[:6000]) for k,v in params.items()]  # MLflow keeps 6000 characters of a value
         for i in range(0, len(ps), 100): self.client.log_batch(self.run_id, params=ps[i:i + 100])
 
     def log_rows(self, rows):
         Metric = _mlflow('entities').Metric
         now = int(time.time() * 1000)
         ms = [Metric(k, float(v), now, step) for step,values in rows for k,v in values.items()]
-        for i in range(0, len(ms), 1000): self.client.log_batch(self.run_id, metrics=ms[i:i + 1000])   # MLflow's limit
+        # MLflow's limit
+        for i in range(0, len(ms), 1000): self.client.log_batch(self.run_id, metrics=ms[i:i + 1000])
 
     def run_steps(self):
         history = self.client.get_metric_history
-        return {k: max(m.step for m in history(self.run_id, k)) for k in self.client.get_run(self.run_id).data.metrics}
+        return {k: max(m.step for m in history(self.run_id, k)) for k
+                in self.client.get_run(self.run_id).data.metrics}
 
     def log_file(self, path): self.client.log_artifact(self.run_id, str(path), artifact_path='model')
 
@@ -77,14 +83,16 @@ class MLflowCallback(ExperimentTrackerCallback):
             self.client = _mlflow('tracking').MlflowClient(tracking_uri=self._uri)
             if ref is not None: return self._reopen(ref)
             self.experiment_id = self._experiment()
-            return self.client.create_run(self.experiment_id, run_name=self.run_name, tags=self.tags).info.run_id
+            return self.client.create_run(self.experiment_id, run_name=self.run_name,
+                                          tags=self.tags).info.run_id
 
     def _experiment(self):
         "The id of the experiment `experiment_name`, made if it does not exist"
         exp = self.client.get_experiment_by_name(self.experiment_name)
         if exp is None:
             where = self.artifact_location
-            if where is None and self._own_store(): where = (Path(self.learn.path)/'mlartifacts').resolve().as_uri()
+            if where is None and self._own_store():
+                where = (Path(self.learn.path)/'mlartifacts').resolve().as_uri()
             where = None if where is None else str(where)
             return self.client.create_experiment(self.experiment_name, artifact_location=where)
         if exp.lifecycle_stage == 'deleted': raise ValueError(
@@ -96,7 +104,8 @@ class MLflowCallback(ExperimentTrackerCallback):
         "Open the run `ref` of a checkpoint again, or say that this tracking URI does not have it"
         try: run = self.client.get_run(ref)
         except _mlflow('exceptions').MlflowException as e:
-            raise ValueError(f"the checkpoint's MLflow run {ref} is not in {self._uri}: resume with the tracking_uri of "
+            raise ValueError(f"the checkpoint's MLflow run {ref} is not in {self._uri}: resume with the "
+                             f"tracking_uri of "
                              f"the fit that made it") from e
         self.client.update_run(ref, status='RUNNING')
         self.experiment_id = run.info.experiment_id
@@ -104,5 +113,6 @@ class MLflowCallback(ExperimentTrackerCallback):
 
 # %% ../../nbs/25_mlflow.ipynb #680ef022
 def _mlflow(module):
-    "The submodule `mlflow.<module>`, or an `ImportError` that says how to install MLflow if it cannot be imported"
+    """The submodule `mlflow.<module>`, or an `ImportError` that says how to install MLflow if it cannot be
+    imported"""
     return import_optional(f'mlflow.{module}', 'mlflow', 'mlflow', 'MLflowCallback')

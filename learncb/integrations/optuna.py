@@ -1,4 +1,4 @@
-"""`OptunaPruningCallback` stops the trials of an Optuna study that are going nowhere, and a study shared through a database runs on many processes or machines.
+"""`OptunaPruningCallback` stops the trials of an Optuna study going nowhere; a shared study runs anywhere.
 
 Docs: https://learncb.github.io/learncb/optuna.html.md"""
 
@@ -17,8 +17,9 @@ from .tracking import import_optional
 
 # %% ../../nbs/32_optuna.ipynb #dcab71a1
 class OptunaPruningCallback(TrackerCallback):
-    "Reports `monitor` to an Optuna `trial` each epoch; when the trial should be pruned, ends the fit and raises `TrialPruned`"
-    order = Order.LAST                       # last: every other callback has finished its `after_fit` when it raises
+    """Reports `monitor` to an Optuna `trial` each epoch; when the trial should be pruned, ends the fit and
+    raises `TrialPruned`"""
+    order = Order.LAST  # last: every other callback has finished its `after_fit` when it raises
     def __init__(self, trial, monitor='valid_loss', greater_is_better=None):
         super().__init__(monitor=monitor, greater_is_better=greater_is_better)
         self.trial,self.pruned_at = trial,None

@@ -1,4 +1,4 @@
-"""`RayTrainReportCallback` hands learncb's checkpoints to Ray Train, with the table's latest values, and acts on Ray's preemption notice; `ray_checkpoint` gives `fit(resume=...)` the checkpoint Ray restarted the run from.
+"""`RayTrainReportCallback` hands checkpoints and values to Ray Train; `ray_checkpoint` resumes from Ray's.
 
 Docs: https://learncb.github.io/learncb/ray.html.md"""
 
@@ -22,11 +22,13 @@ from .tracking import import_optional
 _restored = []                  # the folders `ray_checkpoint` copied checkpoints into, in this process
 
 def remove_restored():
-    "Remove the copies `ray_checkpoint` made in this process (once a fit has read them), and those of processes gone"
+    """Remove the copies `ray_checkpoint` made in this process (once a fit has read them), and those of
+    processes gone"""
     while _restored: shutil.rmtree(_restored.pop(), ignore_errors=True)
     for folder in Path(tempfile.gettempdir()).glob('learncb-ray-*-*'):
         pid = folder.name.split('-')[2]
-        if pid.isdigit() and not _alive(int(pid)): shutil.rmtree(folder, ignore_errors=True)   # a worker that died
+        # a worker that died
+        if pid.isdigit() and not _alive(int(pid)): shutil.rmtree(folder, ignore_errors=True)
 
 def _alive(pid):
     try: os.kill(pid, 0)
@@ -38,33 +40,42 @@ atexit.register(remove_restored)
 
 # %% ../../nbs/33_ray.ipynb #80c0ce07
 class RayTrainReportCallback(Callback):
-    "Reports each complete checkpoint of the fit's `CheckpointCallback` to Ray Train, with the recorder's latest values"
-    order,run_valid = Order.CHECKPOINT + 1,False          # after the checkpoint of the batch; training batches only
+    """Reports each complete checkpoint of the fit's `CheckpointCallback` to Ray Train, with the recorder's
+    latest values"""
+    order,run_valid = Order.CHECKPOINT + 1,False  # after the checkpoint of the batch; training batches only
     def __init__(self, check_every=10):
         self.check_every = check_every   # steps between polls of Ray's preemption notice (0: never)
 
     def before_fit(self):
         self.ckpt = next((cb for cb in self.learn.cbs if isinstance(cb, CheckpointCallback)), None)
-        if self.ckpt is None: raise ValueError("RayTrainReportCallback reports the checkpoints of a CheckpointCallback, "
-            "and this fit has none: learn.fit(n, cbs=[CheckpointCallback(every_n_steps=...), RayTrainReportCallback()])")
-        if is_url(str(self.ckpt.folder)): raise ValueError(f"RayTrainReportCallback reports checkpoint files on this "
-            f"worker's disk, and this CheckpointCallback writes to {self.ckpt.folder}: give it a local path (Ray copies "
-            f"each reported checkpoint to its own storage_path, a bucket too), or keep the URL and resume='auto' without "
+        if self.ckpt is None:
+            raise ValueError("RayTrainReportCallback reports the checkpoints of a CheckpointCallback, "
+            "and this fit has none: learn.fit(n, cbs=[CheckpointCallback(every_n_steps=...), "
+            "RayTrainReportCallback()])")
+        if is_url(str(self.ckpt.folder)):
+            raise ValueError(f"RayTrainReportCallback reports checkpoint files on this "
+            f"worker's disk, and this CheckpointCallback writes to {self.ckpt.folder}: give it a local path "
+            f"(Ray copies "
+            f"each reported checkpoint to its own storage_path, a bucket too), or keep the URL and "
+            f"resume='auto' without "
             f"RayTrainReportCallback")
         self.train = import_optional('ray.train', 'ray', 'ray', 'RayTrainReportCallback')
-        self._notice = getattr(self.train, 'get_preemption_info', None)     # Ray Train's current API (V2) only
+        self._notice = getattr(self.train, 'get_preemption_info', None)  # Ray Train's current API (V2) only
         if self._notice is None and self.check_every: warn_user(
-            "RayTrainReportCallback: this Ray Train (its older API, RAY_TRAIN_V2_ENABLED=0) gives no preemption "
-            "notice: the fit reports its checkpoints to Ray, but does not save one when a node is about to be taken. "
-            "Set RAY_TRAIN_V2_ENABLED=1 (Ray Train's current API) for both, or pass check_every=0 to silence this")
-        self.reported,self.preempted = self.ckpt.last,None     # a resumed run's checkpoint: Ray has it already
+            "RayTrainReportCallback: this Ray Train (its older API, RAY_TRAIN_V2_ENABLED=0) gives no "
+            "preemption "
+            "notice: the fit reports its checkpoints to Ray, but does not save one when a node is about to "
+            "be taken. "
+            "Set RAY_TRAIN_V2_ENABLED=1 (Ray Train's current API) for both, or pass check_every=0 to silence "
+            "this")
+        self.reported,self.preempted = self.ckpt.last,None  # a resumed run's checkpoint: Ray has it already
 
     def after_fit(self):                                       # (a fit resumed at its end trains no batch)
         if _restored: remove_restored()
 
     def after_batch(self):
-        if _restored: remove_restored()       # the copy a resume read: read by now (a sharded one in before_train)
-        written = self.ckpt.last != self.reported            # the CheckpointCallback wrote one after this batch
+        if _restored: remove_restored()  # the copy a resume read: read by now (a sharded one in before_train)
+        written = self.ckpt.last != self.reported  # the CheckpointCallback wrote one after this batch
         if self._preemption_notice() and not written: self.ckpt.save()
         if self.ckpt.last != self.reported: self._report()
 
@@ -72,29 +83,34 @@ class RayTrainReportCallback(Callback):
         if self.ckpt.last != self.reported: self._report()
 
     def _preemption_notice(self):
-        "Whether Ray said, at this step, that a node of the run is about to be taken (asked every `check_every` steps)"
+        """Whether Ray said, at this step, that a node of the run is about to be taken (asked every
+        `check_every` steps)"""
         if (not self.check_every or self._notice is None or self.preempted is not None
             or self.learn.train_iter % self.check_every): return False
         self.preempted = self._notice()                        # a barrier: every rank asks at the same steps
         return self.preempted is not None
 
     def _report(self):
-        "Report the last checkpoint, once written: rank 0 its file, or under FSDP each rank its own files of the folder"
+        """Report the last checkpoint, once written: rank 0 its file, or under FSDP each rank its own files of
+        the folder"""
         ref = Path(self.ckpt.wait())
         with tempfile.TemporaryDirectory() as d:
             files = own_files(ref)
             for f in files: _link_or_copy(f, Path(d)/f.relative_to(ref.parent))
-            self.train.report(self.metrics(), checkpoint=self.train.Checkpoint.from_directory(d) if files else None)
+            self.train.report(self.metrics(), checkpoint=self.train.Checkpoint.from_directory(d) if files
+                              else None)
         self.reported = self.ckpt.last
 
     def metrics(self):
-        "What is reported with a checkpoint: the step, the epoch, the smoothed loss (the ranks' mean) and the last row of the table"
+        """What is reported with a checkpoint: the step, the epoch, the smoothed loss (the ranks' mean) and
+        the last row of the table"""
         learn = self.learn
         rec,loss = learn.recorder,learn.smooth_loss
-        if loss is not None and num_distrib() > 1:            # every rank reports here: one collective a report
+        if loss is not None and num_distrib() > 1:  # every rank reports here: one collective a report
             loss = sum_across_ranks(loss.detach().double().reshape(1)) / num_distrib()
         row = dict(zip(rec.value_names, rec.values[-1])) if rec.values else {}
-        return {'train_iter': learn.train_iter, 'epoch': learn.epoch, 'smooth_loss': None if loss is None else float(loss), **row}
+        return {'train_iter': learn.train_iter, 'epoch': learn.epoch, 'smooth_loss': None if loss is None
+                else float(loss), **row}
 
 # %% ../../nbs/33_ray.ipynb #907ce101
 def own_files(ref):
@@ -110,15 +126,18 @@ def _link_or_copy(src, dst):
 
 # %% ../../nbs/33_ray.ipynb #1f75f946
 def ray_checkpoint(checkpoint=None):
-    "Ray Train's checkpoint of this run if it restarted, else `checkpoint` (another run's `result.checkpoint`), copied here for `learn.fit(n, resume=...)`"
+    """Ray Train's checkpoint of this run if it restarted, else `checkpoint` (another run's
+    `result.checkpoint`), copied here for `learn.fit(n, resume=...)`"""
     train = import_optional('ray.train', 'ray', 'ray', 'ray_checkpoint')
     ck = train.get_checkpoint() or checkpoint
     if ck is None: return None
     if not hasattr(ck, 'to_directory'): raise TypeError(
-        f"ray_checkpoint(checkpoint): give a ray.train.Checkpoint (such as a run's result.checkpoint), not {ck!r}")
+        f"ray_checkpoint(checkpoint): give a ray.train.Checkpoint (such as a run's result.checkpoint), not "
+        f"{ck!r}")
     folder = Path(ck.to_directory(tempfile.mkdtemp(prefix=f'learncb-ray-{os.getpid()}-')))
     _restored.append(folder)
     found = [p for p in folder.iterdir() if is_checkpoint_name(p)]
-    if len(found) != 1: raise ValueError(f"the checkpoint Ray Train gave ({ck}) holds {len(found)} learncb checkpoints "
+    if len(found) != 1:
+        raise ValueError(f"the checkpoint Ray Train gave ({ck}) holds {len(found)} learncb checkpoints "
         f"({[p.name for p in found]}), not 1: report checkpoints with RayTrainReportCallback only")
     return found[0]

@@ -1,4 +1,4 @@
-"""`TensorBoardCallback`: the hyper-parameters, epoch table and each batch's loss and lr of every fit, in TensorBoard's event files, without a sync per batch.
+"""`TensorBoardCallback`: hyper-parameters, the table, each batch's loss and lr in TensorBoard, no sync.
 
 Docs: https://learncb.github.io/learncb/tensorboard.html.md"""
 
@@ -34,7 +34,8 @@ def _tb_steps(folder):
 
 # %% ../../nbs/24a_tensorboard.ipynb #ebb98b0d
 class TensorBoardCallback(ExperimentTrackerCallback):
-    "Writes the hyper-parameters, epoch table and batch loss and lr of each fit to TensorBoard, in `log_dir/run_name`"
+    """Writes the hyper-parameters, epoch table and batch loss and lr of each fit to TensorBoard, in
+    `log_dir/run_name`"""
     package,extra,_default_name = 'tensorboard','tensorboard','tensorboard'
     def __init__(self, log_dir='runs', run_name=None, log_every=50, hparams=None):
         super().__init__(log_every=log_every, hparams=hparams)
@@ -42,7 +43,8 @@ class TensorBoardCallback(ExperimentTrackerCallback):
 
     @property
     def root(self):
-        "The folder of the runs, to give `tensorboard --logdir`: `log_dir`, under `learn.path` unless absolute"
+        """The folder of the runs, to give `tensorboard --logdir`: `log_dir`, under `learn.path` unless
+        absolute"""
         return self.log_dir if self.log_dir.is_absolute() or self.learn is None else self.learn.path/self.log_dir
 
     @property

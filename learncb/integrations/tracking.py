@@ -1,4 +1,4 @@
-"""`ExperimentTrackerCallback`, the base of the experiment trackers (TensorBoard, MLflow, W&B), and `import_optional` for the optional packages: epoch table, each batch's loss, no sync per batch.
+"""`ExperimentTrackerCallback`, the base of the trackers (TensorBoard, MLflow, W&B), and `import_optional`.
 
 Docs: https://learncb.github.io/learncb/tracking.html.md"""
 
@@ -33,7 +33,8 @@ def _missing(package, extra, who, err=None):
                        f"\"learncb[{extra}]\" (or pip install {package})")
 
 def check_installed(package, extra, who):
-    "Raise an `ImportError` with the install command (`pip install \"learncb[extra]\"`) if `package` is not installed"
+    """Raise an `ImportError` with the install command (`pip install \"learncb[extra]\"`) if `package` is not
+    installed"""
     if not _installed(package): raise _missing(package, extra, who)
 
 def import_optional(module, package, extra, who):
@@ -48,7 +49,8 @@ def _per_group(name, values):
     return {name: values[0]} if len(values) == 1 else {f'{name}_{i}': v for i,v in enumerate(values)}
 
 def fit_hparams(learn):
-    "The hyper-parameters of the fit `learn` is starting: epochs, lr and wd (per param group), batch size, names, sizes"
+    """The hyper-parameters of the fit `learn` is starting: epochs, lr and wd (per param group), batch size,
+    names, sizes"""
     groups,model = learn.opt.param_groups,plain_model(learn.model)
     hps = {'n_epoch': learn.n_epoch, **_per_group('lr', [float(g['lr']) for g in groups])}
     if all('weight_decay' in g for g in groups):
@@ -57,7 +59,8 @@ def fit_hparams(learn):
     if bs is not None: hps['bs'] = bs
     params = list(model.parameters())
     hps.update(opt=type(learn.opt).__name__, loss_func=name_of(learn.loss_func), model=type(model).__name__,
-               n_params=sum(p.numel() for p in params), n_trainable=sum(p.numel() for p in params if p.requires_grad),
+               n_params=sum(p.numel() for p in params), n_trainable=sum(p.numel() for p in params
+        if p.requires_grad),
                callbacks=', '.join(type(cb).__name__ for cb in sorted(learn.cbs, key=lambda cb: cb.order)))
     return hps
 
@@ -72,14 +75,17 @@ def _lr_values(lrs):
     return _per_group('batch/lr', [float(v) for v in lrs])
 
 def _numbers(names, values):
-    "`{epoch/<name>: float}` for the values of a table row that are numbers (empty cells and text are left out)"
+    """`{epoch/<name>: float}` for the values of a table row that are numbers (empty cells and text are left
+    out)"""
     return {f'epoch/{n}': float(v) for n,v in zip(names, values)
             if isinstance(v, (numbers.Real, torch.Tensor)) and not isinstance(v, bool)}
 
 # %% ../../nbs/24_tracking.ipynb #203d781d
 class ExperimentTrackerCallback(Callback):
-    "Base of the trackers: hyper-parameters, the epoch table, batch loss and lr without a sync per batch, resumable"
-    order,run_valid,remove_on_lr_find,rank0_only = Order.LOGGER,False,True,True    # after the Recorder (50) and trackers (60)
+    """Base of the trackers: hyper-parameters, the epoch table, batch loss and lr without a sync per batch,
+    resumable"""
+    # after the Recorder (50) and trackers (60)
+    order,run_valid,remove_on_lr_find,rank0_only = Order.LOGGER,False,True,True
     deferred_events = ('after_loss',)           # it keeps the loss and lr: after a compiled step too
     package,extra,_default_name = None,None,'tracker'
 
@@ -89,7 +95,8 @@ class ExperimentTrackerCallback(Callback):
         self.log_every = check_int(log_every, 'log_every', ge=1, who=who,
                                    hint='the number of training batches whose values are written together')
         if hparams is not None and not isinstance(hparams, dict): raise TypeError(
-            f"{who}: hparams must be a dict of extra hyper-parameters to log, like {{'dropout': 0.1}}, not {hparams!r}")
+            f"{who}: hparams must be a dict of extra hyper-parameters to log, like {{'dropout': 0.1}}, not "
+            f"{hparams!r}")
         self.hparams,self.log_model = dict(hparams or {}),log_model
         self._run_ref,self._resumed,self._is_open,self._last,self._to_log = None,False,False,{},None
         self._losses,self._lrs,self._steps = [],[],[]
@@ -100,18 +107,21 @@ class ExperimentTrackerCallback(Callback):
         return self._name or self._default_name
 
     def state_dict(self):
-        "For checkpoints: the run's reference and the last step of each value written (buffered values are written first)"
+        """For checkpoints: the run's reference and the last step of each value written (buffered values are
+        written first)"""
         if self._steps: self.flush()
         return {'run': self._run_ref, 'last': dict(self._last)}
 
     def load_state_dict(self, state):
-        "Continue the run of a checkpoint: reopened at the next write, which leaves out the steps it already holds"
+        """Continue the run of a checkpoint: reopened at the next write, which leaves out the steps it already
+        holds"""
         run = state.get('run')
         if self._is_open and run != self._run_ref: self._close('finished')
         self._run_ref,self._last,self._resumed = run,dict(state.get('last') or {}),run is not None
 
     def model_file(self):
-        "The model file `log_model` stores: the one `SaveModelCallback` saved, else the final weights saved now"
+        """The model file `log_model` stores: the one `SaveModelCallback` saved, else the final weights saved
+        now"""
         saved = [cb.saved for cb in self.learn.cbs if isinstance(cb, SaveModelCallback) and cb.saved]
         if saved and Path(saved[-1]).exists(): return Path(saved[-1])
         safe = re.sub(r'[^\w.-]+', '_', str(self.run_id))
@@ -119,7 +129,8 @@ class ExperimentTrackerCallback(Callback):
 
     @property
     def run_id(self):
-        "The reference of the tracker's run (set when it opens, kept after the fit): MLflow's and W&B's run id"
+        """The reference of the tracker's run (set when it opens, kept after the fit): MLflow's and W&B's run
+        id"""
         return self._run_ref
 
     def flush(self):
@@ -142,7 +153,8 @@ class ExperimentTrackerCallback(Callback):
             with self._package_errors(): self.log_rows(kept)
 
     def _open(self):
-        "Open the run once: a new one with the hyper-parameters, or the resumed one knowing the steps it holds"
+        """Open the run once: a new one with the hyper-parameters, or the resumed one knowing the steps it
+        holds"""
         if self._is_open: return
         with self._package_errors():
             self._run_ref = self.open_run(self._run_ref)
@@ -154,7 +166,8 @@ class ExperimentTrackerCallback(Callback):
 
     @contextmanager
     def _package_errors(self):
-        "A part of the tracker's package that cannot be imported (the package imports it late) ends in the install hint"
+        """A part of the tracker's package that cannot be imported (the package imports it late) ends in the
+        install hint"""
         try: yield
         except ImportError as e:
             if self.package is None or isinstance(e, _MissingPackage): raise
@@ -169,7 +182,8 @@ class ExperimentTrackerCallback(Callback):
         self._run_ref,self._resumed,self._last = None,False,{}
         self._losses,self._lrs,self._steps = [],[],[]
         self._to_log = {**fit_hparams(self.learn), **self.hparams}
-        if self.learn.resume_from is None: self._open()     # resuming: the checkpoint's run, once its state is loaded
+        # resuming: the checkpoint's run, once its state is loaded
+        if self.learn.resume_from is None: self._open()
 
     def after_loss(self):
         learn = self.learn
@@ -200,7 +214,8 @@ class ExperimentTrackerCallback(Callback):
             if self._is_open: self._close(status)
 
     def open_run(self, ref):
-        "Open a new run of the tracker (`ref` is `None`) or run `ref` again (a resumed fit); return the run's reference"
+        """Open a new run of the tracker (`ref` is `None`) or run `ref` again (a resumed fit); return the
+        run's reference"""
         raise NotImplementedError(f"{type(self).__name__} must define open_run(ref)")
 
     def log_params(self, params):
@@ -216,7 +231,8 @@ class ExperimentTrackerCallback(Callback):
         raise NotImplementedError(f"{type(self).__name__} cannot store files: pass log_model=False")
 
     def run_steps(self):
-        "`{name: last step}` of the values the open run holds, read back from the tracker (`{}`: it cannot say)"
+        """`{name: last step}` of the values the open run holds, read back from the tracker (`{}`: it cannot
+        say)"""
         return {}
 
     def close_run(self, status):

@@ -1,4 +1,4 @@
-"""`WandbCallback`: each fit a W&B run with its config, epoch table, batch losses and, if asked, model; offline too.
+"""`WandbCallback`: each fit a W&B run with its config, table, batch losses and, if asked, model; offline too.
 
 Docs: https://learncb.github.io/learncb/wandb.html.md"""
 
@@ -16,16 +16,19 @@ from .tracking import ExperimentTrackerCallback, import_optional
 
 # %% ../../nbs/26_wandb.ipynb #72f387ff
 class WandbCallback(ExperimentTrackerCallback):
-    "Logs the hyper-parameters, epoch table and batch loss and lr of each fit to a W&B run (`log_model`: the model)"
+    """Logs the hyper-parameters, epoch table and batch loss and lr of each fit to a W&B run (`log_model`: the
+    model)"""
     package,extra,_default_name = 'wandb','wandb','wandb'
-    def __init__(self, project='learncb', run_name=None, log_every=50, hparams=None, log_model=False, **init_kwargs):
+    def __init__(self, project='learncb', run_name=None, log_every=50, hparams=None, log_model=False,
+                 **init_kwargs):
         super().__init__(log_every=log_every, hparams=hparams, log_model=log_model)
         self.project,self.run_name,self.init_kwargs = project,run_name,init_kwargs
         self.wandb_run = None          # the `wandb.Run` of the current or last fit
 
     @property
     def run_dir(self):
-        "The folder of the run's files (`None` before it opens): `<dir>/wandb/run-...` (`offline-run-...` offline)"
+        """The folder of the run's files (`None` before it opens): `<dir>/wandb/run-...` (`offline-run-...`
+        offline)"""
         return None if self.wandb_run is None else Path(self.wandb_run.dir).parent
 
     def open_run(self, ref):
@@ -50,16 +53,19 @@ class WandbCallback(ExperimentTrackerCallback):
         self.wandb_run.log_artifact(art)
 
     def run_steps(self):
-        "Offline, the last step of each value in the run's earlier folders; online, `{}`: W&B ignores lower steps itself"
+        """Offline, the last step of each value in the run's earlier folders; online, `{}`: W&B ignores lower
+        steps itself"""
         run = self.wandb_run
         if not getattr(run, 'offline', False): return {}
         last = {}
-        own = re.compile(rf'offline-run-\d{{8}}_\d{{6}}-{re.escape(run.id)}(-\d+)?')     # -1, -2: more in one second
+        # -1, -2: more in one second
+        own = re.compile(rf'offline-run-\d{{8}}_\d{{6}}-{re.escape(run.id)}(-\d+)?')
         for folder in self.run_dir.parent.glob('offline-run-*'):
             if folder == self.run_dir or not own.fullmatch(folder.name): continue
             try: rows = read_offline_run(folder)['history']
             except Exception as e:       # W&B's file format changed: rely on the checkpoint's steps alone
-                warn_user(f"WandbCallback cannot read the earlier offline folder {folder} of run {run.id} ({e}): "
+                warn_user(f"WandbCallback cannot read the earlier offline folder {folder} of run {run.id} "
+                          f"({e}): "
                               f"values written after the checkpoint may be written twice")
                 continue
             for row in rows:
@@ -71,32 +77,36 @@ class WandbCallback(ExperimentTrackerCallback):
 
 # %% ../../nbs/26_wandb.ipynb #478662d6
 def _wandb_records(path, block=32768):
-    "The records of a W&B transaction log (`run-<id>.wandb`): a 7-byte header, then blocks of length-prefixed parts"
+    """The records of a W&B transaction log (`run-<id>.wandb`): a 7-byte header, then blocks of
+    length-prefixed parts"""
     wandb_internal_pb2 = import_optional('wandb.proto.wandb_internal_pb2', 'wandb', 'wandb', 'WandbCallback')
     data = Path(path).read_bytes()
     if data[:4] != b':W&B': raise ValueError(f"{path} is not a W&B run file (run-<id>.wandb)")
     pos,parts = 7,[]
     while pos + 7 <= len(data):
-        if (left := block - pos % block) < 7: pos += left; continue          # a block's tail too short for a header
+        if (left := block - pos % block) < 7: pos += left; continue  # a block's tail too short for a header
         _,n,kind = struct.unpack('<IHB', data[pos:pos + 7])
         if kind == 0: pos += left; continue                                  # the zeros that pad a block
         parts.append(data[pos + 7:pos + 7 + n]); pos += 7 + n
-        if kind in (1, 4):                                                   # a whole record, or its last part
+        if kind in (1, 4):  # a whole record, or its last part
             yield wandb_internal_pb2.Record.FromString(b''.join(parts))
             parts = []
 
 def read_offline_run(run_dir):
     "The `config`, `history` rows, `artifacts` names and whether `finished`, of an offline W&B run folder"
     files = sorted(Path(run_dir).glob('run-*.wandb'))
-    if not files: raise FileNotFoundError(f"no run-<id>.wandb file in {run_dir}: pass the folder of an offline run")
+    if not files:
+        raise FileNotFoundError(f"no run-<id>.wandb file in {run_dir}: pass the folder of an offline run")
     out = {'config': {}, 'history': [], 'artifacts': [], 'finished': False}
     for r in _wandb_records(files[0]):
         kind = r.WhichOneof('record_type')
         if kind in ('run', 'config'):
             cfg = r.run.config if kind == 'run' else r.config
-            out['config'].update({u.key: json.loads(u.value_json) for u in cfg.update if not u.key.startswith('_')})
+            out['config'].update({u.key: json.loads(u.value_json) for u in cfg.update
+                                  if not u.key.startswith('_')})
         elif kind == 'history':
-            out['history'].append({u.key or '/'.join(u.nested_key): json.loads(u.value_json) for u in r.history.item})
+            out['history'].append({u.key or '/'.join(u.nested_key): json.loads(u.value_json) for u
+                                   in r.history.item})
         elif kind == 'artifact': out['artifacts'].append(r.artifact.name)
         elif kind == 'exit': out['finished'] = True        # the run's last record: the file is complete
     return out

@@ -1,7 +1,8 @@
 """FSDP2 on the CPU (gloo, 2 processes): the memory each rank holds, and learncb's time per step against a
 hand-written FSDP2 loop doing the same work (shard the model, train, validate, reduce the epoch's means).
 
-`python tests/bench/fsdp.py` for the full run, `--short` for the quick one CI runs. Prints figures; asserts nothing."""
+`python tests/bench/fsdp.py` for the full run, `--short` for the quick one CI runs. Prints figures; asserts
+nothing."""
 import argparse, time
 import torch, torch.distributed as dist
 from torch import nn
@@ -22,7 +23,8 @@ def make_model():
 
 def make_data(n_train, n_valid=512):
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(n_train + n_valid, 16, generator=g), torch.randint(0, 10, (n_train + n_valid,), generator=g)
+    x, y = torch.randn(n_train + n_valid, 16, generator=g), torch.randint(0, 10, (n_train + n_valid,),
+        generator=g)
     return TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:])
 
 def local_bytes(model, opt):
@@ -33,11 +35,14 @@ def local_bytes(model, opt):
     return sum(local(t).numel() * t.element_size() for t in ts)
 
 def raw_fsdp_loop(train_ds, valid_ds, n_epoch, sizes=None):
-    "A careful hand-written FSDP2 loop: shard each block, then the root; train; validate; one all_reduce per epoch"
+    """A careful hand-written FSDP2 loop: shard each block, then the root; train; validate; one all_reduce per
+    epoch"""
     from torch.distributed.fsdp import fully_shard
     rank, world = dist.get_rank(), dist.get_world_size()
-    train = DataLoader(train_ds, batch_size=BS, sampler=DistributedSampler(train_ds, world, rank, shuffle=False))
-    valid = DataLoader(valid_ds, batch_size=BS, sampler=DistributedSampler(valid_ds, world, rank, shuffle=False))
+    train = DataLoader(train_ds, batch_size=BS, sampler=DistributedSampler(train_ds, world, rank,
+        shuffle=False))
+    valid = DataLoader(valid_ds, batch_size=BS, sampler=DistributedSampler(valid_ds, world, rank,
+        shuffle=False))
     model, loss_func = make_model(), nn.CrossEntropyLoss()
     for m in model:
         if isinstance(m, Block): fully_shard(m)
@@ -48,7 +53,8 @@ def raw_fsdp_loop(train_ds, valid_ds, n_epoch, sizes=None):
         for xb, yb in train:
             loss = loss_func(model(xb), yb)
             loss.backward(); opt.step()
-            if sizes is not None and not sizes: sizes['fsdp'] = local_bytes(model, opt)   # gradients and Adam's state
+            # gradients and Adam's state
+            if sizes is not None and not sizes: sizes['fsdp'] = local_bytes(model, opt)
             opt.zero_grad()
             losses.append(loss.detach())
         model.eval(); vlosses = []
@@ -82,8 +88,9 @@ def one_process_bytes():
     return local_bytes(model, opt)
 
 def worker(rank, world, port, n_batches, n_epoch, rounds, out):
-    "One rank: the bytes it holds under FSDP, and the best time of each loop over `rounds`; rank 0 writes them to `out`"
-    join_group(rank, world, port)           # one group for the run: distrib_ctx joins it, rendezvous not counted
+    """One rank: the bytes it holds under FSDP, and the best time of each loop over `rounds`; rank 0 writes
+    them to `out`"""
+    join_group(rank, world, port)  # one group for the run: distrib_ctx joins it, rendezvous not counted
     try:
         train_ds, valid_ds = make_data(n_batches * BS * world)
         sizes = {}
@@ -118,9 +125,12 @@ def main(short=False):
         print(f"FSDP, 2 processes (gloo)              : skipped: {res}")
         return
     per_rank = ', '.join(f'{b / 2**20:.2f} MiB ({b / alone:.2f}x)' for b in res['bytes'])
-    print(f"FSDP bytes per rank (params+grads+Adam): 1 process {alone / 2**20:.2f} MiB; 2 processes: {per_rank}")
-    print(f"FSDP, 2 processes (gloo)              : learncb {res['learncb']:7.1f} us/step, hand-written FSDP2 loop "
-          f"{res['raw']:7.1f} us/step, ratio {res['learncb'] / res['raw']:.3f} ({n_batches} batches of {BS} per rank, "
+    print(f"FSDP bytes per rank (params+grads+Adam): 1 process {alone / 2**20:.2f} MiB; 2 processes: "
+          f"{per_rank}")
+    print(f"FSDP, 2 processes (gloo)              : learncb {res['learncb']:7.1f} us/step, hand-written "
+          f"FSDP2 loop "
+          f"{res['raw']:7.1f} us/step, ratio {res['learncb'] / res['raw']:.3f} ({n_batches} batches of {BS} "
+          f"per rank, "
           f"{N_BLOCKS} blocks of {D}x{D}, {n_epoch} epoch(s), best of {rounds}, 1 thread per process)")
     print(f"FSDP, learn.compile(step=True)        : {res['compiled']:7.1f} us/step (the blocks compiled "
           f"inside "

@@ -1,4 +1,5 @@
-"""The cost of fault tolerance per step: the same fit under DDP (2 processes, gloo) and under `strategy='torchft'` (2
+"""The cost of fault tolerance per step: the same fit under DDP (2 processes, gloo) and under
+`strategy='torchft'` (2
 replica groups, gloo, a lighthouse on this machine), global batch 64, for a small and a larger MLP.
 
 `python tests/bench/ft.py` for the full run (DDP and torchft in turn, twice each: the best epoch of each, on a
@@ -16,7 +17,8 @@ def make_learner(width, n_items):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n_items, 32, generator=g)
     ds = TensorDataset(x, x.sum(1, keepdim=True))
-    model = nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+    model = nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                          nn.Linear(width, 1))
     learn = Learner(DataLoaders(DataLoader(ds, batch_size=64), None), model, loss_func=nn.MSELoss(),
                     opt_func=torch.optim.Adam, lr=1e-3)
     learn.logger = lambda *a: None            # figures only
@@ -31,7 +33,7 @@ class StepTimer(Callback):
 def timed_fit(learn, n_epoch, **ctx):
     timer = StepTimer()
     with learn.distrib_ctx(global_batch=64, **ctx): learn.fit(n_epoch, cbs=timer)
-    return min(timer.per_step[1:])            # the first epoch warms up (and, under torchft, forms the first quorums)
+    return min(timer.per_step[1:])  # the first epoch warms up (and, under torchft, forms the first quorums)
 
 def ddp_worker(rank, world, port, width, n_items, n_epoch, out):
     join_group(rank, world, port)
@@ -44,9 +46,12 @@ def ft_worker(width, n_items, n_epoch, out):
 
 def torchft_figures(width, n_items, n_epoch, timeout):
     out = os.path.join(tempfile.mkdtemp(), 'figures.json')
-    try:    # min_replicas=2: the first quorum waits for both (else on a loaded machine one trains alone while the other starts)
+    # min_replicas=2: the first quorum waits for both (else on a loaded machine one trains alone while the
+    # other starts)
+    try:
         with Lighthouse(min_replicas=2) as lighthouse:
-            launch_replicas(ft_worker, width, n_items, n_epoch, out, n=2, lighthouse=lighthouse, timeout=timeout)
+            launch_replicas(ft_worker, width, n_items, n_epoch, out, n=2, lighthouse=lighthouse,
+                            timeout=timeout)
     except Exception as e: return f'{type(e).__name__}: {e}'
     with open(out) as fh: return json.load(fh)
 

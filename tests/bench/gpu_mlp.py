@@ -1,6 +1,9 @@
-"""The tiny MLP of `loop_overhead.py` on the GPU at batch sizes 1 to 64: microseconds per training step of a hand-written
-loop, a hand-written step under `torch.compile(mode='reduce-overhead')` (CUDA graphs), and learncb eager, compiled and
-compiled as CUDA graphs. `python tests/bench/gpu_mlp.py` (prints 'skipped' without CUDA); `--short` for a quick run."""
+"""The tiny MLP of `loop_overhead.py` on the GPU at batch sizes 1 to 64: microseconds per training step of a
+hand-written
+loop, a hand-written step under `torch.compile(mode='reduce-overhead')` (CUDA graphs), and learncb eager,
+compiled and
+compiled as CUDA graphs. `python tests/bench/gpu_mlp.py` (prints 'skipped' without CUDA); `--short` for a
+quick run."""
 import argparse, time, warnings
 import torch
 from torch import nn
@@ -40,7 +43,8 @@ def raw_graphs(dl):
 
 def learncb_fit(dl, **compile):
     from learncb.all import Learner, DataLoaders, ProgressCallback
-    learn = Learner(DataLoaders(dl, None), make_model(), nn.CrossEntropyLoss(), device='cuda', opt_func=torch.optim.Adam,
+    learn = Learner(DataLoaders(dl, None), make_model(), nn.CrossEntropyLoss(), device='cuda',
+                    opt_func=torch.optim.Adam,
                     lr=1e-3)
     learn.remove_cb(ProgressCallback)
     if compile: learn.compile(**compile)
@@ -49,7 +53,8 @@ def learncb_fit(dl, **compile):
     return fit
 
 def timed(make, dl, rounds):
-    "Best microseconds per step of `make(dl)`'s fit over `rounds`, after a warm-up fit (compilation, graph capture)"
+    """Best microseconds per step of `make(dl)`'s fit over `rounds`, after a warm-up fit (compilation, graph
+    capture)"""
     try: fit = make(dl)
     except Exception as e: return f'failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}'
     with warnings.catch_warnings(record=True) as w:
@@ -68,12 +73,15 @@ def main(short=False):
     sizes, n_batches, rounds = ((1, 64), 50, 2) if short else ((1, 8, 64), 200, 3)
     ways = {'hand-written loop': raw_loop, "hand-written step, reduce-overhead": raw_graphs,
             'learncb': learncb_fit, 'learncb compile(step=True)': lambda dl: learncb_fit(dl, step=True),
-            "learncb compile(step=True, mode='reduce-overhead')": lambda dl: learncb_fit(dl, step=True, mode='reduce-overhead')}
-    print(f"tiny MLP on {torch.cuda.get_device_name()}, torch {torch.__version__}, {n_batches} batches, best of {rounds}, "
+            "learncb compile(step=True, mode='reduce-overhead')": lambda dl: learncb_fit(dl, step=True,
+        mode='reduce-overhead')}
+    print(f"tiny MLP on {torch.cuda.get_device_name()}, torch {torch.__version__}, {n_batches} batches, best "
+          f"of {rounds}, "
           f"us per training step")
     for bs in sizes:
         dl = make_data(n_batches, bs)
-        for name, make in ways.items(): print(f"  bs {bs:>2}  {name:<50} {timed(make, dl, rounds)}", flush=True)
+        for name, make in ways.items():
+            print(f"  bs {bs:>2}  {name:<50} {timed(make, dl, rounds)}", flush=True)
 
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__)

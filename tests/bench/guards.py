@@ -1,9 +1,13 @@
-"""What the guards cost: `SpikeGuard` at steady state on the tiny model of loop_overhead.py (checks every 25 batches,
-a snapshot every 100), side by side with the same fit without it in one run: over whole fits, and at steady state (the
+"""What the guards cost: `SpikeGuard` at steady state on the tiny model of loop_overhead.py (checks every 25
+batches,
+a snapshot every 100), side by side with the same fit without it in one run: over whole fits, and at steady
+state (the
 epochs after the first, without what the guard costs once per fit).
 
-Each round fits both, in alternating order, and times each fit by the process's CPU time, which the other work on a
-loaded machine disturbs less than wall time; the figures are the median of the rounds' ratios and the ratio of the
+Each round fits both, in alternating order, and times each fit by the process's CPU time, which the other work
+on a
+loaded machine disturbs less than wall time; the figures are the median of the rounds' ratios and the ratio of
+the
 best times. `python tests/bench/guards.py` for the full run, `--short` for the quick one CI runs."""
 import argparse, statistics, time
 import torch
@@ -29,44 +33,56 @@ def paired_cpu_times(fns, rounds):
     return times
 
 def spike_guard_cost(n_batches, n_epoch, rounds):
-    "Microseconds per step of the best fit without and with `SpikeGuard(snapshot_every=100)`, and the median ratio"
+    """Microseconds per step of the best fit without and with `SpikeGuard(snapshot_every=100)`, and the median
+    ratio"""
     train, valid = make_data(n_batches)
     n_steps = n_epoch * (len(train) + len(valid))
     times = paired_cpu_times({'plain': lambda: fit(train, valid, n_epoch),
-                              'guarded': lambda: fit(train, valid, n_epoch, [SpikeGuard(snapshot_every=100)])}, rounds)
+                              'guarded': lambda: fit(train, valid, n_epoch,
+                                                     [SpikeGuard(snapshot_every=100)])}, rounds)
     best = {k: min(t[k] for t in times) / n_steps * 1e6 for k in ('plain', 'guarded')}
     return best, statistics.median(t['guarded'] / t['plain'] for t in times)
 
 def steady_state_cost(n_batches, rounds):
-    """Microseconds per step of the epochs after the first (a 3-epoch fit's time less a 1-epoch fit's, over the 2
-    epochs between): what the guard costs a long fit, without what it costs once per fit (its first snapshot's memory,
+    """Microseconds per step of the epochs after the first (a 3-epoch fit's time less a 1-epoch fit's, over
+    the 2
+    epochs between): what the guard costs a long fit, without what it costs once per fit (its first snapshot's
+    memory,
     the dataloader's order); the median over the rounds of each, and their ratio"""
     train, valid = make_data(n_batches)
     guard = lambda: [SpikeGuard(snapshot_every=100)]
-    times = paired_cpu_times({'plain 1': lambda: fit(train, valid, 1), 'plain 3': lambda: fit(train, valid, 3),
+    times = paired_cpu_times({'plain 1': lambda: fit(train, valid, 1), 'plain 3': lambda: fit(train, valid,
+        3),
                               'guarded 1': lambda: fit(train, valid, 1, guard()),
                               'guarded 3': lambda: fit(train, valid, 3, guard())}, rounds)
     n_steps = 2 * (len(train) + len(valid))
-    per_step = {k: statistics.median((t[f'{k} 3'] - t[f'{k} 1']) / n_steps * 1e6 for t in times) for k in ('plain', 'guarded')}
+    per_step = {k: statistics.median((t[f'{k} 3'] - t[f'{k} 1']) / n_steps * 1e6 for t in times) for k
+                in ('plain', 'guarded')}
     return per_step, per_step['guarded'] / per_step['plain']
 
 def calls_per_step(n_batches):
-    "Python calls per step of a fit without the guard, and how many more with it: a count that the machine's load does not change"
+    """Python calls per step of a fit without the guard, and how many more with it: a count that the machine's
+    load does not change"""
     train, valid = make_data(n_batches)
     n_steps = 2 * (len(train) + len(valid))
     plain = python_calls(lambda: fit(train, valid, 2)) / n_steps
-    return plain, python_calls(lambda: fit(train, valid, 2, [SpikeGuard(snapshot_every=100)])) / n_steps - plain
+    return plain, python_calls(lambda: fit(train, valid, 2,
+                                           [SpikeGuard(snapshot_every=100)])) / n_steps - plain
 
 def main(short=False):
     torch.set_num_threads(1)
     n_batches, n_epoch, rounds = (200, 1, 5) if short else (600, 2, 30)
     best, ratio = spike_guard_cost(n_batches, n_epoch, rounds)
-    print(f"{n_batches} batches of 32, {n_epoch} epoch(s), train+validate, {rounds} rounds, CPU time, 1 thread")
-    print(f"SpikeGuard (check every 25, snapshot every 100): {best['guarded']:7.1f} us/step, without {best['plain']:7.1f} "
-          f"us/step (best of each); cost {best['guarded'] / best['plain'] - 1:+.2%} best to best, {ratio - 1:+.2%} median "
+    print(f"{n_batches} batches of 32, {n_epoch} epoch(s), train+validate, {rounds} rounds, CPU time, 1 "
+          f"thread")
+    print(f"SpikeGuard (check every 25, snapshot every 100): {best['guarded']:7.1f} us/step, without "
+          f"{best['plain']:7.1f} "
+          f"us/step (best of each); cost {best['guarded'] / best['plain'] - 1:+.2%} best to best, "
+          f"{ratio - 1:+.2%} median "
           f"of the rounds")
     per_step, ratio = steady_state_cost(n_batches, rounds)
-    print(f"SpikeGuard at steady state (the epochs after the first, median of the rounds): {per_step['guarded']:7.1f} "
+    print(f"SpikeGuard at steady state (the epochs after the first, median of the rounds): "
+          f"{per_step['guarded']:7.1f} "
           f"us/step, without {per_step['plain']:7.1f} us/step; cost {ratio - 1:+.2%}")
     plain, more = calls_per_step(n_batches)
     print(f"Python calls per step (2 epochs): {plain:.1f} without SpikeGuard, {more:+.1f} with it")

@@ -16,9 +16,12 @@ def make_data(n_batches, bs=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n_batches * bs, 16, generator=g)
     y = (x[:, 0] + x[:, 1] > 0).long()
-    y = torch.where(torch.rand(len(y), generator=g) < 0.1, 1 - y, y)   # 10% of labels wrong: a loss with a floor, as
-    # real data has (on separable labels, fit after fit, the loss fell to 1e-4 and SpikeGuard saw spikes in its noise)
-    train = DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    # 10% of labels wrong: a loss with a floor, as
+    y = torch.where(torch.rand(len(y), generator=g) < 0.1, 1 - y, y)
+    # real data has (on separable labels, fit after fit, the loss fell to 1e-4 and SpikeGuard saw spikes in
+    # its noise)
+    train = DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=True,
+                       generator=torch.Generator().manual_seed(seed))
     valid = DataLoader(TensorDataset(x[:n_batches * bs // 6], y[:n_batches * bs // 6]), batch_size=bs)
     return train, valid
 
@@ -45,24 +48,29 @@ def raw_loop(train, valid, n_epoch, with_metric=False, fused=None, opt_func=None
         if with_metric: torch.stack(accs).mean().item()
 
 def learncb_loop(train, valid, n_epoch, progress=False, metrics=None, opt_func=torch.optim.Adam):
-    "learncb's fit; with `torch.optim.Adam` (the raw loop's optimizer) unless `opt_func=fast_adam` (the default) is given"
-    learn = Learner(DataLoaders(train, valid), make_model(), nn.CrossEntropyLoss(), metrics=metrics, device='cpu',
+    """learncb's fit; with `torch.optim.Adam` (the raw loop's optimizer) unless `opt_func=fast_adam` (the
+    default) is given"""
+    learn = Learner(DataLoaders(train, valid), make_model(), nn.CrossEntropyLoss(), metrics=metrics,
+                    device='cpu',
                     opt_func=opt_func)
     if not progress:
         learn.remove_cb(ProgressCallback)
         with learn.no_logging(): learn.fit(n_epoch)
-    else:   # bars and table are drawn as usual; the text goes to a buffer so that it does not mix with the figures
+    # bars and table are drawn as usual; the text goes to a buffer so that it does not mix with the figures
+    else:
         with contextlib.redirect_stdout(io.StringIO()): learn.fit(n_epoch)
 
 def toolbox_loop(train, valid, n_epoch, path):
     "learncb with the progress bar, SaveModelCallback, EarlyStoppingCallback and a one-cycle schedule"
-    learn = Learner(DataLoaders(train, valid), make_model(), nn.CrossEntropyLoss(), metrics=[accuracy], device='cpu', path=path,
+    learn = Learner(DataLoaders(train, valid), make_model(), nn.CrossEntropyLoss(), metrics=[accuracy],
+                    device='cpu', path=path,
                     opt_func=torch.optim.Adam)
     with contextlib.redirect_stdout(io.StringIO()):
         learn.fit_one_cycle(n_epoch, 1e-2, cbs=[SaveModelCallback(), EarlyStoppingCallback(patience=3)])
 
 def compiled_us(train, valid, n_epoch, rounds):
-    "Per-step times of fits of one learner compiled with `learn.compile()` and of one eager; compilation not counted"
+    """Per-step times of fits of one learner compiled with `learn.compile()` and of one eager; compilation not
+    counted"""
     import warnings
     learners = {k: Learner(DataLoaders(train, valid), make_model(), nn.CrossEntropyLoss(), device='cpu')
                 for k in ('eager', 'compiled')}
@@ -79,17 +87,21 @@ def compiled_us(train, valid, n_epoch, rounds):
     return best, compile_s, failed
 
 def guarded_step_us(train, valid, n_epoch, rounds):
-    "Best times of the raw loop and of learncb's compiled step with SpikeGuard (torch.optim.Adam, default callbacks)"
-    learn = Learner(DataLoaders(train, valid), make_model(), nn.CrossEntropyLoss(), device='cpu', opt_func=torch.optim.Adam,
+    """Best times of the raw loop and of learncb's compiled step with SpikeGuard (torch.optim.Adam, default
+    callbacks)"""
+    learn = Learner(DataLoaders(train, valid), make_model(), nn.CrossEntropyLoss(), device='cpu',
+                    opt_func=torch.optim.Adam,
                     cbs=SpikeGuard())
     learn.remove_cb(ProgressCallback)
     learn.compile(step=True, fallback=False)
     with learn.no_logging():
         learn.fit(1)                                      # compiles the training and the validation steps
-        return best_times({'raw': lambda: raw_loop(train, valid, n_epoch), 'guarded': lambda: learn.fit(n_epoch)}, rounds)
+        return best_times({'raw': lambda: raw_loop(train, valid, n_epoch),
+                           'guarded': lambda: learn.fit(n_epoch)}, rounds)
 
 def best_times(fns, rounds):
-    "Best wall time of each function over `rounds` rounds, run round-robin so that machine drift hits all alike"
+    """Best wall time of each function over `rounds` rounds, run round-robin so that machine drift hits all
+    alike"""
     for f in fns.values(): f()   # warm-up: first-call imports and allocator growth
     best = dict.fromkeys(fns, float('inf'))
     for _ in range(rounds):
@@ -122,7 +134,8 @@ def calls_per_step(train, valid, n_epoch, n_steps, opt_func=torch.optim.Adam):
 def ddp_raw_loop(train_ds, valid_ds, n_epoch, bs=32):
     "The reference for DDP: a careful hand-written loop, each rank training and validating on its own share"
     rank, world = dist.get_rank(), dist.get_world_size()
-    train = DataLoader(train_ds, batch_size=bs, sampler=DistributedSampler(train_ds, world, rank, shuffle=False))
+    train = DataLoader(train_ds, batch_size=bs, sampler=DistributedSampler(train_ds, world, rank,
+        shuffle=False))
     valid = DataLoader(valid_ds, batch_size=bs, sampler=list(range(rank, len(valid_ds), world)))
     model, loss_func = DistributedDataParallel(make_model()), nn.CrossEntropyLoss()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -144,13 +157,16 @@ def ddp_raw_loop(train_ds, valid_ds, n_epoch, bs=32):
 def ddp_learncb_loop(train_ds, valid_ds, n_epoch, bs=32):
     "learncb, default callbacks less the progress bar, in `distrib_ctx` (DDP, sharded data, reduced means)"
     dls = DataLoaders(DataLoader(train_ds, batch_size=bs), DataLoader(valid_ds, batch_size=bs))
-    learn = Learner(dls, make_model(), nn.CrossEntropyLoss(), device='cpu', opt_func=torch.optim.Adam)   # the raw loop's
+    # the raw loop's
+    learn = Learner(dls, make_model(), nn.CrossEntropyLoss(), device='cpu', opt_func=torch.optim.Adam)
     learn.remove_cb(ProgressCallback)
     with learn.no_logging(), learn.distrib_ctx(): learn.fit(n_epoch)
 
 def ddp_worker(rank, world, port, n_batches, n_epoch, rounds, out):
-    "One rank of the 2-process benchmark: best time of each loop over `rounds` rounds; rank 0 writes them to `out`"
-    # One group for the whole run, started here: `distrib_ctx` joins it rather than starting its own, so that neither
+    """One rank of the 2-process benchmark: best time of each loop over `rounds` rounds; rank 0 writes them to
+    `out`"""
+    # One group for the whole run, started here: `distrib_ctx` joins it rather than starting its own, so that
+    # neither
     # loop's time counts the rendezvous, and both use the same gloo connections
     join_group(rank, world, port)
     try:
@@ -166,15 +182,18 @@ def ddp_worker(rank, world, port, n_batches, n_epoch, rounds, out):
                 f(); dist.barrier()          # until the slower rank is done
                 best[name] = min(best[name], time.perf_counter() - t)
         per_rank = lambda n_items: -(-n_items // 32)      # batches of 32, the last one partial
-        n_steps = n_epoch * (per_rank(-(-len(train_ds) // world)) + per_rank(len(range(rank, len(valid_ds), world))))
+        n_steps = n_epoch * (per_rank(-(-len(train_ds) // world)) + per_rank(len(range(rank, len(valid_ds),
+            world))))
         if rank == 0: write_figures({k: v / n_steps * 1e6 for k, v in best.items()}, out)
     finally: dist.destroy_process_group()
 
 def ddp_us(n_batches, n_epoch, rounds, timeout, world=2):
-    "Microseconds per step of the raw DDP loop and learncb's, in `world` CPU processes (gloo); or why there are none"
+    """Microseconds per step of the raw DDP loop and learncb's, in `world` CPU processes (gloo); or why there
+    are none"""
     return run_workers(ddp_worker, (n_batches, n_epoch, rounds), world, timeout)
 
-# The compile table, the step alone: batches made ahead, so that the figures time the step, not the DataLoader's collate
+# The compile table, the step alone: batches made ahead, so that the figures time the step, not the
+# DataLoader's collate
 def premade(n_batches, shape, n_classes, bs=32, seed=0):
     "Training and validation batches, made once: lists of `(x, y)` (a list is a dataloader to learncb too)"
     g = torch.Generator().manual_seed(seed)
@@ -190,7 +209,8 @@ def cnn_model():
     "gpu_cnn.py's CNN, on the CPU"
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1),
                          nn.Flatten(), nn.Linear(64, 10))
 
 def raw_epoch(model, step, vstep, train, valid):
@@ -201,7 +221,8 @@ def raw_epoch(model, step, vstep, train, valid):
     torch.stack(losses).mean().item(); torch.stack(vlosses).mean().item()
 
 def raw_runner(make_model, opt_cls, train, valid, compiled):
-    "A hand-written loop (its optimizer as it comes), with its whole step in one `torch.compile` if `compiled`"
+    """A hand-written loop (its optimizer as it comes), with its whole step in one `torch.compile` if
+    `compiled`"""
     model, loss_func = make_model(), nn.CrossEntropyLoss()
     opt = opt_cls(model.parameters(), lr=1e-3)
     def step(xb, yb):
@@ -213,7 +234,8 @@ def raw_runner(make_model, opt_cls, train, valid, compiled):
 
 def learncb_runner(make_model, opt_func, train, valid, compile=None):
     "learncb's fit (default callbacks, no bar), compiled as `learn.compile(**compile)` if given"
-    learn = Learner(DataLoaders(train, valid), make_model(), nn.CrossEntropyLoss(), lr=1e-3, device='cpu', opt_func=opt_func)
+    learn = Learner(DataLoaders(train, valid), make_model(), nn.CrossEntropyLoss(), lr=1e-3, device='cpu',
+                    opt_func=opt_func)
     learn.remove_cb(ProgressCallback)
     if compile is not None: learn.compile(**compile)
     def fit():
@@ -232,7 +254,9 @@ def compile_rows(make_model, shape, n_classes, opt_cls, n_batches, rounds, short
                'default': learncb_runner(make_model, default_opt(opt_cls), train, valid)[0],
                'model': learncb_runner(make_model, opt_cls, train, valid, {})[0]}
     runners['step'], learn = learncb_runner(make_model, opt_cls, train, valid, {'step': True})
-    if not short_rows: runners['step_engine'] = learncb_runner(make_model, opt_cls, train, valid, {'step': True, 'trace_backward': False})[0]
+    if not short_rows:
+        runners['step_engine'] = learncb_runner(make_model, opt_cls, train, valid, {'step': True,
+            'trace_backward': False})[0]
     first = {}
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
@@ -243,25 +267,33 @@ def compile_rows(make_model, shape, n_classes, opt_cls, n_batches, rounds, short
     return {k: v / n_steps * 1e6 for k, v in best.items()}, first, learn.compiler.fell_back
 
 def compile_table(short):
-    "Side by side: the hand-written loop eager and compiled, learncb eager (fused), `learn.compile()`, `(step=True)`"
+    """Side by side: the hand-written loop eager and compiled, learncb eager (fused), `learn.compile()`,
+    `(step=True)`"""
     import torch._dynamo
-    torch._dynamo.config.recompile_limit = 64          # every learner here compiles its own graphs: no eager fallback
+    torch._dynamo.config.recompile_limit = 64  # every learner here compiles its own graphs: no eager fallback
     torch._inductor.config.force_disable_caches = True  # the first compile's time as in a new environment
     models = [('16-16-2 MLP', make_model, (16,), 2, 300)]
-    if not short: models += [('16-512-512-2 MLP', wide_model, (16,), 2, 150), ('CNN (gpu_cnn.py), CPU', cnn_model, (3, 32, 32), 10, 12)]
+    if not short:
+        models += [('16-512-512-2 MLP', wide_model, (16,), 2, 150), ('CNN (gpu_cnn.py), CPU', cnn_model,
+                                                                     (3, 32, 32), 10, 12)]
     opts = [torch.optim.SGD, torch.optim.Adam] + ([] if short else [torch.optim.AdamW])
     rounds = 3 if short else 5
-    print(f"compiling, side by side: batches of 32 made ahead (a list), an epoch of training and validation, best of {rounds}, "
-          f"1 thread; x: times faster than the hand-written eager loop (its optimizer as it comes); first: the first "
+    print(f"compiling, side by side: batches of 32 made ahead (a list), an epoch of training and validation, "
+          f"best of {rounds}, "
+          f"1 thread; x: times faster than the hand-written eager loop (its optimizer as it comes); first: "
+          f"the first "
           f"epoch, which compiles")
     for name, make, shape, n_classes, n in models:
         for opt_cls in opts:
             us, first, fell_back = compile_rows(make, shape, n_classes, opt_cls, n, rounds, short)
             cell = lambda k: f"{us[k]:7.0f} us {us['raw'] / us[k]:4.2f}x"
-            print(f"{name:<22} {opt_cls.__name__:<5}: hand-written {us['raw']:7.0f} us | its step compiled {cell('raw_compiled')} "
+            print(f"{name:<22} {opt_cls.__name__:<5}: hand-written {us['raw']:7.0f} us | its step compiled "
+                  f"{cell('raw_compiled')} "
                   f"(first {first['raw_compiled']:.1f} s) | learncb default {cell('default')} | "
-                  f"learn.compile() {cell('model')} (first {first['model']:.1f} s) | learn.compile(step=True) {cell('step')} "
-                  f"(first {first['step']:.1f} s)" + ('' if short else f" | (step=True, trace_backward=False) {cell('step_engine')}")
+                  f"learn.compile() {cell('model')} (first {first['model']:.1f} s) | "
+                  f"learn.compile(step=True) {cell('step')} "
+                  f"(first {first['step']:.1f} s)" + ('' if short else f" | (step=True, "
+                f"trace_backward=False) {cell('step_engine')}")
                   + (f" FELL BACK: {fell_back}" if fell_back else ''))
 
 def main(short=False):
@@ -281,34 +313,47 @@ def main(short=False):
     print(f"{n_batches} batches of 32, {n_epoch} epoch(s), train+validate, best of {rounds}, 1 thread")
     print(f"raw PyTorch loop                      : {us['raw']:7.1f} us/step")
     print(f"raw PyTorch loop + accuracy           : {us['raw_metric']:7.1f} us/step")
-    print(f"raw PyTorch loop, Adam(fused=True)    : {us['raw_fused']:7.1f} us/step, {us['raw'] / us['raw_fused']:.2f}x faster than raw")
-    print(f"learncb's default fit (fast_adam)     : {us['fast_adam']:7.1f} us/step, {us['raw'] / us['fast_adam']:.2f}x faster than raw, "
+    print(f"raw PyTorch loop, Adam(fused=True)    : {us['raw_fused']:7.1f} us/step, "
+          f"{us['raw'] / us['raw_fused']:.2f}x faster than raw")
+    print(f"learncb's default fit (fast_adam)     : {us['fast_adam']:7.1f} us/step, "
+          f"{us['raw'] / us['fast_adam']:.2f}x faster than raw, "
           f"{us['fast_adam'] / us['raw_fused']:.3f}x the raw loop with the fused Adam")
-    print("below: learncb with the raw loop's optimizer, torch.optim.Adam as it comes (the same work as the raw loop)")
+    print("below: learncb with the raw loop's optimizer, torch.optim.Adam as it comes (the same work as the "
+          "raw loop)")
     for name, key, ref in [('learncb default cbs, progress off     ', 'default', 'raw'),
                            ('learncb + ProgressCallback + accuracy ', 'progress_metric', 'raw_metric'),
-                           ('learncb + progress, accuracy, SaveModel, EarlyStopping, one-cycle', 'toolbox', 'raw_metric')]:
-        print(f"{name}: {us[key]:7.1f} us/step, overhead {us[key] - us[ref]:+6.1f} us/step, {us[key] / us[ref]:.3f}x raw")
+                           ('learncb + progress, accuracy, SaveModel, EarlyStopping, one-cycle', 'toolbox',
+                            'raw_metric')]:
+        print(f"{name}: {us[key]:7.1f} us/step, overhead {us[key] - us[ref]:+6.1f} us/step, "
+              f"{us[key] / us[ref]:.3f}x raw")
     raw_calls, extra_calls = calls_per_step(train, valid, n_epoch, n_steps)
-    print(f"python calls per step                 : raw loop {raw_calls:.1f}, learncb default cbs {extra_calls:+.1f} over it")
+    print(f"python calls per step                 : raw loop {raw_calls:.1f}, learncb default cbs "
+          f"{extra_calls:+.1f} over it")
     raw_calls, extra_calls = calls_per_step(train, valid, n_epoch, n_steps, torch.optim.SGD)
     print(f"python calls per step, SGD            : raw loop {raw_calls:.1f}, learncb default cbs "
           f"{extra_calls:+.1f} over it")
     n_calls = 20_000 if short else 200_000
     d1, d50 = dispatch_us(1, n_calls), dispatch_us(50, n_calls)
-    print(f"dispatch, unhandled event             : {d1:.3f} us with 1 callback, {d50:.3f} us with 50 ({d50 / d1:.2f}x)")
+    print(f"dispatch, unhandled event             : {d1:.3f} us with 1 callback, {d50:.3f} us with 50 "
+          f"({d50 / d1:.2f}x)")
     best_c, compile_s, failed = compiled_us(train, valid, n_epoch, rounds)
     c, e = best_c['compiled'] / n_steps * 1e6, best_c['eager'] / n_steps * 1e6
-    print(f"torch.compile (inductor), default cbs : compiled {c:7.1f} us/step, eager {e:7.1f} us/step, ratio {c / e:.3f} "
-          f"(compiling took {compile_s:.1f} s, not counted)" + (f"; FELL BACK TO EAGER: {failed}" if failed else ''))
+    print(f"torch.compile (inductor), default cbs : compiled {c:7.1f} us/step, eager {e:7.1f} us/step, ratio "
+          f"{c / e:.3f} "
+          f"(compiling took {compile_s:.1f} s, not counted)" + (f"; FELL BACK TO EAGER: {failed}" if failed
+                                                                else ''))
     n_ddp, n_epoch_ddp, rounds_ddp = (150, 1, 3) if short else (600, 2, 5)
     res = ddp_us(n_ddp, n_epoch_ddp, rounds_ddp, timeout=60 if short else 300)
     if isinstance(res, str): print(f"2 processes (gloo, DDP)               : skipped: {res}")
-    else: print(f"2 processes (gloo, DDP)               : learncb {res['learncb']:7.1f} us/step, hand-written DDP loop "
+    else:
+        print(f"2 processes (gloo, DDP)               : learncb {res['learncb']:7.1f} us/step, hand-written "
+              f"DDP loop "
                 f"{res['raw']:7.1f} us/step, ratio {res['learncb'] / res['raw']:.3f} "
-                f"({n_ddp} batches of 32 per rank, {n_epoch_ddp} epoch(s), best of {rounds_ddp}, 1 thread per process)")
+                f"({n_ddp} batches of 32 per rank, {n_epoch_ddp} epoch(s), best of {rounds_ddp}, 1 thread "
+                f"per process)")
     g = {k: v / n_steps * 1e6 for k, v in guarded_step_us(train, valid, n_epoch, rounds).items()}
-    print(f"learn.compile(step=True) + SpikeGuard  : {g['guarded']:7.1f} us/step, hand-written loop (torch Adam) "
+    print(f"learn.compile(step=True) + SpikeGuard  : {g['guarded']:7.1f} us/step, hand-written loop (torch "
+          f"Adam) "
           f"{g['raw']:7.1f} us/step: {g['raw'] / g['guarded']:.2f}x faster than the hand-written loop")
     compile_table(short)
 

@@ -1,9 +1,13 @@
-"""What `AutoMicrobatch` costs: the time to recover from an out-of-memory error (the batch that ran out, split and
-stepped), the steps after it (micro-batches), and a batch that fits (on the tiny model of loop_overhead.py, side by
+"""What `AutoMicrobatch` costs: the time to recover from an out-of-memory error (the batch that ran out, split
+and
+stepped), the steps after it (micro-batches), and a batch that fits (on the tiny model of loop_overhead.py,
+side by
 side with the same fit without it in one run, by CPU time as tests/bench/guards.py measures).
 
-The error is injected (a model that raises on a training batch over a size, in its forward or in its backward), so
-the figures are the library's own work, not the allocator's. `python tests/bench/microbatch.py` for the full run,
+The error is injected (a model that raises on a training batch over a size, in its forward or in its
+backward), so
+the figures are the library's own work, not the allocator's. `python tests/bench/microbatch.py` for the full
+run,
 `--short` for the quick one CI runs."""
 import argparse, statistics, time, warnings
 import torch
@@ -20,13 +24,16 @@ class Boom(torch.autograd.Function):
     def backward(ctx, g): raise torch.OutOfMemoryError("injected: out of memory in the backward")
 
 class Wide(nn.Module):
-    "A wide MLP that runs out of memory on a training batch over `limit` items, in its forward or its backward (`where`)"
+    """A wide MLP that runs out of memory on a training batch over `limit` items, in its forward or its
+    backward (`where`)"""
     def __init__(self, limit=None, where='forward', hidden=2048):
         super().__init__()
-        self.body,self.head,self.limit,self.where = nn.Sequential(nn.Linear(256, hidden), nn.ReLU()),nn.Linear(hidden, 10),limit,where
+        self.body,self.head,self.limit,self.where = nn.Sequential(nn.Linear(256, hidden),
+                                                                  nn.ReLU()),nn.Linear(hidden, 10),limit,where
     def forward(self, x):
         over = self.limit is not None and torch.is_grad_enabled() and x.shape[0] > self.limit
-        if over and self.where == 'forward': raise torch.OutOfMemoryError("injected: out of memory in the forward")
+        if over and self.where == 'forward':
+            raise torch.OutOfMemoryError("injected: out of memory in the forward")
         h = self.body(x)
         return self.head(Boom.apply(h) if over else h)
 
@@ -42,7 +49,8 @@ class BatchTimes(Callback):
 def timed_fit(n_batches, bs, cbs, **kw):
     torch.manual_seed(0)
     x, y = torch.randn(n_batches * bs, 256), torch.randint(0, 10, (n_batches * bs,))
-    learn = Learner(DataLoaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=bs)),
+    learn = Learner(DataLoaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
+                                                            batch_size=bs)),
                     Wide(**kw), nn.CrossEntropyLoss(), device='cpu')
     learn.remove_cb(ProgressCallback)
     times = BatchTimes()
@@ -52,13 +60,15 @@ def timed_fit(n_batches, bs, cbs, **kw):
     return times.times
 
 def recovery(n_batches, bs, limit, where):
-    "Milliseconds: the batch that ran out (and recovered), a split batch after it, a whole batch with the memory"
+    """Milliseconds: the batch that ran out (and recovered), a split batch after it, a whole batch with the
+    memory"""
     whole = statistics.median(timed_fit(n_batches, bs, [])[1:])
     t = timed_fit(n_batches, bs, [AutoMicrobatch(grow_every=10**9)], limit=limit, where=where)
     return t[0] * 1e3, statistics.median(t[1:]) * 1e3, whole * 1e3
 
 def fitting_cost(n_batches, rounds):
-    "Microseconds per step of the best fit without and with `AutoMicrobatch` when every batch fits, and the median ratio"
+    """Microseconds per step of the best fit without and with `AutoMicrobatch` when every batch fits, and the
+    median ratio"""
     train, valid = make_data(n_batches)
     n_steps = len(train) + len(valid)
     def fit(cbs):
@@ -75,11 +85,15 @@ def main(short=False):
     bs, limit = 512, 64
     for where in ('forward', 'backward'):
         first, split, whole = recovery(n_batches, bs, limit, where)
-        print(f"AutoMicrobatch, out of memory in the {where} of a batch of {bs} (fits {limit}): the batch that ran out "
-              f"{first:.1f} ms, then {split:.1f} ms per split batch; {whole:.1f} ms per whole batch with the memory")
+        print(f"AutoMicrobatch, out of memory in the {where} of a batch of {bs} (fits {limit}): the batch "
+              f"that ran out "
+              f"{first:.1f} ms, then {split:.1f} ms per split batch; {whole:.1f} ms per whole batch with the "
+              f"memory")
     best, ratio = fitting_cost(200 if short else 600, rounds)
-    print(f"AutoMicrobatch on batches that fit (tiny model, {rounds} rounds, CPU time): {best['auto']:7.1f} us/step, "
-          f"without {best['plain']:7.1f} us/step (best of each); cost {best['auto'] / best['plain'] - 1:+.2%} best to "
+    print(f"AutoMicrobatch on batches that fit (tiny model, {rounds} rounds, CPU time): {best['auto']:7.1f} "
+          f"us/step, "
+          f"without {best['plain']:7.1f} us/step (best of each); cost "
+          f"{best['auto'] / best['plain'] - 1:+.2%} best to "
           f"best, {ratio - 1:+.2%} median of the rounds")
 
 if __name__ == '__main__':

@@ -1,4 +1,5 @@
-"""What the multi-process benchmarks share: start `world` forked CPU processes that form a gloo group, and read the
+"""What the multi-process benchmarks share: start `world` forked CPU processes that form a gloo group, and
+read the
 figures rank 0 writes, never waiting longer than a timeout."""
 import json, os, socket, tempfile, time
 import torch, torch.distributed as dist, torch.multiprocessing as mp
@@ -21,8 +22,10 @@ def write_figures(figures, out):
     os.replace(out + '.tmp', out)
 
 def run_workers(worker, args, world, timeout):
-    "Run `worker(rank, world, port, *args, out)` in `world` processes: the figures rank 0 wrote to `out`, or why none"
-    if not dist.is_available() or not dist.is_gloo_available(): return 'torch.distributed with gloo is not available'
+    """Run `worker(rank, world, port, *args, out)` in `world` processes: the figures rank 0 wrote to `out`, or
+    why none"""
+    if not dist.is_available() or not dist.is_gloo_available():
+        return 'torch.distributed with gloo is not available'
     out = os.path.join(tempfile.mkdtemp(), 'figures.json')
     ctx = mp.start_processes(worker, args=(world, free_port(), *args, out), nprocs=world, start_method='fork',
                              join=False)

@@ -1,5 +1,7 @@
-"""A regression whose batch `bad` holds targets in the wrong unit, for tests/callbacks/test_guards.py: trained in one
-process or several (torchrun: DDP, gloo), with `SpikeGuard` or without, on the poisoned data or on the data without
+"""A regression whose batch `bad` holds targets in the wrong unit, for tests/callbacks/test_guards.py: trained
+in one
+process or several (torchrun: DDP, gloo), with `SpikeGuard` or without, on the poisoned data or on the data
+without
 that batch; checkpointed, killed after a rollback and resumed.
 
 python tests/callbacks/guard_script.py OUT [--poison scale|inf|none] [--poison-rank R] [--drop] [--guard]
@@ -16,8 +18,10 @@ from learncb.all import *
 N, BS, BAD = 320, 8, 5
 
 def regression(world=1, poison='scale', poison_rank=None, drop=False, bad=BAD, n=N, bs=BS):
-    """`DataLoaders` of a regression whose global batch `bad` (each rank's batch `bad` of `bs` items, ranks taking
-    every `world`-th item) has its targets times 1e4 (`scale`) or infinite (`inf`), on rank `poison_rank` only if
+    """`DataLoaders` of a regression whose global batch `bad` (each rank's batch `bad` of `bs` items, ranks
+    taking
+    every `world`-th item) has its targets times 1e4 (`scale`) or infinite (`inf`), on rank `poison_rank` only
+    if
     given; `drop`: the data without that global batch"""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 4, generator=g)
@@ -48,7 +52,8 @@ def regression_learner(dls, path='.', opt_func=torch.optim.Adam, dropout=0.1):
     return learn
 
 class KillAfterRollback(Callback):
-    "SIGKILLs this process at training batch `k` of the fit once a rollback happened (its checkpoints written)"
+    """SIGKILLs this process at training batch `k` of the fit once a rollback happened (its checkpoints
+    written)"""
     order = Order.LAST + 100
     def __init__(self, k): self.k = k
     def after_batch(self):
@@ -58,7 +63,8 @@ class KillAfterRollback(Callback):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument('out'); p.add_argument('--poison', default='scale'); p.add_argument('--poison-rank', type=int)
+    p.add_argument('out'); p.add_argument('--poison', default='scale'); p.add_argument('--poison-rank',
+        type=int)
     p.add_argument('--drop', action='store_true'); p.add_argument('--guard', action='store_true')
     p.add_argument('--ckpt', action='store_true'); p.add_argument('--kill-at', type=int)
     p.add_argument('--epochs', type=int, default=3); p.add_argument('--strategy', default='ddp')
@@ -78,7 +84,7 @@ def main():
     one = world == 1 and gb                       # the one-process fit of the global batch
     with learn.distrib_ctx(**gb) if one else learn.distrib_ctx(strategy=args.strategy, timeout=60, **gb):
         learn.fit(args.epochs, cbs=cbs, resume='auto' if args.ckpt else None)
-        state = whole_state(learn.model.state_dict())          # FSDP: the whole tensors, gathered (every rank)
+        state = whole_state(learn.model.state_dict())  # FSDP: the whole tensors, gathered (every rank)
         items = gather_objects(learn.skipped_items)
     if is_rank0():
         torch.save({'model': state, 'skipped': [tuple(b) for b in learn.skipped_batches],

@@ -1,15 +1,22 @@
-"""A classifier whose batches run out of memory, for tests/callbacks/test_microbatch.py: in one process or several
+"""A classifier whose batches run out of memory, for tests/callbacks/test_microbatch.py: in one process or
+several
 (torchrun: DDP or `--strategy fsdp`, gloo), with `AutoMicrobatch` or without.
 
 python tests/callbacks/microbatch_script.py OUT [--auto] [--inject N] [--inject-rank R] [--cap] [--cap-rank R]
     [--epochs E] [--strategy ddp|fsdp] [--turns]
 
---inject N: the model raises `torch.OutOfMemoryError` on a training batch of more than N items (on rank R only, if
-given). --cap: the process's address space is capped (`RLIMIT_AS`, on rank R only, if given) after a warm-up fit (in
-one process) or after its first training batch (under DDP), so that the CPU allocator itself fails on a whole batch
-and not on a quarter of one. The cap is measured, not a number of MiB: the least room a forward and backward of one
-item and of the whole batch fit in, each probed under caps (`room_for`), whatever the machine maps and allocates.
-Each rank saves OUT/rank{r}.pt: the weights, the steps, the split history, the rooms measured; an error is saved as
+--inject N: the model raises `torch.OutOfMemoryError` on a training batch of more than N items (on rank R
+only, if
+given). --cap: the process's address space is capped (`RLIMIT_AS`, on rank R only, if given) after a warm-up
+fit (in
+one process) or after its first training batch (under DDP), so that the CPU allocator itself fails on a whole
+batch
+and not on a quarter of one. The cap is measured, not a number of MiB: the least room a forward and backward
+of one
+item and of the whole batch fit in, each probed under caps (`room_for`), whatever the machine maps and
+allocates.
+Each rank saves OUT/rank{r}.pt: the weights, the steps, the split history, the rooms measured; an error is
+saved as
 OUT/error{r}.txt (and the exit status is 3). --turns: an optimizer for the body, one for the head, in turn."""
 import argparse, os, resource, sys, traceback
 from functools import partial
@@ -22,13 +29,16 @@ from learncb.all import *
 N, BS, HIDDEN = 2048, 512, 4096
 
 class Classifier(nn.Module):
-    "A wide two-layer network: its activations, not its weights, fill memory (no dropout: micro-batches sum exactly)"
+    """A wide two-layer network: its activations, not its weights, fill memory (no dropout: micro-batches sum
+    exactly)"""
     def __init__(self, inject=None):
         super().__init__()
-        self.body,self.head,self.inject = nn.Sequential(nn.Linear(64, HIDDEN), nn.ReLU()),nn.Linear(HIDDEN, 10),inject
+        self.body,self.head,self.inject = nn.Sequential(nn.Linear(64, HIDDEN), nn.ReLU()),nn.Linear(HIDDEN,
+            10),inject
     def forward(self, x):
         if self.inject is not None and torch.is_grad_enabled() and x.shape[0] > self.inject:
-            raise torch.OutOfMemoryError(f"injected: a batch of {x.shape[0]} items is over {self.inject}: out of memory")
+            raise torch.OutOfMemoryError(f"injected: a batch of {x.shape[0]} items is over {self.inject}: "
+                                         f"out of memory")
         return self.head(self.body(x))
 
 def data(world=1):
@@ -76,7 +86,8 @@ def fits(model, n, mib):
     return True
 
 def room_for(model, n):
-    "The least room (MiB above what is mapped now) a forward and backward of `n` items fit in: a search under caps"
+    """The least room (MiB above what is mapped now) a forward and backward of `n` items fit in: a search
+    under caps"""
     lo, hi = 0, 1
     while not fits(model, n, hi): lo, hi = hi, hi * 2
     while hi - lo > 1:
@@ -86,7 +97,8 @@ def room_for(model, n):
     return hi
 
 def cap_between(model, bs):
-    """Measure the room of one item and of a batch of `bs`, then cap the address space between them: a quarter of a
+    """Measure the room of one item and of a batch of `bs`, then cap the address space between them: a quarter
+    of a
     batch fits with room to spare, a half does not, nor the whole one. `(one, whole, cap)` in MiB"""
     grads = [p.grad for p in model.parameters()]
     model.zero_grad(set_to_none=True)
@@ -97,17 +109,21 @@ def cap_between(model, bs):
     return one, whole, cap
 
 def cap_memory():
-    "Warm up (a fit of the same shapes, on tiny batches), then cap the address space between one item and a batch"
+    """Warm up (a fit of the same shapes, on tiny batches), then cap the address space between one item and a
+    batch"""
     warm = learner()
-    warm.dls = DataLoaders(DataLoader(TensorDataset(torch.randn(8, 64), torch.randint(0, 10, (8,))), batch_size=4))
+    warm.dls = DataLoaders(DataLoader(TensorDataset(torch.randn(8, 64), torch.randint(0, 10, (8,))),
+                                      batch_size=4))
     warm.fit(1)
     model = warm.model
     del warm
     return cap_between(model, BS)
 
 class CapMemory(Callback):
-    """Under DDP: caps the address space after the first training batch, once its step made what every step keeps
-    (the gradients, DDP's buckets, the optimizer's state), between the room of one item and of this rank's batch"""
+    """Under DDP: caps the address space after the first training batch, once its step made what every step
+    keeps
+    (the gradients, DDP's buckets, the optimizer's state), between the room of one item and of this rank's
+    batch"""
     order,rooms = Order.LAST,None
     def after_batch(self):
         if not self.training or self.learn.train_iter != 1: return
@@ -137,11 +153,13 @@ def main():
         with learn.distrib_ctx(strategy=args.strategy, timeout=60) if world > 1 else contextlib.nullcontext():
             learn.fit(args.epochs, cbs=cbs)
     except Exception as e:
-        (out/f'error{rank}.txt').write_text(''.join(traceback.format_exception(e)) + f'rooms: {rooms or cap.rooms}')
+        (out/f'error{rank}.txt').write_text(''.join(traceback.format_exception(e)) + f'rooms: '
+            f'{rooms or cap.rooms}')
         sys.exit(3)
     weights = {k: v.clone() for k,v in learn.model.state_dict().items()}
     torch.save({'model': weights, 'train_iter': learn.train_iter, 'history': auto.history,
-                'halvings': auto.halvings, 'valid_halvings': auto.valid_halvings, 'values': learn.recorder.values,
+                'halvings': auto.halvings, 'valid_halvings': auto.valid_halvings,
+                'values': learn.recorder.values,
                 'rooms': rooms or cap.rooms}, out/f'rank{rank}.pt')
 
 if __name__ == '__main__':

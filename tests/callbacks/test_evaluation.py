@@ -50,11 +50,12 @@ def test_sanity_check_passes_without_a_trace(capsys):
     plain.logger = print
     plain.fit(2)
     plain_out = capsys.readouterr().out
-    assert [l.split()[:-1] for l in out.splitlines()] == [l.split()[:-1] for l in plain_out.splitlines()]   # but the time
+    # but the time
+    assert [l.split()[:-1] for l in out.splitlines()] == [l.split()[:-1] for l in plain_out.splitlines()]
     assert len(out.splitlines()) == 3
     assert learn.recorder.values == plain.recorder.values and learn.recorder.losses == plain.recorder.losses
     assert learn.recorder.iters == plain.recorder.iters and learn.train_iter == plain.train_iter
-    assert counter.valid == 2 * 2 + 2 and counter.train == 2 * 4            # two more validation batches: the check
+    assert counter.valid == 2 * 2 + 2 and counter.train == 2 * 4  # two more validation batches: the check
     before_first_epoch = log.log[:log.log.index('before_epoch')]
     assert before_first_epoch.count('before_validate') == 1 and before_first_epoch.count('after_batch') == 2
     assert len(learn.sanity_check.result) == 2
@@ -74,7 +75,8 @@ def test_sanity_check_leaves_recorder_and_progress_alone():
     learn.fit(0, cbs=[SanityCheckCallback(), Callback(before_validate=lambda self: seen.append(
         [type(cb).__name__ for cb in self.learn.cbs]))])
     assert learn.recorder.last_valid == last
-    assert seen and 'ProgressCallback' not in seen[0] and seen[0].count('Recorder') == 1   # a fresh, temporary one
+    # a fresh, temporary one
+    assert seen and 'ProgressCallback' not in seen[0] and seen[0].count('Recorder') == 1
     assert isinstance(learn.recorder, Recorder) and isinstance(learn.progress, ProgressCallback)
     assert [type(cb).__name__ for cb in learn.cbs] == ['TrainEvalCallback', 'Recorder', 'ProgressCallback']
 
@@ -92,7 +94,8 @@ def test_first_batches():
     assert len(FirstBatches(dl, 2)) == 2 and len(FirstBatches(dl, 9)) == 3
     assert [torch.equal(a[0], b[0]) for a, b in zip(FirstBatches(dl, 2), dl)] == [True, True]
     assert len(list(FirstBatches(dl, 2))) == 2
-    with pytest.raises(TypeError): len(FirstBatches((b for b in dl), 2))      # a length only when the dataloader has one
+    # a length only when the dataloader has one
+    with pytest.raises(TypeError): len(FirstBatches((b for b in dl), 2))
     assert len(list(FirstBatches((b for b in dl), 2))) == 2
 
 # EvaluateCallback
@@ -105,12 +108,14 @@ def manual_eval(state, dl):
 
 def test_evaluate_every_2_fills_the_right_epochs_with_the_right_values():
     states = []
-    keep = Callback(after_epoch=lambda self: states.append(copy.deepcopy(self.learn.model.state_dict())), order=30)
+    keep = Callback(after_epoch=lambda self: states.append(copy.deepcopy(self.learn.model.state_dict())),
+                    order=30)
     dl = extra_dl()
     learn = synth_learner(metrics=accuracy, cbs=[EvaluateCallback(dl, every=2), keep])
     learn.fit(4)
     rec = learn.recorder
-    assert rec.metric_names == ['epoch', 'train_loss', 'valid_loss', 'accuracy', 'extra_loss', 'extra_accuracy', 'time']
+    assert rec.metric_names == ['epoch', 'train_loss', 'valid_loss', 'accuracy', 'extra_loss',
+                                'extra_accuracy', 'time']
     assert [v[3:] for v in rec.values][0::2] == [[None, None]] * 2
     for e in (1, 3):
         assert rec.values[e][3:] == pytest.approx(manual_eval(states[e], dl), abs=1e-6)
@@ -125,7 +130,8 @@ def test_evaluate_does_not_disturb_the_fit():
     rec = learn.recorder
     assert [v[:3] for v in rec.values] == plain.recorder.values
     assert rec.losses == plain.recorder.losses and rec.iters == plain.recorder.iters and rec.lrs == plain.recorder.lrs
-    assert (learn.epoch, learn.train_iter, learn.pct_train) == (plain.epoch, plain.train_iter, plain.pct_train)
+    assert (learn.epoch, learn.train_iter, learn.pct_train) == (plain.epoch, plain.train_iter,
+                                                                plain.pct_train)
     assert rec.last_valid == plain.recorder.last_valid
 
 def test_evaluate_columns_can_be_monitored_by_a_tracker():
@@ -133,7 +139,8 @@ def test_evaluate_columns_can_be_monitored_by_a_tracker():
     def watch(self):
         row = dict(zip(self.learn.recorder.metric_names[1:-1], self.learn.recorder.values[-1]))
         seen.append(row['extra_accuracy'])
-    learn = synth_learner(metrics=accuracy, cbs=[EvaluateCallback(extra_dl()), Callback(after_epoch=watch, order=60)])
+    learn = synth_learner(metrics=accuracy, cbs=[EvaluateCallback(extra_dl()), Callback(after_epoch=watch,
+        order=60)])
     learn.fit(2)
     assert seen == [v[4] for v in learn.recorder.values] and None not in seen
 
@@ -142,15 +149,18 @@ def test_a_real_tracker_monitors_an_evaluate_column():
     tracker = TrackerCallback('extra_loss')
     learn = synth_learner(metrics=accuracy, cbs=[EvaluateCallback(extra_dl(), every=2), tracker])
     with pytest.warns(UserWarning, match='extra_loss has no value at epoch 0'): learn.fit(4)
-    assert tracker.best == min(v[3] for v in learn.recorder.values if v[3] is not None) and tracker.best_epoch in (1, 3)
+    assert tracker.best == min(v[3] for v in learn.recorder.values
+                               if v[3] is not None) and tracker.best_epoch in (1, 3)
 
 def test_evaluate_with_own_metrics_and_name_restores_learner_metrics():
     dl = extra_dl()
-    learn = synth_learner(metrics=accuracy, cbs=EvaluateCallback(dl, name='test', metrics=[error_rate, accuracy]))
+    learn = synth_learner(metrics=accuracy, cbs=EvaluateCallback(dl, name='test', metrics=[error_rate,
+        accuracy]))
     learn.fit(1)
     assert learn.recorder.metric_names[4:7] == ['test_loss', 'test_error_rate', 'test_accuracy']
     loss, err, acc = learn.recorder.values[0][3:]
-    assert err == pytest.approx(1 - acc) and learn.metrics == [accuracy] and isinstance(learn.test, EvaluateCallback)
+    assert err == pytest.approx(1 - acc) and learn.metrics == [accuracy] and isinstance(learn.test,
+        EvaluateCallback)
     assert [loss, acc] == pytest.approx(learn.validate(dl=dl))
 
 def test_evaluate_failure_restores_learner_metrics_and_callbacks():
@@ -169,11 +179,13 @@ def test_evaluate_without_validation_set():
     assert [v[1] is None and v[2] is not None for v in learn.recorder.values] == [True, True]
 
 def test_evaluate_two_sets_and_bad_arguments():
-    learn = synth_learner(metrics=accuracy, cbs=[EvaluateCallback(extra_dl(seed=1), name='a'), EvaluateCallback(extra_dl(seed=2), name='b', every=2)])
+    learn = synth_learner(metrics=accuracy, cbs=[EvaluateCallback(extra_dl(seed=1), name='a'),
+                                                 EvaluateCallback(extra_dl(seed=2), name='b', every=2)])
     learn.fit(2)
     assert learn.recorder.metric_names[4:8] == ['a_loss', 'a_accuracy', 'b_loss', 'b_accuracy']
     assert learn.recorder.values[0][5:] == [None, None] and None not in learn.recorder.values[1]
-    with pytest.raises(ValueError, match=r"adds the columns \['valid_loss'\]"): learn.fit(1, cbs=EvaluateCallback(extra_dl(), name='valid'))
+    with pytest.raises(ValueError, match=r"adds the columns \['valid_loss'\]"):
+        learn.fit(1, cbs=EvaluateCallback(extra_dl(), name='valid'))
     with pytest.raises(ValueError, match='every must be'): EvaluateCallback(extra_dl(), every=0)
     with pytest.raises(ValueError, match='name must be'): EvaluateCallback(extra_dl(), name='my set')
 
@@ -181,12 +193,14 @@ def test_evaluate_two_sets_and_bad_arguments():
 
 def test_torchmetrics_metrics_match_a_manual_computation():
     tm = pytest.importorskip('torchmetrics.classification')
-    metrics = [tm.MulticlassAccuracy(num_classes=2, average='micro'), tm.MulticlassPrecision(num_classes=2, average='macro'),
+    metrics = [tm.MulticlassAccuracy(num_classes=2, average='micro'), tm.MulticlassPrecision(num_classes=2,
+        average='macro'),
                tm.MulticlassF1Score(num_classes=2, average='macro')]
     dl = extra_dl(n=40, bs=16)                 # a smaller last batch: a mean of batch values would be off
     learn = synth_learner(metrics=metrics, cbs=EvaluateCallback(dl, name='extra'))
     learn.fit(2)
-    for values, data in ((learn.recorder.values[-1][2:5], learn.dls.valid), (learn.recorder.values[-1][6:9], dl)):
+    for values, data in ((learn.recorder.values[-1][2:5], learn.dls.valid), (learn.recorder.values[-1][6:9],
+            dl)):
         _, targs, dec = learn.get_preds(dl=data, with_decoded=True)
         prec = [((dec == c) & (targs == c)).sum() / (dec == c).sum() for c in (0, 1)]
         rec = [((dec == c) & (targs == c)).sum() / (targs == c).sum() for c in (0, 1)]

@@ -1,5 +1,7 @@
-"""`SpikeGuard` can be left on: no false alarm on clean fits (fresh and second fits, constant and one-cycle schedules,
-three problems, two seeds), a spike after the warm-up of a second fit still caught; every rollback and stop told, each
+"""`SpikeGuard` can be left on: no false alarm on clean fits (fresh and second fits, constant and one-cycle
+schedules,
+three problems, two seeds), a spike after the warm-up of a second fit still caught; every rollback and stop
+told, each
 time, in a fresh process with Python's default warning filters; a NaN stop says where and why."""
 import os, subprocess, sys, textwrap
 import pytest, torch
@@ -37,7 +39,8 @@ def test_a_spike_just_after_the_warmup_of_a_second_fit_is_caught(problem):
 def run_fresh(code, timeout=300):
     "`code` in a new Python process with Python's own warning filters (no -W, no PYTHONWARNINGS): its output"
     env = {k: v for k, v in os.environ.items() if k != 'PYTHONWARNINGS'}
-    res = subprocess.run([sys.executable, '-c', textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout,
+    res = subprocess.run([sys.executable, '-c', textwrap.dedent(code)], capture_output=True, text=True,
+                         timeout=timeout,
                          env=env, cwd=os.path.dirname(__file__))
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout, res.stderr
@@ -57,7 +60,7 @@ def test_every_rollback_is_told_in_a_fresh_process_printed_or_warned():
     assert out.count('SpikeGuard: rolled back over epoch 0 batch 5 (loss ') == 2, out
     assert out.count('no row of it (40-47) stands out, so the batch is skipped') == 2, out
     assert err.count('RuntimeWarning: SpikeGuard: rolled back over epoch 0 batch 5') == 2, err
-    assert 'learncb' not in err.replace('learn.', ''), err          # the line shown is the user's, not learncb's
+    assert 'learncb' not in err.replace('learn.', ''), err  # the line shown is the user's, not learncb's
 
 @pytest.mark.slow
 def test_a_compiled_learner_that_runs_eagerly_says_so_at_each_fit():
@@ -78,25 +81,30 @@ def nan_fit(*cbs, **kwargs):
             if self.training and self.train_iter == 6:
                 self.learn.loss_grad = self.loss_grad * float('nan')
                 self.learn.loss = self.learn.loss_grad.detach()
-    learn = synth_learner([TerminateOnNaNCallback(), NaNAt(), *cbs], dls=DataLoaders(synth_dl(64), synth_dl(64)), **kwargs)
+    learn = synth_learner([TerminateOnNaNCallback(), NaNAt(), *cbs], dls=DataLoaders(synth_dl(64),
+        synth_dl(64)), **kwargs)
     learn.fit(3)
     return learn
 
-reason = ('training loss is NaN or infinite at epoch 1, batch 2: the fit stopped before it, so the weights are those '
+reason = ('training loss is NaN or infinite at epoch 1, batch 2: the fit stopped before it, so the weights '
+          'are those '
           'from before batch 2')
 
 def test_a_nan_stop_leaves_its_reason_and_the_table_logger_prints_it(capsys):
     learn = nan_fit(logger=print)
-    assert learn.stop_reason == reason and learn.exception is None and (learn.epoch, learn.train_iter) == (1, 6)
+    assert learn.stop_reason == reason and learn.exception is None and (learn.epoch, learn.train_iter) == (1,
+        6)
     assert capsys.readouterr().out.splitlines()[-1] == f'fit stopped: {reason}'
 
 def test_print_progress_prints_the_stop_reason_counting_epochs_as_the_reason_does(capsys):
     nan_fit(PrintProgressCallback())
-    assert capsys.readouterr().out.splitlines()[-1].startswith(f'fit cancelled in epoch 1 (of 3): {reason} (after ')
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f'fit cancelled in epoch 1 (of 3): {reason} '
+                                                               f'(after ')
 
 def test_the_bars_print_the_stop_reason(capsys, monkeypatch):
     import learncb.progress
-    monkeypatch.setattr(learncb.progress, 'can_draw_bars', lambda: True)       # a terminal: fastprogress's console bars
+    # a terminal: fastprogress's console bars
+    monkeypatch.setattr(learncb.progress, 'can_draw_bars', lambda: True)
     nan_fit(progress=True)
     assert f'fit stopped: {reason}' in capsys.readouterr().out
 
@@ -107,13 +115,15 @@ def test_an_out_of_memory_error_without_automicrobatch_gets_a_note_naming_it():
             return super().forward(x)
     learn = synth_learner(model=OutOfMemory(2, 2))
     with pytest.raises(torch.OutOfMemoryError) as e: learn.fit(1)
-    assert any('training batch 0 ran out of memory' in n and 'cbs=AutoMicrobatch()' in n for n in e.value.__notes__)
+    assert any('training batch 0 ran out of memory' in n and 'cbs=AutoMicrobatch()' in n for n
+               in e.value.__notes__)
     with pytest.raises(RuntimeError) as e: synth_learner(model=OutOfMemory(2, 2)).fit(1, cbs=AutoMicrobatch())
     assert not any('cbs=AutoMicrobatch()' in n for n in getattr(e.value, '__notes__', []))
 
 @pytest.mark.slow
 def test_the_compiled_step_prints_nothing_the_user_did_not_cause():
-    "A torch scheduler wraps `opt.step` on the instance: torch's wrapper (its profiler annotation) runs outside the graph"
+    """A torch scheduler wraps `opt.step` on the instance: torch's wrapper (its profiler annotation) runs
+    outside the graph"""
     out, err = run_fresh('''
         import torch
         from learncb.all import *

@@ -1,4 +1,5 @@
-"Loggers: printed progress lines, the loss graph, log_metrics dicts, the CSV history, the phase timer, callback order"
+"""Loggers: printed progress lines, the loss graph, log_metrics dicts, the CSV history, the phase timer,
+callback order"""
 import csv, itertools
 import pytest, torch
 import learncb.callbacks.loggers
@@ -22,7 +23,8 @@ def test_print_progress_start_epoch_and_end_lines(capsys):
     for e, (line, row) in enumerate(zip(lines[1:3], learn.recorder.values)):
         fields = line.split('  ')
         assert fields[0] == f'epoch {e} (of 2)'
-        assert fields[1:4] == [f'train_loss {row[0]:.6f}', f'valid_loss {row[1]:.6f}', f'accuracy {row[2]:.6f}']
+        assert fields[1:4] == [f'train_loss {row[0]:.6f}', f'valid_loss {row[1]:.6f}',
+                               f'accuracy {row[2]:.6f}']
         assert fields[4].startswith('time ') and ':' in fields[4]
     assert lines[3].startswith('fit done in ')
 
@@ -55,7 +57,8 @@ def test_print_progress_reports_a_failure(capsys):
 class FakeBar:
     "Stands in for the master bar: records the graphs it is asked to draw"
     def __init__(self): self.calls = []
-    def update_graph(self, graphs, x_bounds=None, y_bounds=None): self.calls.append((graphs, x_bounds, y_bounds))
+    def update_graph(self, graphs, x_bounds=None, y_bounds=None):
+        self.calls.append((graphs, x_bounds, y_bounds))
 
 class FakeProgress(Callback):
     "Stands in for ProgressCallback, with a master bar that records graphs"
@@ -106,7 +109,8 @@ def test_log_metrics_gets_each_epoch_row_by_name():
     learn = synth_learner(metrics=accuracy, cbs=[collect, Extra()])
     learn.fit(3)
     names = ['train_loss', 'valid_loss', 'accuracy', 'tenfold']
-    assert collect.logged == [{'epoch': e, **dict(zip(names, row))} for e, row in enumerate(learn.recorder.values)]
+    assert collect.logged == [{'epoch': e, **dict(zip(names, row))} for e,
+                              row in enumerate(learn.recorder.values)]
     assert [d['tenfold'] for d in collect.logged] == [0, 10, 20]
 
 def test_log_metrics_every_k_batches():
@@ -130,7 +134,8 @@ def test_log_metrics_without_log_every_takes_no_batch_events():
 def test_log_metrics_default_prints_and_bad_log_every(capsys):
     learn = synth_learner(cbs=LogMetricsCallback())
     lines = fit_printing(capsys, learn, 1)
-    assert lines == [str({'epoch': 0, 'train_loss': learn.recorder.values[0][0], 'valid_loss': learn.recorder.values[0][1]})]
+    assert lines == [str({'epoch': 0, 'train_loss': learn.recorder.values[0][0],
+                          'valid_loss': learn.recorder.values[0][1]})]
     for bad in (0, -1, 2.5):
         with pytest.raises(ValueError, match='log_every must be'): LogMetricsCallback(log_every=bad)
 
@@ -140,10 +145,12 @@ def read_csv(path):
     with open(path, newline='') as f: return list(csv.reader(f))
 
 def test_csv_has_the_recorder_table(tmp_path):
-    learn = synth_learner(metrics=[accuracy, error_rate], path=tmp_path, cbs=[CSVLogger('logs/h.csv'), Extra()])
+    learn = synth_learner(metrics=[accuracy, error_rate], path=tmp_path, cbs=[CSVLogger('logs/h.csv'),
+        Extra()])
     learn.fit(3)
     rows = read_csv(tmp_path/'logs'/'h.csv')
-    assert rows[0] == learn.recorder.metric_names == ['epoch', 'train_loss', 'valid_loss', 'accuracy', 'error_rate', 'tenfold', 'time']
+    assert rows[0] == learn.recorder.metric_names == ['epoch', 'train_loss', 'valid_loss', 'accuracy',
+                                                      'error_rate', 'tenfold', 'time']
     assert len(rows) == 4
     for e, (row, values) in enumerate(zip(rows[1:], learn.recorder.values)):
         assert int(row[0]) == e
@@ -167,7 +174,8 @@ def test_csv_rows_are_on_disk_as_soon_as_written(tmp_path):
     with pytest.raises(RuntimeError, match='crash'):
         learn.fit(5, cbs=Callback(after_epoch=check_then_crash, order=80))
     assert seen == [2, 3]                                          # header + each finished epoch
-    assert len(read_csv(tmp_path/'history.csv')) == 3 and learn.csv_logger._file is None    # closed after the crash
+    # closed after the crash
+    assert len(read_csv(tmp_path/'history.csv')) == 3 and learn.csv_logger._file is None
 
 def test_csv_append_and_overwrite(tmp_path):
     learn = synth_learner(metrics=accuracy, path=tmp_path)
@@ -194,7 +202,8 @@ def test_csv_append_with_other_columns_is_refused_and_file_kept(tmp_path):
     before = (tmp_path/'history.csv').read_bytes()
     learn.metrics = [error_rate]
     w = learn.model.weight.clone()
-    with pytest.raises(ValueError, match=r"history.csv has the columns \[.*'accuracy'.*\], but this fit's table has \[.*'error_rate'"):
+    with pytest.raises(ValueError, match=r"history.csv has the columns \[.*'accuracy'.*\], but this fit's "
+                                         r"table has \[.*'error_rate'"):
         learn.fit(1, cbs=CSVLogger(append=True))
     assert (tmp_path/'history.csv').read_bytes() == before
     assert learn.train_iter == 0 and torch.equal(learn.model.weight, w)           # refused before training
@@ -248,8 +257,10 @@ def test_timer_phases_are_measured_between_the_right_events(ticking_clock):
     "With a clock that ticks once per reading, each phase's time counts the readings between its two events"
     learn = synth_learner(cbs=TimerCallback(verbose=False))
     learn.fit(2)
-    # per batch the timer reads the clock 9 times: fetch 2, forward/loss 3 (shared boundary), backward 2, step 2
-    expected = {'fetch': 4., 'forward': 4., 'loss': 4., 'backward': 4., 'step': 4., 'train': 4 * 9 + 2., 'validate': 1.}
+    # per batch the timer reads the clock 9 times: fetch 2, forward/loss 3 (shared boundary), backward 2, step
+    # 2
+    expected = {'fetch': 4., 'forward': 4., 'loss': 4., 'backward': 4., 'step': 4., 'train': 4 * 9 + 2.,
+                'validate': 1.}
     assert learn.timer.times == [expected, expected]
 
 def test_timer_counts_a_validation_inside_a_validation_once(ticking_clock):
@@ -264,7 +275,8 @@ def test_timer_counts_a_validation_inside_a_validation_once(ticking_clock):
     assert timer._valid_starts == []
 
 def test_timer_sync_cuda_synchronizes_at_every_boundary(monkeypatch):
-    "On CUDA (faked here after the batch mover is set up), sync_cuda=True synchronizes at every phase boundary"
+    """On CUDA (faked here after the batch mover is set up), sync_cuda=True synchronizes at every phase
+    boundary"""
     syncs = []
     monkeypatch.setattr(torch.cuda, 'synchronize', lambda *a: syncs.append(1))
     import learncb.callbacks.loggers
@@ -286,10 +298,13 @@ def test_loggers_run_after_recorder_and_trackers(tmp_path):
         def after_epoch(self): seen.append(('tracker', len(self.learn.recorder.values)))
     class MyLogger(LogMetricsCallback):
         def log_metrics(self, metrics): seen.append(('logger', metrics['epoch']))
-    learn = synth_learner(path=tmp_path, cbs=[MyLogger(), PrintProgressCallback(), CSVLogger(), TimerCallback(verbose=False), Tracker()])
+    learn = synth_learner(path=tmp_path, cbs=[MyLogger(), PrintProgressCallback(), CSVLogger(),
+                                              TimerCallback(verbose=False), Tracker()])
     assert [type(cb).__name__ for cb in learn.ordered_cbs('after_epoch')] == \
         ['Recorder', 'Tracker', 'MyLogger', 'PrintProgressCallback', 'CSVLogger', 'TimerCallback']
-    assert all(cb.order == 70 for cb in learn.cbs if isinstance(cb, (LogMetricsCallback, PrintProgressCallback, CSVLogger, TimerCallback)))
+    assert all(cb.order == 70 for cb in learn.cbs if isinstance(cb, (LogMetricsCallback,
+                                                                     PrintProgressCallback, CSVLogger,
+                                                                     TimerCallback)))
     assert ShowGraphCallback.order > ProgressCallback.order > Recorder.order
     learn.fit(2)
     assert seen == [('tracker', 1), ('logger', 0), ('tracker', 2), ('logger', 1)]

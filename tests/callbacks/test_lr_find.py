@@ -10,10 +10,12 @@ from conftest import synth_learner, synth_dls
 def approx(v): return pytest.approx(v, rel=1e-9, abs=1e-15)
 
 def snapshot(learn):
-    return (copy.deepcopy(learn.model.state_dict()), None if learn.opt is None else copy.deepcopy(learn.opt.state_dict()),
+    return (copy.deepcopy(learn.model.state_dict()), None if learn.opt is None
+            else copy.deepcopy(learn.opt.state_dict()),
             (list(learn.recorder.losses), list(learn.recorder.lrs), list(learn.recorder.iters),
              [list(v) for v in learn.recorder.values]),
-            {k: getattr(learn, k) for k in ('epoch', 'n_epoch', 'iter', 'n_iter', 'train_iter', 'pct_train', 'training')})
+            {k: getattr(learn, k) for k in ('epoch', 'n_epoch', 'iter', 'n_iter', 'train_iter', 'pct_train',
+                                            'training')})
 
 def assert_unchanged(learn, snap):
     model, opt, history, counters = snap
@@ -63,19 +65,21 @@ def test_training_after_lr_find_is_the_same_as_without():
 
 def test_lr_find_ramp_epochs_and_no_validation():
     valid_batches = []
-    learn = synth_learner(cbs=Callback(after_loss=lambda self: None if self.training else valid_batches.append(1)))
+    learn = synth_learner(cbs=Callback(after_loss=lambda self: None if self.training
+                                       else valid_batches.append(1)))
     epochs = []
     learn.lr_find(start_lr=1e-5, end_lr=1e-1, num_it=10, stop_div=False, show_plot=False,
                   suggest_funcs=(valley, minimum, steep))
     f = learn.lr_finder
     assert f.lrs == approx([1e-5 * 1e4 ** (i / 9) for i in range(10)]) and f.lrs[-1] == approx(1e-1)
-    assert len(f.losses) == 10 and valid_batches == []           # 3 epochs of 4 batches, cut at 10; no validation
+    assert len(f.losses) == 10 and valid_batches == []  # 3 epochs of 4 batches, cut at 10; no validation
     assert f.suggestions._fields == ('valley', 'minimum', 'steep')
     assert all(1e-5 <= lr <= 1e-1 for lr in f.suggestions)
 
 def test_lr_find_stops_when_the_loss_diverges():
     learn = synth_learner()
-    res = learn.lr_find(start_lr=1e-3, end_lr=1e6, num_it=100, show_plot=False, suggest_funcs=(valley, minimum, steep))
+    res = learn.lr_find(start_lr=1e-3, end_lr=1e6, num_it=100, show_plot=False, suggest_funcs=(valley,
+        minimum, steep))
     f = learn.lr_finder
     assert len(f.lrs) < 100
     assert f.losses[-1] > 4 * min(f.losses[:-1]) or not math.isfinite(f.losses[-1])
@@ -107,9 +111,10 @@ def test_lr_find_plot_and_custom_suggestions():
     def tenth_of_last(lrs, losses): return lrs[-1] / 10
     learn = synth_learner()
     res = learn.lr_find(num_it=12, suggest_funcs=[minimum, tenth_of_last])
-    assert res._fields == ('minimum', 'tenth_of_last') and res.tenth_of_last == approx(learn.lr_finder.lrs[-1] / 10)
+    assert res._fields == ('minimum',
+                           'tenth_of_last') and res.tenth_of_last == approx(learn.lr_finder.lrs[-1] / 10)
     ax = learn.lr_finder.plot(skip_end=0)
-    assert ax.get_xscale() == 'log' and len(ax.lines) == 3            # the curve and one marker per suggestion
+    assert ax.get_xscale() == 'log' and len(ax.lines) == 3  # the curve and one marker per suggestion
 
 @pytest.mark.parametrize('kw, match', [(dict(start_lr=0), 'start_lr must be a number > 0'),
                                        (dict(start_lr=1., end_lr=0.1), r'end_lr \(0.1\) must be larger'),

@@ -1,18 +1,22 @@
-"AutoMicrobatch against real out-of-memory errors: a capped address space, and one rank of two (DDP) running out"
+"""AutoMicrobatch against real out-of-memory errors: a capped address space, and one rank of two (DDP) running
+out"""
 import os, subprocess, sys
 from pathlib import Path
 import pytest, torch
 
 SCRIPT = Path(__file__).parent/'microbatch_script.py'
-# every large allocation its own mapping, freed at once, and one malloc arena: what the process maps follows what it holds
+# every large allocation its own mapping, freed at once, and one malloc arena: what the process maps follows
+# what it holds
 ENV = {**os.environ, 'MALLOC_MMAP_THRESHOLD_': '65536', 'MALLOC_ARENA_MAX': '1'}
 
 def run(out, *args, nproc=1, timeout=300):
     "The script in `nproc` processes (torchrun, gloo) or in one, never longer than `timeout`; its exit status"
     from test_distributed import free_port
-    launcher = ([sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}', f'--master-port={free_port()}']
+    launcher = ([sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}',
+                 f'--master-port={free_port()}']
                 if nproc > 1 else [sys.executable])
-    res = subprocess.run([*launcher, str(SCRIPT), str(out), *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+    res = subprocess.run([*launcher, str(SCRIPT), str(out), *args], capture_output=True, text=True,
+                         timeout=timeout, env=ENV)
     return res.returncode, res.stderr
 
 def result(out, rank=0): return torch.load(Path(out)/f'rank{rank}.pt', weights_only=False)
@@ -24,13 +28,15 @@ def test_a_capped_address_space_fails_without_it_and_trains_to_the_same_weights_
     rc, err = run(tmp_path/'ref')
     assert rc == 0, err[-3000:]
     rc, _ = run(tmp_path/'plain', '--cap')
-    assert rc == 3 and "can't allocate memory" in (tmp_path/'plain'/'error0.txt').read_text()   # the allocator failed
+    # the allocator failed
+    assert rc == 3 and "can't allocate memory" in (tmp_path/'plain'/'error0.txt').read_text()
     rc, err = run(tmp_path/'auto', '--cap', '--auto')
     assert rc == 0, err[-3000:]
     ref, auto = result(tmp_path/'ref'), result(tmp_path/'auto')
     assert max_diff(ref['model'], auto['model']) < 1e-5 and auto['train_iter'] == ref['train_iter']
-    assert auto['history'] and auto['history'][0][2] < 512 and auto['valid_halvings']   # it split, validation too
-    one, whole, cap = auto['rooms']                     # MiB, measured: the cap lets a quarter of a batch through
+    # it split, validation too
+    assert auto['history'] and auto['history'][0][2] < 512 and auto['valid_halvings']
+    one, whole, cap = auto['rooms']  # MiB, measured: the cap lets a quarter of a batch through
     assert one < cap < whole
     flat = lambda rows: [v for row in rows for v in row]
     assert flat(auto['values']) == pytest.approx(flat(ref['values']), rel=1e-5)   # the whole batches' losses
@@ -41,7 +47,7 @@ def test_two_processes_agree_on_the_split_when_one_rank_runs_out(tmp_path, out_o
     "Rank 1 alone runs out (an injected error, or its address space capped); rank 0 has the memory"
     rc, err = run(tmp_path/'ref', nproc=2)
     assert rc == 0, err[-3000:]
-    if out_of_memory[0] == '--cap':                  # without AutoMicrobatch the capped rank's allocator fails
+    if out_of_memory[0] == '--cap':  # without AutoMicrobatch the capped rank's allocator fails
         rc, _ = run(tmp_path/'plain', *out_of_memory, '--cap-rank', '1', nproc=2)
         assert rc != 0 and "can't allocate memory" in (tmp_path/'plain'/'error1.txt').read_text()
     rc, err = run(tmp_path/'auto', '--auto', *out_of_memory, '--inject-rank', '1', '--cap-rank', '1', nproc=2)
@@ -50,7 +56,8 @@ def test_two_processes_agree_on_the_split_when_one_rank_runs_out(tmp_path, out_o
         ref, auto = result(tmp_path/'ref', rank), result(tmp_path/'auto', rank)
         assert max_diff(ref['model'], auto['model']) < 1e-5 and auto['train_iter'] == ref['train_iter']
     r0, r1 = result(tmp_path/'auto', 0), result(tmp_path/'auto', 1)
-    assert r0['halvings'] == r1['halvings'] > 0 and r0['history'] == r1['history']    # rank 0 split as rank 1 needed
+    # rank 0 split as rank 1 needed
+    assert r0['halvings'] == r1['halvings'] > 0 and r0['history'] == r1['history']
 
 def max_rel(a, b): return max(((a[k] - b[k]).abs().max() / a[k].abs().max()).item() for k in a)
 

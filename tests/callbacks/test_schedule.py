@@ -18,7 +18,8 @@ def one_cycle_at(p, pct, start, middle, end):
     return cos_from_to(start, middle, p / pct) if p < pct else cos_from_to(middle, end, (p - pct) / (1 - pct))
 
 class Probe(Callback):
-    "Records what the optimizer will step with (after warmup and schedules have acted): lr, momentum or betas[0]"
+    """Records what the optimizer will step with (after warmup and schedules have acted): lr, momentum or
+    betas[0]"""
     order = 20
     def __init__(self): self.lrs,self.moms,self.iters = [],[],[]
     def before_step(self):
@@ -57,7 +58,8 @@ def test_combine_scheds_switches_at_the_boundaries():
     assert f(0.) == 0. and f(0.125) == approx(0.5) and f(0.2499) == approx(0.9996)
     assert f(0.25) == 7. and f(0.5) == 7. and f(0.7499) == 7.
     assert f(0.75) == 10. and f(0.875) == approx(15.) and f(1.) == approx(20.)
-    g = combine_scheds([0., 1., 0.], [SchedNo(-1, -1), SchedLin(0, 1), SchedNo(-2, -2)])      # empty shares are skipped
+    # empty shares are skipped
+    g = combine_scheds([0., 1., 0.], [SchedNo(-1, -1), SchedLin(0, 1), SchedNo(-2, -2)])
     assert [g(p) for p in (0., 0.5, 1.)] == approx([0., 0.5, 1.])
 
 def test_combined_cos_shape():
@@ -86,7 +88,8 @@ def test_param_scheduler_sets_every_group_each_training_batch():
     sched = ParamScheduler({'lr': SchedLin(0.1, 0.0), 'wd': lambda pos: [0.01, 0.02 * pos],
                             'dampening': SchedNo(0.5, 0.5)})
     seen = []
-    learn.fit(2, cbs=[sched, probe, Callback(before_step=lambda self: seen.append([dict(pg) for pg in self.opt.param_groups]))])
+    learn.fit(2, cbs=[sched, probe, Callback(before_step=lambda self: seen.append([dict(pg) for pg
+        in self.opt.param_groups]))])
     n = 2 * N_ITER
     assert probe.lrs == approx([0.1 * (1 - i / n) for i in range(n)])
     assert all(pgs[0]['lr'] == pgs[1]['lr'] for pgs in seen)
@@ -97,7 +100,8 @@ def test_param_scheduler_sets_every_group_each_training_batch():
 
 def test_param_scheduler_mom_and_sqr_mom_on_adam_and_sgd():
     learn = synth_learner(opt_func=torch.optim.AdamW)
-    learn.fit(1, cbs=ParamScheduler({'mom': SchedLin(0.9, 0.8), 'sqr_mom': SchedNo(0.95, 0.95), 'eps': SchedNo(1e-5, 1e-5)}))
+    learn.fit(1, cbs=ParamScheduler({'mom': SchedLin(0.9, 0.8), 'sqr_mom': SchedNo(0.95, 0.95),
+                                     'eps': SchedNo(1e-5, 1e-5)}))
     pg = learn.opt.param_groups[0]
     assert pg['betas'] == approx((0.9 - 0.1 * 3 / 4, 0.95)) and pg['eps'] == 1e-5
     learn = synth_learner(opt_func=partial(torch.optim.SGD, momentum=0.5))
@@ -108,15 +112,20 @@ def test_param_scheduler_leaves_validation_alone():
     learn = synth_learner()
     sched = ParamScheduler({'lr': SchedLin(0.1, 0.05)})
     lr_in_valid = []
-    learn.fit(2, cbs=[sched, Callback(after_loss=lambda self: None if self.training else lr_in_valid.append(self.opt.param_groups[0]['lr']))])
+    learn.fit(2, cbs=[sched, Callback(after_loss=lambda self: None if self.training
+                                      else lr_in_valid.append(self.opt.param_groups[0]['lr']))])
     assert len(sched.hps['lr']) == 2 * N_ITER
-    assert lr_in_valid[:2] == [sched.hps['lr'][3]] * 2       # validation of epoch 0 sees the last training value
+    assert lr_in_valid[:2] == [sched.hps['lr'][3]] * 2  # validation of epoch 0 sees the last training value
 
 @pytest.mark.parametrize('scheds, opt_func, err, match', [
-    ({'sqr_mom': SchedNo(0.9, 0.9)}, torch.optim.SGD, ValueError, r"cannot schedule 'sqr_mom' .*betas\[1\].* on SGD.*keys \[.*'momentum'"),
-    ({'mom': SchedNo(0.9, 0.9)}, torch.optim.Adagrad, ValueError, r"cannot schedule 'mom' .* on Adagrad.*'lr_decay'"),
-    ({'warmth': SchedNo(1., 1.)}, torch.optim.Adam, ValueError, r"cannot schedule 'warmth' on Adam: its param groups have the keys \[.*'betas'"),
-    ({'lr': lambda pos: [0.1, 0.2, 0.3]}, torch.optim.SGD, ValueError, "returns 3 values, but SGD has 1 param group"),
+    ({'sqr_mom': SchedNo(0.9, 0.9)}, torch.optim.SGD, ValueError, r"cannot schedule 'sqr_mom' .*betas\[1\].* "
+                                                                  r"on SGD.*keys \[.*'momentum'"),
+    ({'mom': SchedNo(0.9, 0.9)}, torch.optim.Adagrad, ValueError, r"cannot schedule 'mom' .* on "
+                                                                  r"Adagrad.*'lr_decay'"),
+    ({'warmth': SchedNo(1., 1.)}, torch.optim.Adam, ValueError, r"cannot schedule 'warmth' on Adam: its "
+                                                                r"param groups have the keys \[.*'betas'"),
+    ({'lr': lambda pos: [0.1, 0.2, 0.3]}, torch.optim.SGD, ValueError, "returns 3 values, but SGD has 1 "
+    "param group"),
     ({'lr': lambda pos: None}, torch.optim.SGD, TypeError, "must return a number .* returned None"),
 ])
 def test_param_scheduler_errors_at_before_fit(scheds, opt_func, err, match):
@@ -124,11 +133,12 @@ def test_param_scheduler_errors_at_before_fit(scheds, opt_func, err, match):
     w = learn.model.weight.detach().clone()
     with pytest.raises(err, match=match): learn.fit(1, cbs=ParamScheduler(scheds))
     assert torch.equal(learn.model.weight, w) and learn.recorder.lrs == []      # failed before any batch
-    learn.fit(1)                                                                   # and the learner still works
+    learn.fit(1)  # and the learner still works
 
 def test_param_scheduler_construction_errors():
     with pytest.raises(TypeError, match="dict mapping"): ParamScheduler([SchedNo(1, 1)])
-    with pytest.raises(TypeError, match="schedule for 'lr' must be a function of pos, not 0.1"): ParamScheduler({'lr': 0.1})
+    with pytest.raises(TypeError, match="schedule for 'lr' must be a function of pos, not 0.1"):
+        ParamScheduler({'lr': 0.1})
 
 def test_plot_sched_draws_one_axis_per_hyper_parameter():
     learn = synth_learner(opt_func=torch.optim.Adam)
@@ -171,18 +181,21 @@ def test_one_cycle_per_group_lr_max():
     two_groups = lambda params, **kw: torch.optim.Adam([{'params': [p]} for p in params], **kw)
     learn = synth_learner(opt_func=two_groups)
     seen = []
-    learn.fit_one_cycle(1, lr_max=[0.01, 0.1], cbs=Callback(before_step=lambda self: seen.append([pg['lr'] for pg in self.opt.param_groups])))
+    learn.fit_one_cycle(1, lr_max=[0.01, 0.1], cbs=Callback(before_step=lambda self: seen.append([pg['lr']
+        for pg in self.opt.param_groups])))
     assert seen[0] == approx([0.01 / 25, 0.1 / 25]) and seen[1] == approx([0.01, 0.1])
 
 def test_one_cycle_without_momentum_warns_and_still_schedules_lr():
     learn = synth_learner(opt_func=torch.optim.Adagrad)
-    with pytest.warns(UserWarning, match="Adagrad has no momentum.*moms=None"): learn.fit_one_cycle(1, lr_max=0.1)
+    with pytest.warns(UserWarning, match="Adagrad has no momentum.*moms=None"):
+        learn.fit_one_cycle(1, lr_max=0.1)
     assert list(learn.param_scheduler.hps) == ['lr'] and learn.recorder.lrs[1] == approx(0.1)
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         learn.fit_one_cycle(1, moms=None)
 
-@pytest.mark.parametrize('kw, match', [(dict(lr_max=-1.), 'lr_max must be a number >= 0'), (dict(div=0), 'div must be'),
+@pytest.mark.parametrize('kw, match', [(dict(lr_max=-1.), 'lr_max must be a number >= 0'), (dict(div=0),
+    'div must be'),
                                        (dict(moms=(0.9, 0.8)), r'moms must be \(start, middle, end\)'),
                                        (dict(pct_start=2.), 'fit_one_cycle: pct_start must be a fraction')])
 def test_one_cycle_argument_errors(kw, match):
@@ -191,13 +204,14 @@ def test_one_cycle_argument_errors(kw, match):
 def test_fit_flat_cos():
     learn = synth_learner()
     probe = Probe()
-    learn.fit_flat_cos(2, lr=0.04, cbs=probe)               # pct_start=0.75: 6 flat batches, then a cosine over 2
+    learn.fit_flat_cos(2, lr=0.04, cbs=probe)  # pct_start=0.75: 6 flat batches, then a cosine over 2
     total = 2 * N_ITER
     assert probe.lrs[:6] == [0.04] * 6
     for i in (6, 7): assert probe.lrs[i] == approx(cos_from_to(0.04, 0.04 / 1e5, (i / total - 0.75) / 0.25))
     learn.fit_flat_cos(1, pct_start=0.)
     assert learn.recorder.lrs == approx([cos_from_to(0.1, 0.1 / 1e5, i / N_ITER) for i in range(N_ITER)])
-    with pytest.raises(ValueError, match="pct_start must be a fraction"): learn.fit_flat_cos(1, pct_start=-0.1)
+    with pytest.raises(ValueError, match="pct_start must be a fraction"):
+        learn.fit_flat_cos(1, pct_start=-0.1)
 
 # ---------------------------------------------------------------- LRSchedulerCallback
 
@@ -255,12 +269,14 @@ def test_lr_scheduler_errors():
         learn.fit(1, cbs=LRSchedulerCallback(torch.optim.lr_scheduler.StepLR(other, step_size=1)))
     with pytest.raises(ValueError, match="must return a scheduler built on the optimizer it is given"):
         learn.fit(1, cbs=LRSchedulerCallback(lambda opt: torch.optim.lr_scheduler.StepLR(other, step_size=1)))
-    with pytest.raises(ValueError, match="step_on must be 'batch'.*not 'step'"): LRSchedulerCallback(step_lr, step_on='step')
+    with pytest.raises(ValueError, match="step_on must be 'batch'.*not 'step'"):
+        LRSchedulerCallback(step_lr, step_on='step')
     with pytest.raises(TypeError, match="function opt -> scheduler"): LRSchedulerCallback(0.1)
     learn.create_opt()
     # reset_opt=True makes a new optimizer that an existing scheduler does not drive: said at before_fit
     s = torch.optim.lr_scheduler.StepLR(learn.opt, step_size=1)
-    with pytest.raises(ValueError, match="built on another optimizer"): learn.fit(1, cbs=LRSchedulerCallback(s), reset_opt=True)
+    with pytest.raises(ValueError, match="built on another optimizer"):
+        learn.fit(1, cbs=LRSchedulerCallback(s), reset_opt=True)
 
 def test_reduce_lr_on_plateau_steps_on_the_validation_loss():
     class Spy(torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -274,8 +290,10 @@ def test_reduce_lr_on_plateau_steps_on_the_validation_loss():
     seen.clear()
     learn.fit(2, cbs=LRSchedulerCallback(lambda opt: Spy(opt), step_on='epoch', monitor='accuracy'))
     assert seen == approx([v[2] for v in learn.recorder.values])
-    with pytest.raises(ValueError, match="pass step_on='epoch'"): learn.fit(1, cbs=LRSchedulerCallback(lambda opt: Spy(opt)))
-    with pytest.raises(ValueError, match=r"monitors 'f1', which is not one of .*\['valid_loss', 'accuracy'\]"):
+    with pytest.raises(ValueError, match="pass step_on='epoch'"):
+        learn.fit(1, cbs=LRSchedulerCallback(lambda opt: Spy(opt)))
+    with pytest.raises(ValueError,
+                       match=r"monitors 'f1', which is not one of .*\['valid_loss', 'accuracy'\]"):
         learn.fit(1, cbs=LRSchedulerCallback(lambda opt: Spy(opt), step_on='epoch', monitor='f1'))
 
 # ---------------------------------------------------------------- WarmupCallback
@@ -308,18 +326,20 @@ def test_warmup_composes_with_schedules():
     learn = synth_learner()
     probe = Probe()
     learn.fit_one_cycle(2, lr_max=0.1, cbs=[WarmupCallback(4, start_factor=0.5), probe])
-    assert probe.lrs == approx([lr * f for lr, f in zip(learn.recorder.lrs, [0.5, 0.625, 0.75, 0.875, 1, 1, 1, 1])])
+    assert probe.lrs == approx([lr * f for lr, f in zip(learn.recorder.lrs, [0.5, 0.625, 0.75, 0.875, 1, 1, 1,
+        1])])
     learn = synth_learner()
     probe = Probe()
     learn.fit(2, cbs=[LRSchedulerCallback(step_lr), WarmupCallback(3, start_factor=0.5), probe])
-    assert learn.recorder.lrs == approx(hand_lrs(step_lr, 8, range(8)))       # the torch schedule is not disturbed
+    assert learn.recorder.lrs == approx(hand_lrs(step_lr, 8, range(8)))  # the torch schedule is not disturbed
     assert probe.lrs == approx([lr * f for lr, f in zip(learn.recorder.lrs, [0.5, 2 / 3, 5 / 6] + [1] * 5)])
 
 def test_warmup_puts_the_lr_back_after_an_error_or_a_cancelled_batch():
     def boom(self):
         if self.train_iter == 1: raise RuntimeError('boom in the step')
     learn = synth_learner()
-    with pytest.raises(RuntimeError, match='boom'): learn.fit(1, cbs=[WarmupCallback(4), Callback(before_step=boom, order=10)])
+    with pytest.raises(RuntimeError, match='boom'):
+        learn.fit(1, cbs=[WarmupCallback(4), Callback(before_step=boom, order=10)])
     assert learn.opt.param_groups[0]['lr'] == 0.1
     def cancel_batch(self):
         if self.train_iter == 0: raise CancelBatchException()
@@ -331,7 +351,8 @@ def test_warmup_puts_the_lr_back_after_an_error_or_a_cancelled_batch():
 
 def test_warmup_validation_and_zero_steps():
     with pytest.raises(ValueError, match="n_steps must be an int >= 0"): WarmupCallback(2.5)
-    with pytest.raises(ValueError, match=r"start_factor must be in \[0, 1\]"): WarmupCallback(3, start_factor=-0.1)
+    with pytest.raises(ValueError, match=r"start_factor must be in \[0, 1\]"):
+        WarmupCallback(3, start_factor=-0.1)
     learn = synth_learner()
     probe = Probe()
     learn.fit(1, cbs=[WarmupCallback(0), probe])
@@ -355,19 +376,22 @@ def test_interrupted_scheduled_run_resumes_exactly(kind, tmp_path):
     def run(folder, stop_at=None, resume=None):
         learn = synth_learner(path=folder, opt_func=torch.optim.Adam)
         warmup = WarmupCallback(3, start_factor=0.1)
-        cbs = [warmup, CheckpointCallback(every_n_steps=1)] + ([CrashAt(stop_at, 'killed')] if stop_at is not None else [])
+        cbs = [warmup, CheckpointCallback(every_n_steps=1)] + ([CrashAt(stop_at, 'killed')]
+                                                               if stop_at is not None else [])
         if kind == 'one_cycle':
             learn.fit_one_cycle(3, lr_max=0.05, cbs=cbs, resume=resume)
             sched_state = learn.param_scheduler.hps
         else:
-            sched = LRSchedulerCallback(lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7))
+            sched = LRSchedulerCallback(lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2,
+                gamma=0.7))
             learn.fit(3, cbs=cbs + [sched], resume=resume)
             sched_state = sched.scheduler.state_dict()
         return learn.model.state_dict(), sched_state, warmup.factors, learn.opt.param_groups[0]['lr']
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         full = run(tmp_path/'full')
-        with pytest.raises(RuntimeError, match='killed'): run(tmp_path/'cut', stop_at=2)    # in the middle of the warmup
+        # in the middle of the warmup
+        with pytest.raises(RuntimeError, match='killed'): run(tmp_path/'cut', stop_at=2)
         resumed = run(tmp_path/'cut', resume=True)
     assert all(torch.equal(full[0][k], resumed[0][k]) for k in full[0])
     assert full[1:] == resumed[1:]

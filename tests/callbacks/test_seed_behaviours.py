@@ -1,7 +1,11 @@
-"""The behaviours of pytorch-accelerated's and fastNLP's callbacks that learncb gives too, written from their tests and
-docs: acting on the optimizer steps that are taken (fastNLP's `on_before_optimizers_step`/`on_after_optimizers_step`
-under accumulation), an evaluation triggered by the main monitor (fastNLP's `MoreEvaluateCallback(watch_monitor=...)`,
-keeping its best weights), a warm-up given as a share of the fit's steps (fastNLP's `TorchWarmupCallback(0.1)`), and a
+"""The behaviours of pytorch-accelerated's and fastNLP's callbacks that learncb gives too, written from their
+tests and
+docs: acting on the optimizer steps that are taken (fastNLP's
+`on_before_optimizers_step`/`on_after_optimizers_step`
+under accumulation), an evaluation triggered by the main monitor (fastNLP's
+`MoreEvaluateCallback(watch_monitor=...)`,
+keeping its best weights), a warm-up given as a share of the fit's steps (fastNLP's
+`TorchWarmupCallback(0.1)`), and a
 table whose names and values agree after a fit with an extra evaluation."""
 import math
 import pytest, torch
@@ -10,30 +14,36 @@ from learncb.all import *
 from learncb.test_utils import synth_dl, synth_dls, synth_learner
 
 def accumulating_learner(**kw):
-    "25 training batches of 4 items; `GradientAccumulation(12)` steps every 3 batches: 9 steps an epoch (the last on 1)"
+    """25 training batches of 4 items; `GradientAccumulation(12)` steps every 3 batches: 9 steps an epoch (the
+    last on 1)"""
     dls = DataLoaders(synth_dl(100, bs=4), synth_dl(32, bs=16))
     return synth_learner(dls=dls, cbs=[GradientAccumulation(12), *kw.pop('cbs', [])], **kw)
 
 class FastNLPStyleWarmup(Callback):
-    "A fastNLP-style callback: counts optimizer steps at its `on_before_optimizers_step` and `on_after_optimizers_step`"
+    """A fastNLP-style callback: counts optimizer steps at its `on_before_optimizers_step` and
+    `on_after_optimizers_step`"""
     order = Order.STEP
     def __init__(self): self.before,self.after,self.norms = 0,0,[]
     def before_step(self):
         self.before += 1
         grads = [p.grad for p in self.learn.model.parameters() if p.grad is not None]
-        self.norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+        self.norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g
+                                                                in grads])).item())
     def after_step(self):
         if self.learn.step_taken: self.after += 1
 
 def test_callbacks_at_order_step_see_only_the_steps_that_are_taken_and_the_clipped_gradient():
     seen, every_batch = FastNLPStyleWarmup(), []
-    learn = accumulating_learner(cbs=[seen, GradientClip(max_norm=1e-3), Callback(before_step=lambda cb: every_batch.append(1))])
+    learn = accumulating_learner(cbs=[seen, GradientClip(max_norm=1e-3),
+                                      Callback(before_step=lambda cb: every_batch.append(1))])
     stepped = []
     learn.fit(1, cbs=Callback(after_step=lambda cb: stepped.append(cb.learn.step_taken)))
-    assert len(every_batch) == 25                            # a default-order before_step: every batch, as in fastai
-    assert (seen.before, seen.after) == (9, 9)               # fastNLP's counts: the 9 steps taken, not 25 batches
-    assert stepped.count(True) == 9 and len(stepped) == 25   # after_step fires every batch; step_taken says which stepped
-    assert max(seen.norms) <= 1e-3 * (1 + 1e-4), seen.norms  # the gradient the optimizer uses: accumulated and clipped
+    assert len(every_batch) == 25  # a default-order before_step: every batch, as in fastai
+    assert (seen.before, seen.after) == (9, 9)  # fastNLP's counts: the 9 steps taken, not 25 batches
+    # after_step fires every batch; step_taken says which stepped
+    assert stepped.count(True) == 9 and len(stepped) == 25
+    # the gradient the optimizer uses: accumulated and clipped
+    assert max(seen.norms) <= 1e-3 * (1 + 1e-4), seen.norms
 
 def test_a_warmup_given_as_a_share_of_the_fit_counts_the_steps_that_are_taken():
     warm = WarmupCallback(0.1)

@@ -16,13 +16,16 @@ def scripted(values):
     ([5, 4, 3.95, 3.92, 3.91, 1], 3, 0.1, 4),     # improvements smaller than min_delta do not count
     ([5, 6, 7, 8, 9, 10], 1, 0., 1)])
 def test_early_stopping_epoch(values, patience, min_delta, expected_stop):
-    stopper = EarlyStoppingCallback(monitor=scripted(values), greater_is_better=False, patience=patience, min_delta=min_delta)
+    stopper = EarlyStoppingCallback(monitor=scripted(values), greater_is_better=False, patience=patience,
+                                    min_delta=min_delta)
     logged = []
-    learn = synth_learner(cbs=[stopper, Callback(after_epoch=lambda self: logged.append(self.epoch), order=70)])
+    learn = synth_learner(cbs=[stopper, Callback(after_epoch=lambda self: logged.append(self.epoch),
+                                                 order=70)])
     learn.fit(6)
     assert stopper.stopped_epoch == expected_stop
     last = 5 if expected_stop is None else expected_stop
-    assert logged == list(range(last + 1)) and len(learn.recorder.values) == last + 1   # loggers saw the last epoch
+    # loggers saw the last epoch
+    assert logged == list(range(last + 1)) and len(learn.recorder.values) == last + 1
 
 def test_early_stopping_greater_is_better_by_name():
     stopper = EarlyStoppingCallback(monitor='accuracy', patience=1)
@@ -48,8 +51,10 @@ def test_save_model_after_an_error_keeps_current_weights(tmp_path):
     class Boom(Callback):
         def after_epoch(self):
             if self.epoch == 2: raise RuntimeError('boom')
-    learn = synth_learner(path=tmp_path, cbs=[SaveModelCallback(monitor=scripted([1, 2, 3]), greater_is_better=False), Boom()])
-    with pytest.raises(RuntimeError), pytest.warns(UserWarning, match=r'keeps its current weights.*epoch 0.*model.pth'):
+    learn = synth_learner(path=tmp_path, cbs=[SaveModelCallback(monitor=scripted([1, 2, 3]),
+                                                                greater_is_better=False), Boom()])
+    with pytest.raises(RuntimeError), pytest.warns(UserWarning, match=r'keeps its current weights.*epoch '
+                                                                      r'0.*model.pth'):
         learn.fit(3)
     current = {k: v.clone() for k, v in learn.model.state_dict().items()}
     best = torch.load(tmp_path/'models'/'model.pth', weights_only=True)['model']
@@ -72,40 +77,48 @@ def test_nan_stops_and_says_where(check_every):
     stop = TerminateOnNaNCallback(check_every=check_every)
     learn = synth_learner(cbs=[stop, NaNFrom()])
     learn.fit(4)
-    assert learn.stop_reason == stop.found == ('training loss is NaN or infinite at epoch 1, batch 1: the fit stopped '
+    assert learn.stop_reason == stop.found == ('training loss is NaN or infinite at epoch 1, batch 1: the '
+                                               'fit stopped '
                                                'before it, so the weights are those from before batch 1')
     assert learn.epoch == 1 and len(learn.recorder.values) == 1           # epoch 1 never finished
-    assert learn.train_iter == 5                # stopped at the bad batch, before it ran, whatever check_every
+    assert learn.train_iter == 5  # stopped at the bad batch, before it ran, whatever check_every
 
 def test_nan_in_validation():
     class NaNValid(Callback):
         def after_loss(self):
-            if not self.training and self.epoch == 2 and self.iter == 1: self.learn.loss = self.learn.loss * float('nan')
+            if not self.training and self.epoch == 2 and self.iter == 1:
+                self.learn.loss = self.learn.loss * float('nan')
     stop = TerminateOnNaNCallback()
     learn = synth_learner(cbs=[stop, NaNValid()])
     learn.fit(5)
-    assert learn.stop_reason == stop.found == ('validation loss is NaN or infinite at epoch 2, batch 1: the fit stopped '
-                                               'after that validation, with the weights of the epoch\'s last step')
+    assert learn.stop_reason == stop.found == ('validation loss is NaN or infinite at epoch 2, batch 1: the '
+                                               'fit stopped '
+                                               'after that validation, with the weights of the epoch\'s last '
+                                               'step')
 
 def test_nan_check_does_not_sync_per_batch():
     from conftest import SyncCounter, synth_dls
     counts = []
     for n in (64, 256):
-        learn = synth_learner(dls=synth_dls(n_train=n * 16), cbs=TerminateOnNaNCallback(check_every=1000), opt_func=torch.optim.SGD)
+        learn = synth_learner(dls=synth_dls(n_train=n * 16), cbs=TerminateOnNaNCallback(check_every=1000),
+                              opt_func=torch.optim.SGD)
         with SyncCounter() as c: learn.fit(1)
         counts.append(sum(c.counts.values()))
     assert counts[0] == counts[1]
 
 def test_reduce_lr_on_plateau():
     lrs = []
-    learn = synth_learner(cbs=[ReduceLROnPlateau(monitor=scripted([3, 2, 2.5, 2.4, 1, 1.5, 1.6]), greater_is_better=False,
+    learn = synth_learner(cbs=[ReduceLROnPlateau(monitor=scripted([3, 2, 2.5, 2.4, 1, 1.5, 1.6]),
+                                                 greater_is_better=False,
                                                  patience=2, factor=4, min_lr=0.001),
-                               Callback(after_epoch=lambda self: lrs.append(self.opt.param_groups[0]['lr']), order=70)])
+                               Callback(after_epoch=lambda self: lrs.append(self.opt.param_groups[0]['lr']),
+                                        order=70)])
     learn.fit(7)
     assert lrs == pytest.approx([0.1, 0.1, 0.1, 0.025, 0.025, 0.025, 0.00625])
 
 def test_monitor_errors():
-    with pytest.raises(ValueError, match=r"'f1' is not a column of the recorder's table \['train_loss', 'valid_loss', 'accuracy'\]"):
+    with pytest.raises(ValueError, match=r"'f1' is not a column of the recorder's table \['train_loss', "
+                                         r"'valid_loss', 'accuracy'\]"):
         synth_learner(metrics=accuracy).fit(1, cbs=EarlyStoppingCallback(monitor='f1'))
     with pytest.raises(ValueError, match='has no Recorder'):
         learn = synth_learner(); learn.remove_cb(Recorder); learn.fit(1, cbs=EarlyStoppingCallback())
@@ -113,7 +126,8 @@ def test_monitor_errors():
     with pytest.raises(ValueError, match='patience'): EarlyStoppingCallback(patience=0)
 
 def test_missing_value_warns_and_is_skipped():
-    "A value missing at some epoch warns and that epoch is not compared (no validation set at all is refused up front)"
+    """A value missing at some epoch warns and that epoch is not compared (no validation set at all is refused
+    up front)"""
     def valid_loss(learn): return None
     learn = synth_learner(cbs=EarlyStoppingCallback(monitor=valid_loss, patience=5))
     with pytest.warns(UserWarning, match='valid_loss has no value at epoch 0'): learn.fit(2)

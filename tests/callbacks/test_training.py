@@ -65,7 +65,8 @@ def test_recorded_losses_are_not_scaled():
 
 def test_loss_grad_is_replaced_not_changed_in_place():
     seen = {}
-    def before(self): seen['orig'], seen['value'] = self.learn.loss_grad, self.learn.loss_grad.detach().clone()
+    def before(self):
+        seen['orig'], seen['value'] = self.learn.loss_grad, self.learn.loss_grad.detach().clone()
     def after(self): seen['new'], seen['loss'] = self.learn.loss_grad, self.learn.loss
     learn = learner(bs=8, cbs=[GradientAccumulation(32), Callback(before_backward=before, order=4),
                                 Callback(before_backward=after, order=6)])
@@ -103,10 +104,12 @@ def test_without_len_the_remainder_carries_over_then_is_dropped():
     grads_at_end = []
     learn = learner(dls=DataLoaders(NoLen(dls.train), dls.valid),
                     cbs=[GradientAccumulation(24), Batches(),
-                         Callback(after_train=lambda self: grads_at_end.append(self.model[0].weight.grad is not None))])
+                         Callback(after_train=lambda self: grads_at_end.append(
+        self.model[0].weight.grad is not None))])
     learn.fit(2)
     # 8 batches of 8 per epoch: steps at 24 and 48 samples, 16 left, carried into the second epoch
-    assert learn.batches.stepped == [False, False, True] * 2 + [False, False] + [True] + [False, False, True] * 2 + [False]
+    assert learn.batches.stepped == [False, False, True] * 2 + [False, False] + [True] + [False, False,
+        True] * 2 + [False]
     assert grads_at_end == [True, True]                     # a remainder was waiting at the end of each epoch
     assert all(p.grad is None for p in learn.model.parameters())   # and was dropped at the end of the fit
     assert learn.gradient_accumulation.count == 0
@@ -118,7 +121,8 @@ def test_accumulation_then_clipping_clips_the_whole_gradient():
     large = learner(bs=32, cbs=GradientClip(0.05))
     large.fit(1)
     assert torch.allclose(weights(acc), weights(large), rtol=1e-5, atol=1e-7)
-    late = GradientAccumulation(32); late.order = 25        # deciding after the clip clips each small batch: different
+    # deciding after the clip clips each small batch: different
+    late = GradientAccumulation(32); late.order = 25
     wrong = learner(bs=8, cbs=[late, GradientClip(0.05)])
     wrong.fit(1)
     assert not torch.allclose(weights(wrong), weights(large), rtol=1e-5, atol=1e-7)
@@ -128,14 +132,15 @@ def test_a_run_resumed_inside_a_group_finishes_it(tmp_path):
     resumes exactly"""
     class Crash(Exception): pass
     def save_then_crash(self):
-        if self.train_iter == 7:                             # 7 batches of 8 done: the second group of 32 is 3/4 full
+        if self.train_iter == 7:  # 7 batches of 8 done: the second group of 32 is 3/4 full
             state = self.learn.gradient_accumulation.state_dict()
             assert state['count'] == 24 and int(state['items']) == 24     # the rows, and what the loss counts
             self.learn.save_checkpoint(tmp_path/'mid.pth')
             raise Crash()
     full = learner(bs=8, n_train=64, cbs=GradientAccumulation(32))
     full.fit(2)
-    crashed = learner(bs=8, n_train=64, cbs=[GradientAccumulation(32), Callback(after_batch=save_then_crash, run_valid=False)])
+    crashed = learner(bs=8, n_train=64, cbs=[GradientAccumulation(32), Callback(after_batch=save_then_crash,
+        run_valid=False)])
     with pytest.raises(Crash): crashed.fit(2)
     resumed = learner(bs=8, n_train=64, cbs=GradientAccumulation(32))
     resumed.fit(2, resume=tmp_path/'mid.pth')
@@ -143,7 +148,8 @@ def test_a_run_resumed_inside_a_group_finishes_it(tmp_path):
 
 @pytest.mark.parametrize('n_acc', [0, -4, 2.5, '32', True, None])
 def test_n_acc_must_be_a_positive_int(n_acc):
-    with pytest.raises(ValueError, match=r"n_acc .*must be a positive int, not " + repr(n_acc).replace('.', r'\.')):
+    with pytest.raises(ValueError, match=r"n_acc .*must be a positive int, not " + repr(n_acc).replace('.',
+            r'\.')):
         GradientAccumulation(n_acc)
 
 def test_accumulation_does_not_touch_validation():
@@ -158,7 +164,8 @@ def test_accumulation_does_not_touch_validation():
 class Grads(Callback):
     "Copies of the gradients just before (order 19) or just after (order 21) `GradientClip` acts"
     def __init__(self, order): self.order,self.seen = order,[]
-    def before_step(self): self.seen.append(torch.cat([p.grad.flatten() for p in self.learn.model.parameters()]))
+    def before_step(self):
+        self.seen.append(torch.cat([p.grad.flatten() for p in self.learn.model.parameters()]))
 
 @pytest.mark.parametrize('norm_type', [2., 1., float('inf')])
 def test_clip_bounds_the_norm_and_keeps_the_direction(norm_type):
@@ -197,7 +204,8 @@ def test_bf16_autocast_in_forward_params_stay_float32():
     model = Inside()
     preds = set()
     learn = learner(model=model, cbs=[MixedPrecision(), Batches(),
-                                      Callback(after_batch=lambda self: preds.add((self.training, self.pred.dtype)))])
+                                      Callback(after_batch=lambda self: preds.add((self.training,
+        self.pred.dtype)))])
     w0 = weights(learn)
     learn.fit(2)
     assert set(model.dtypes) == {torch.bfloat16}             # training and validation batches
@@ -205,7 +213,8 @@ def test_bf16_autocast_in_forward_params_stay_float32():
     assert all(p.grad is None or p.grad.dtype == torch.float32 for p in model.parameters())
     assert not torch.equal(weights(learn), w0)
     assert learn.mixed_precision.scaler is None and learn.mixed_precision.amp_dtype('cpu') == torch.bfloat16
-    assert preds == {(True, torch.bfloat16), (False, torch.float32)}   # validation predictions are made float32
+    # validation predictions are made float32
+    assert preds == {(True, torch.bfloat16), (False, torch.float32)}
     assert all(l.dtype == torch.float32 for l in learn.batches.losses)
     assert not torch.is_autocast_enabled('cpu')
     vals = learn.recorder.values
@@ -237,11 +246,12 @@ def test_fp16_trains_with_a_scaled_loss():
     learn.fit(1)
     mp = learn.mixed_precision
     assert set(learn.model.dtypes) == {torch.float16}
-    assert isinstance(mp.scaler, torch.amp.GradScaler) and mp.skipped_steps == 0 and mp.scaler.get_scale() == 2.**10
+    assert isinstance(mp.scaler,
+                      torch.amp.GradScaler) and mp.skipped_steps == 0 and mp.scaler.get_scale() == 2.**10
     loss, scaled = seen[0]
-    assert torch.allclose(scaled, loss * 2.**10)             # backward sees the scaled loss, the recorder does not
+    assert torch.allclose(scaled, loss * 2.**10)  # backward sees the scaled loss, the recorder does not
     assert learn.opt.n_steps == 16 and not torch.equal(weights(learn), w0)
-    assert learn.recorder.values[0][0] < 1.                   # the recorded loss is the real one, not times 1024
+    assert learn.recorder.values[0][0] < 1.  # the recorded loss is the real one, not times 1024
 
 @pytest.mark.parametrize('how', ['grad', 'loss'])
 def test_fp16_overflow_skips_the_step(how):
@@ -249,11 +259,13 @@ def test_fp16_overflow_skips_the_step(how):
         if self.train_iter == 2: self.learn.model[0].weight.grad[0, 0] = float('inf')
     def inf_loss(self):
         if self.train_iter == 2: self.learn.loss_grad = self.learn.loss_grad * float('inf')
-    poison = Callback(after_backward=inf_grad) if how == 'grad' else Callback(before_backward=inf_loss, order=11)
+    poison = Callback(after_backward=inf_grad) if how == 'grad' else Callback(before_backward=inf_loss,
+        order=11)
     ws = []
     log = EventLog()
     learn = fp16_learner(cbs=[poison, log, Batches(),
-                              Callback(after_batch=lambda self: ws.append(weights(self.learn)), run_valid=False)])
+                              Callback(after_batch=lambda self: ws.append(weights(self.learn)),
+                                       run_valid=False)])
     learn.fit(1)
     mp = learn.mixed_precision
     assert mp.skipped_steps == 1 and mp.scaler.get_scale() == 2.**9
@@ -279,7 +291,8 @@ def test_fp16_with_accumulation_unscales_once_per_step():
     assert torch.allclose(weights(acc), weights(large), rtol=1e-3, atol=1e-4)
 
 def test_a_step_cancelled_after_unscaling_is_scaled_again():
-    "A callback that cancels steps after MixedPrecision: the kept gradients are put back on the scale of the next backward"
+    """A callback that cancels steps after MixedPrecision: the kept gradients are put back on the scale of the
+    next backward"""
     late = GradientAccumulation(32); late.order = 15
     acc = fp16_learner(cbs=[late])
     acc.fit(1)
@@ -325,15 +338,20 @@ def test_an_outer_autocast_is_restored():
     assert not torch.is_autocast_enabled('cpu')
 
 def test_mixed_precision_errors():
-    with pytest.raises(ValueError, match=r"dtype must be torch.bfloat16.*not torch.float32"): MixedPrecision(torch.float32)
+    with pytest.raises(ValueError, match=r"dtype must be torch.bfloat16.*not torch.float32"):
+        MixedPrecision(torch.float32)
     with pytest.raises(ValueError, match=r"dtype must be .* not 'int8'"): MixedPrecision('int8')
-    with pytest.raises(ValueError, match=r"init_scale must be a positive number, not 0"): MixedPrecision(init_scale=0)
-    with pytest.raises(ValueError, match=r"growth_interval must be a positive int"): MixedPrecision(growth_interval=2.5)
-    with pytest.raises(ValueError, match=r"autocast on 'cpu' does not support torch.float32.*dtype=torch.float16"):
+    with pytest.raises(ValueError, match=r"init_scale must be a positive number, not 0"):
+        MixedPrecision(init_scale=0)
+    with pytest.raises(ValueError, match=r"growth_interval must be a positive int"):
+        MixedPrecision(growth_interval=2.5)
+    with pytest.raises(ValueError, match=r"autocast on 'cpu' does not support "
+                                         r"torch.float32.*dtype=torch.float16"):
         autocast_for('cpu', torch.float32)
     learn = learner(cbs=MixedPrecision())
     learn.model.to('meta')
-    with pytest.raises(ValueError, match=r"are on the meta device.*to_empty"): learn.fit(1)   # when the fit starts
+    # when the fit starts
+    with pytest.raises(ValueError, match=r"are on the meta device.*to_empty"): learn.fit(1)
 
 def test_scaler_state_round_trip():
     def inf_grad(self):
@@ -420,9 +438,11 @@ class Convs(nn.Module):
 
 def conv_learner(cbs=None):
     g = torch.Generator().manual_seed(0)
-    ds = TensorDataset(torch.randn(16, 3, 6, 6, generator=g), torch.randn(16, 5, generator=g), torch.randint(0, 2, (16,), generator=g))
+    ds = TensorDataset(torch.randn(16, 3, 6, 6, generator=g), torch.randn(16, 5, generator=g),
+                       torch.randint(0, 2, (16,), generator=g))
     torch.manual_seed(0)
-    learn = Learner(DataLoaders(DataLoader(ds, batch_size=4), DataLoader(ds, batch_size=8)), Convs(), nn.CrossEntropyLoss(),
+    learn = Learner(DataLoaders(DataLoader(ds, batch_size=4), DataLoader(ds, batch_size=8)), Convs(),
+                    nn.CrossEntropyLoss(),
                     opt_func=torch.optim.SGD, lr=0.1, cbs=cbs, device='cpu', n_inp=2)
     learn.remove_cb(ProgressCallback); learn.logger = lambda row: None
     return learn
@@ -435,14 +455,16 @@ def test_channels_last_converts_model_and_images_only():
     plain = conv_learner()
     plain.fit(1)
     assert not any(f[0] for f in plain.model.formats)
-    assert torch.allclose(learn.model.conv.weight, plain.model.conv.weight, atol=1e-6)   # same training, other layout
+    # same training, other layout
+    assert torch.allclose(learn.model.conv.weight, plain.model.conv.weight, atol=1e-6)
 
 # ---------------------------------------------------------------- speed
 
 
 def syncs(n_batches):
     learn = synth_learner(dls=synth_dls(n_train=8 * n_batches, n_valid=16, bs=8), opt_func=torch.optim.SGD,
-                          cbs=[GradientAccumulation(16), MixedPrecision(), GradientClip(0.5), MoveModulesToDeviceCallback(),
+                          cbs=[GradientAccumulation(16), MixedPrecision(), GradientClip(0.5),
+                               MoveModulesToDeviceCallback(),
                                ChannelsLast()])
     with SyncCounter() as c: learn.fit(1)
     return c.counts
@@ -452,9 +474,11 @@ def test_no_host_sync_per_batch():
     assert few == many, f'40 batches: {dict(few)}, 120 batches: {dict(many)}'
 
 def test_fp16_clipping_sees_unscaled_gradients():
-    "GradientClip (order 20) runs after MixedPrecision (10) has unscaled: the clipped norm is max_norm, not max_norm/scale"
+    """GradientClip (order 20) runs after MixedPrecision (10) has unscaled: the clipped norm is max_norm, not
+    max_norm/scale"""
     after = Grads(21)
-    big = Callback(before_backward=lambda self: setattr(self.learn, 'loss_grad', self.learn.loss_grad * 100), order=5)
+    big = Callback(before_backward=lambda self: setattr(self.learn, 'loss_grad', self.learn.loss_grad * 100),
+                   order=5)
     learn = fp16_learner(cbs=[GradientClip(0.3), after, big])
     learn.fit(1)
     assert learn.mixed_precision.skipped_steps == 0

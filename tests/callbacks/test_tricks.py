@@ -1,4 +1,5 @@
-"Training tricks across a checkpoint: a run with MixUp, CutMix, EMA or SWA stopped in the middle of an epoch and resumed equals one never stopped"
+"""Training tricks across a checkpoint: a run with MixUp, CutMix, EMA or SWA stopped in the middle of an epoch
+and resumed equals one never stopped"""
 import re
 import pytest, torch
 from torch import nn
@@ -18,12 +19,15 @@ def image_learner(path):
 
 def weights_and_extra(learn, trick):
     out = {k: v.clone() for k, v in learn.model.state_dict().items()}
-    if isinstance(trick, EMACallback): out.update({f'ema.{k}': v.clone() for k, v in trick.average.state_dict().items()})
-    if isinstance(trick, SWACallback): out.update({f'swa.{k}': v.clone() for k, v in trick.average.state_dict().items()})
+    if isinstance(trick, EMACallback):
+        out.update({f'ema.{k}': v.clone() for k, v in trick.average.state_dict().items()})
+    if isinstance(trick, SWACallback):
+        out.update({f'swa.{k}': v.clone() for k, v in trick.average.state_dict().items()})
     return out
 
 @pytest.mark.parametrize('make', [lambda: MixUp(0.4), lambda: CutMix(1.), lambda: EMACallback(0.9),
-                                  lambda: SWACallback(start_epoch=1, swa_lr=0.005)], ids=['mixup', 'cutmix', 'ema', 'swa'])
+                                  lambda: SWACallback(start_epoch=1, swa_lr=0.005)], ids=['mixup', 'cutmix',
+    'ema', 'swa'])
 def test_a_resumed_run_with_a_trick_equals_an_uninterrupted_one(tmp_path, make):
     whole = image_learner(tmp_path/'whole')
     trick = make()
@@ -32,7 +36,8 @@ def test_a_resumed_run_with_a_trick_equals_an_uninterrupted_one(tmp_path, make):
 
     cut = image_learner(tmp_path/'cut')
     with pytest.raises(RuntimeError, match='boom'):
-        cut.fit(3, cbs=[make(), CheckpointCallback(every_n_steps=2), CrashAt(9, 'boom')])     # in the middle of epoch 2
+        # in the middle of epoch 2
+        cut.fit(3, cbs=[make(), CheckpointCallback(every_n_steps=2), CrashAt(9, 'boom')])
     resumed = image_learner(tmp_path/'cut')
     trick = make()
     resumed.fit(3, cbs=[trick, CheckpointCallback(every_n_steps=2)], resume=True)

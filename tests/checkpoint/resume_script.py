@@ -1,4 +1,5 @@
-"""A training run for the resume tests: shuffled data, dropout, one-cycle, gradient accumulation, a checkpoint after
+"""A training run for the resume tests: shuffled data, dropout, one-cycle, gradient accumulation, a checkpoint
+after
 every batch. It can kill itself with SIGKILL at a chosen point, stall inside a checkpoint write, or resume.
 
 python resume_script.py PATH [--kill EVENT,EPOCH,ITER,PHASE] [--term EPOCH,ITER] [--every N] [--stall-save N]
@@ -32,7 +33,8 @@ class KillAt(Callback):
     def maybe_kill(self):
         learn = self.learn
         if learn.epoch != self.epoch_: return
-        if self.phase_ != '-' and (learn.training != (self.phase_ == 'train') or learn.iter != self.iter_): return
+        if self.phase_ != '-' and (learn.training != (self.phase_ == 'train') or learn.iter != self.iter_):
+            return
         os.kill(os.getpid(), signal.SIGKILL)
 
 class TermAt(Callback):
@@ -64,7 +66,8 @@ def main():
     a = p.parse_args()
     learn = make_learner(a.path)
     if a.compile_step: learn.compile(step=True, fallback=False)
-    cbs = [CheckpointCallback(every_n_steps=a.every or None, keep_last=3, signals=(a.signal,), requeue=a.requeue),
+    cbs = [CheckpointCallback(every_n_steps=a.every or None, keep_last=3, signals=(a.signal,),
+                              requeue=a.requeue),
            GradientAccumulation(n_acc=16)]
     if a.term: cbs.append(TermAt(*map(int, a.term.split(',')), signal.Signals[a.signal]))
     if a.kill:
@@ -73,9 +76,11 @@ def main():
     if a.stall_save: stall_save(a.stall_save)
     before = signal.getsignal(signal.SIGTERM)
     try: learn.fit_one_cycle(N_EPOCH, lr_max=1e-2, cbs=cbs, resume='auto' if a.resume else None)
-    finally: print(f'SIGTERM HANDLER BACK {signal.getsignal(signal.SIGTERM) is before}', flush=True)   # a write in flight at the kill may be lost: the one before, or none
+    # a write in flight at the kill may be lost: the one before, or none
+    finally: print(f'SIGTERM HANDLER BACK {signal.getsignal(signal.SIGTERM) is before}', flush=True)
     if a.out:
-        torch.save({'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(), 'losses': learn.recorder.losses,
+        torch.save({'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(),
+                    'losses': learn.recorder.losses,
                     'values': learn.recorder.values, 'lrs': learn.recorder.lrs}, a.out)
 
 if __name__ == '__main__': main()

@@ -1,5 +1,7 @@
-"""The two seams of the docs, run as users would: the `SQLiteStore` of the store page and the `AveragedGrads` strategy
-of the distributed page (chosen by the name it registers), taken from the notebooks' own cells, each in a run killed by SIGKILL and resumed with
+"""The two seams of the docs, run as users would: the `SQLiteStore` of the store page and the `AveragedGrads`
+strategy
+of the distributed page (chosen by the name it registers), taken from the notebooks' own cells, each in a run
+killed by SIGKILL and resumed with
 `resume='auto'` in a new process, equal to the run that was never interrupted."""
 import json
 from pathlib import Path
@@ -11,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def docs_cell(notebook, start):
     "The code cell of `nbs/notebook` that starts with `start`: the class as the docs show it"
     cells = json.loads((ROOT/'nbs'/notebook).read_text())['cells']
-    found = [''.join(c['source']) for c in cells if c['cell_type'] == 'code' and start in ''.join(c['source'])]
+    found = [''.join(c['source']) for c in cells if c['cell_type'] == 'code' and start
+             in ''.join(c['source'])]
     assert len(found) == 1, (notebook, start, len(found))
     return found[0]
 
@@ -70,11 +73,13 @@ def killed_then_resumed_equals_whole(tmp_path, docs, seam, nproc):
 def test_the_store_of_the_docs_resumes_a_killed_run_exactly(tmp_path):
     docs = docs_cell('16d_store.ipynb', 'class SQLiteStore(CheckpointStore)')
     killed_then_resumed_equals_whole(tmp_path, docs, 'store', nproc=1)
-    assert not list((tmp_path/'broken').glob('checkpoints/*')), 'the checkpoints went to the store, not to files'
+    assert not list(
+        (tmp_path/'broken').glob('checkpoints/*')), 'the checkpoints went to the store, not to files'
 
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason='torch.distributed is not available')
 def test_the_strategy_of_the_docs_resumes_a_killed_two_process_run_exactly(tmp_path):
-    docs = 'import torch.distributed as dist\n' + docs_cell('23c_distributed.ipynb', 'class AveragedGrads(Strategy)')
+    docs = 'import torch.distributed as dist\n' + docs_cell('23c_distributed.ipynb',
+                                                            'class AveragedGrads(Strategy)')
     a, _ = killed_then_resumed_equals_whole(tmp_path, docs, 'strategy', nproc=2)
     assert len(a['values']) == 3

@@ -1,8 +1,11 @@
 """Checkpointing changes nothing a run computes. The same seeded run (dropout, shuffle=True) trained with
-`CheckpointCallback(every_n_steps=5)` and without, killed by SIGKILL and resumed with resume='auto', fitted twice in a
-row, on one process and on two (DDP, gloo), and resumed on another number of processes: every run ends with the
+`CheckpointCallback(every_n_steps=5)` and without, killed by SIGKILL and resumed with resume='auto', fitted
+twice in a
+row, on one process and on two (DDP, gloo), and resumed on another number of processes: every run ends with
+the
 weights, the recorded losses and table, and the next `torch.rand(3)` of the run that never checkpointed.
-Runs tests/checkpoint/transparent_script.py (in this process, or in processes bounded by timeouts: conftest.run_script)."""
+Runs tests/checkpoint/transparent_script.py (in this process, or in processes bounded by timeouts:
+conftest.run_script)."""
 import shutil, warnings
 from pathlib import Path
 import pytest, torch
@@ -18,7 +21,8 @@ shares_ddp, shares_killed_on_two = pytest.mark.xdist_group('transparent_ddp'), p
 def run(out, *args, nproc=1, check=True):
     "The script in `nproc` processes (torchrun) or one (plain python), never longer than 240 s"
     res = run_script(SCRIPT, out, *args, nproc=nproc, timeout=240)
-    if check and res.returncode != 0: raise AssertionError(f'{args}: exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}')
+    if check and res.returncode != 0:
+        raise AssertionError(f'{args}: exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}')
     return res
 
 def result(out): return torch.load(Path(out)/'result.pt', weights_only=False)
@@ -55,7 +59,8 @@ def test_the_user_gets_the_dataloader_back_after_the_fit(tmp_path):
     assert learn.dls.train is train and type(train.sampler) is torch.utils.data.RandomSampler
 
 def test_a_dataloader_with_its_own_generator_is_ordered_by_it(tmp_path):
-    "RandomSampler with a generator draws its order from that generator: so does the checkpointed run, and leaves it as torch does"
+    """RandomSampler with a generator draws its order from that generator: so does the checkpointed run, and
+    leaves it as torch does"""
     def fit(ckpt):
         learn = make_learner(tmp_path/str(ckpt))
         g = torch.Generator().manual_seed(5)
@@ -92,7 +97,7 @@ def test_a_custom_sampler_is_left_alone_without_a_warning(tmp_path):
         return {'model': learn.model.state_dict(), 'fits': fits, 'rands': [torch.rand(3)]}, said
     (plain, none), (saved, said) = fit(False), fit(True)
     assert_same_run(saved, plain)
-    assert none == [] and said == []          # replayed from the epoch's start on a resume: exact, nothing to warn of
+    assert none == [] and said == []  # replayed from the epoch's start on a resume: exact, nothing to warn of
 
 # Two processes (DDP): the order is DistributedSampler's, with checkpoints or without
 
@@ -125,7 +130,8 @@ def test_ddp_sigkill_then_resume(ddp, tmp_path):
     assert_same_run(result(tmp_path/'k'), result(ddp/'plain'))
 
 def test_ddp_order_is_distributed_samplers(tmp_path):
-    "Rank r of a run reads what DistributedSampler(seed=0) gives rank r, epoch by epoch (a hand-written DDP loop's order)"
+    """Rank r of a run reads what DistributedSampler(seed=0) gives rank r, epoch by epoch (a hand-written DDP
+    loop's order)"""
     learn = make_learner(tmp_path)
     from learncb.strategy import shard_train_dl
     ds = learn.dls.train.dataset
@@ -147,8 +153,10 @@ def assert_close_run(got, ref, tol=1e-6):
 
 @pytest.fixture(scope='module', params=['ddp', 'fsdp'])
 def killed_on_two(request, tmp_path_factory):
-    "A 2-process run (6 items per rank, no dropout: masks are drawn per rank) uninterrupted, and one killed at step 13"
-    out, common = tmp_path_factory.mktemp(request.param), ('--dropout', '0', '--strategy', request.param, '--bs', '6')
+    """A 2-process run (6 items per rank, no dropout: masks are drawn per rank) uninterrupted, and one killed
+    at step 13"""
+    out, common = tmp_path_factory.mktemp(request.param), ('--dropout', '0', '--strategy', request.param,
+                                                           '--bs', '6')
     run(out/'plain', *common, nproc=2)
     assert run(out/'killed', *common, '--ckpt', '--kill-at', '13', nproc=2, check=False).returncode != 0
     return out, request.param
@@ -161,18 +169,19 @@ def test_resume_on_another_number_of_processes_keeps_the_table(killed_on_two, tm
     shutil.copytree(out/'killed', tmp_path/'again')
     res = run(tmp_path/'again', '--dropout', '0', '--strategy', strategy, '--bs', bs, '--ckpt', nproc=nproc)
     assert 'resuming the run from' in res.stdout
-    assert_close_run(result(tmp_path/'again'), result(out/'plain'))     # epoch 1's train_loss too: partial sums kept
+    # epoch 1's train_loss too: partial sums kept
+    assert_close_run(result(tmp_path/'again'), result(out/'plain'))
 
 # The global batch said once (distrib_ctx(global_batch=12)): the same command on any number of processes
 
 @pytest.mark.slow
 def test_global_batch_sets_the_batch_of_each_process_and_a_resume_needs_no_change(tmp_path):
-    common = ('--dropout', '0', '--global-batch', '12', '--bs', '5')          # the dataloader's own 5 is replaced
+    common = ('--dropout', '0', '--global-batch', '12', '--bs', '5')  # the dataloader's own 5 is replaced
     run(tmp_path/'two', *common, nproc=2)
     run(tmp_path/'one', *common)
-    assert_close_run(result(tmp_path/'one'), result(tmp_path/'two'))      # batches of 6 on 2 ranks, of 12 on one
+    assert_close_run(result(tmp_path/'one'), result(tmp_path/'two'))  # batches of 6 on 2 ranks, of 12 on one
     assert run(tmp_path/'killed', *common, '--ckpt', '--kill-at', '13', nproc=2, check=False).returncode != 0
-    res = run(tmp_path/'killed', *common, '--ckpt')                       # shrunk to one process, the same command
+    res = run(tmp_path/'killed', *common, '--ckpt')  # shrunk to one process, the same command
     assert 'resuming the run from' in res.stdout
     assert_close_run(result(tmp_path/'killed'), result(tmp_path/'two'))
     refused = run(tmp_path/'odd', '--global-batch', '13', nproc=2, check=False)

@@ -1,9 +1,12 @@
-"""A seeded run for tests/checkpoint/test_transparent.py: the same training with checkpoints or without, killed and resumed, on
+"""A seeded run for tests/checkpoint/test_transparent.py: the same training with checkpoints or without,
+killed and resumed, on
 one process or several (torchrun: `distrib_ctx`, gloo).
 
-python tests/checkpoint/transparent_script.py OUT [--ckpt] [--kill-at K] [--workers W] [--bs B] [--fits F] [--dropout P]
+python tests/checkpoint/transparent_script.py OUT [--ckpt] [--kill-at K] [--workers W] [--bs B] [--fits F]
+[--dropout P]
                                        [--strategy ddp|fsdp] [--global-batch N] [--ckpt-path P]
-With --ckpt the fit checkpoints every 5 steps and resumes with resume='auto' from OUT/checkpoints (or --ckpt-path,
+With --ckpt the fit checkpoints every 5 steps and resumes with resume='auto' from OUT/checkpoints (or
+--ckpt-path,
 a folder or a URL). Rank 0 saves
 OUT/result.pt: weights, each fit's recorded losses and table, and every rank's next torch.rand(3)."""
 import argparse, os, signal
@@ -16,7 +19,8 @@ from learncb.all import *
 N_TRAIN, N_VALID = 96, 32
 
 def make_learner(path, bs=8, workers=0, dropout=0.25):
-    "A classifier on 96 shuffled items, seeded: the model's weights and everything after come from the global generator"
+    """A classifier on 96 shuffled items, seeded: the model's weights and everything after come from the
+    global generator"""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(N_TRAIN + N_VALID, 4, generator=g)
     y = (x[:, 0] + x[:, 1] * x[:, 2] > 0).long()
@@ -25,7 +29,8 @@ def make_learner(path, bs=8, workers=0, dropout=0.25):
     valid = DataLoader(TensorDataset(x[N_TRAIN:], y[N_TRAIN:]), batch_size=8)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 2))
-    learn = Learner(DataLoaders(train, valid), model, nn.CrossEntropyLoss(), metrics=accuracy, path=path, lr=0.05,
+    learn = Learner(DataLoaders(train, valid), model, nn.CrossEntropyLoss(), metrics=accuracy, path=path,
+                    lr=0.05,
                     device='cpu')
     learn.remove_cb(ProgressCallback)
     learn.logger = lambda row: None
@@ -45,21 +50,25 @@ class SaveAtEnd(Callback):
     def after_fit(self):
         if self.learn.exception is None and is_rank0():
             torch.save({'model': self.learn.model.state_dict(), 'losses': self.learn.recorder.losses,
-                        'values': self.learn.recorder.values, 'train_iter': self.learn.train_iter}, self.out/'final.pt')
+                        'values': self.learn.recorder.values, 'train_iter': self.learn.train_iter},
+                        self.out/'final.pt')
 
 def run_fits(learn, n_fits=1, ckpt=False, kill_at=None, epochs=3, ckpt_path='checkpoints'):
-    "Fit `n_fits` times (the first with checkpoints if `ckpt`, resumed with resume='auto'); what each fit recorded"
+    """Fit `n_fits` times (the first with checkpoints if `ckpt`, resumed with resume='auto'); what each fit
+    recorded"""
     fits = []
     for i in range(n_fits):
         cbs = [CheckpointCallback(ckpt_path, every_n_steps=5)] if ckpt and i == 0 else []
         if kill_at is not None and i == 0: cbs.append(KillAt(kill_at))
         learn.fit(epochs, cbs=cbs, resume='auto' if ckpt and i == 0 else None)
-        fits.append({'losses': list(learn.recorder.losses), 'values': [list(v) for v in learn.recorder.values]})
+        fits.append({'losses': list(learn.recorder.losses), 'values': [list(v) for v
+            in learn.recorder.values]})
     return fits
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument('out'); p.add_argument('--ckpt', action='store_true'); p.add_argument('--kill-at', type=int)
+    p.add_argument('out'); p.add_argument('--ckpt', action='store_true'); p.add_argument('--kill-at',
+        type=int)
     p.add_argument('--workers', type=int, default=0); p.add_argument('--bs', type=int, default=8)
     p.add_argument('--fits', type=int, default=1); p.add_argument('--dropout', type=float, default=0.25)
     p.add_argument('--strategy', default='ddp'); p.add_argument('--global-batch', type=int)
@@ -72,7 +81,8 @@ def main():
         with learn.distrib_ctx(strategy=a.strategy, timeout=60, global_batch=a.global_batch):
             fits = run_fits(learn, a.fits, a.ckpt, a.kill_at, ckpt_path=a.ckpt_path)
             rands,rank = gather_objects(torch.rand(3)),rank_distrib()
-    else: fits,rands,rank = run_fits(learn, a.fits, a.ckpt, a.kill_at, ckpt_path=a.ckpt_path),[torch.rand(3)],0
+    else:
+        fits,rands,rank = run_fits(learn, a.fits, a.ckpt, a.kill_at, ckpt_path=a.ckpt_path),[torch.rand(3)],0
     if rank == 0:
         torch.save({'model': learn.model.state_dict(), 'fits': fits, 'rands': rands, 'world': len(rands)},
                    out/'result.pt')

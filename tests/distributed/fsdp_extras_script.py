@@ -1,5 +1,6 @@
 """lr_find, then fine_tune (a frozen body, then all of it), of a model with BatchNorm under FSDP: launched by
-tests/distributed/test_fsdp.py with torchrun (2 processes, gloo). Each rank saves what it ends with in OUT/rank<r>.pt.
+tests/distributed/test_fsdp.py with torchrun (2 processes, gloo). Each rank saves what it ends with in
+OUT/rank<r>.pt.
 
 python tests/distributed/fsdp_extras_script.py OUT"""
 import sys

@@ -1,4 +1,5 @@
-"""One replica group of a fault-tolerant run (tests/distributed/test_ft.py), or with --plain the same fit in one process.
+"""One replica group of a fault-tolerant run (tests/distributed/test_ft.py), or with --plain the same fit in
+one process.
 
 python tests/distributed/ft_script.py OUT [--plain] [--epochs E]
     [--kill-at K --kill-in forward|backward|allreduce|step|turn2|closure]
@@ -9,11 +10,15 @@ Ray Train worker, Ray's context: `ray_replica_env`); under torchrun it is a repl
 (`--within` says how they train). Rank --kill-rank of the replica (of group --kill-group only, if given)
 SIGKILLs itself once (a marker file in OUT keeps a restart from doing it again) at committed step K, in the
 stage named; with --hold-when-killed it makes OUT/hold first (the others wait for its restart).
-With --wait-for N a replica in a quorum of fewer than N waits while OUT/hold exists (the test makes it before it starts
-a replica; that replica removes it), then sleeps --slow-alone seconds a batch: it cannot finish before the one started.
-With --spike-at the targets of that training batch are made 100 times larger, and a SpikeGuard rolls the run back
+With --wait-for N a replica in a quorum of fewer than N waits while OUT/hold exists (the test makes it before
+it starts
+a replica; that replica removes it), then sleeps --slow-alone seconds a batch: it cannot finish before the one
+started.
+With --spike-at the targets of that training batch are made 100 times larger, and a SpikeGuard rolls the run
+back
 over it (its snapshot at the start of each epoch).
-With --ckpt each replica writes checkpoints to OUT/ckpt{REPLICA_GROUP_ID} and resumes from them (resume='auto').
+With --ckpt each replica writes checkpoints to OUT/ckpt{REPLICA_GROUP_ID} and resumes from them
+(resume='auto').
 Each replica saves OUT/result{REPLICA_GROUP_ID}.pt (each rank of a group of many:
 OUT/result{REPLICA_GROUP_ID}-{RANK}.pt): weights, optimizer state, counters, the Recorder's values."""
 import argparse, os, signal, time
@@ -25,7 +30,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from learncb.all import *
 
 p = argparse.ArgumentParser()
-p.add_argument('out'); p.add_argument('--plain', action='store_true'); p.add_argument('--epochs', type=int, default=3)
+p.add_argument('out'); p.add_argument('--plain', action='store_true'); p.add_argument('--epochs', type=int,
+    default=3)
 p.add_argument('--kill-at', type=int, default=None); p.add_argument('--kill-in', default='forward')
 p.add_argument('--slow-alone', type=float, default=0.0); p.add_argument('--wait-for', type=int, default=0)
 p.add_argument('--slow', type=float, default=0.0); p.add_argument('--seed', type=int, default=0)
@@ -46,7 +52,8 @@ hold = out / 'hold'
 def data(n, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 8, generator=g)
-    return TensorDataset(x, (x @ torch.randn(8, 1, generator=g)).squeeze(1) + 0.1 * torch.randn(n, generator=g))
+    return TensorDataset(x, (x @ torch.randn(8, 1, generator=g)).squeeze(1) + 0.1 * torch.randn(n,
+        generator=g))
 
 torch.manual_seed(args.seed)
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1), nn.Flatten(0))
@@ -70,7 +77,8 @@ learn = cls(dls, model, loss_func=nn.MSELoss(), **{'opt_func': torch.optim.Adam,
             cbs=TerminateOnNaNCallback())      # a guard that runs under torchft (it changes nothing here)
 
 def wait_alone():
-    "Short of replicas: wait while OUT/hold is there (the test is starting one; it removes the file), then slow down"
+    """Short of replicas: wait while OUT/hold is there (the test is starting one; it removes the file), then
+    slow down"""
     deadline = time.monotonic() + 240
     while hold.exists() and time.monotonic() < deadline: time.sleep(0.05)
     time.sleep(args.slow_alone)
@@ -81,7 +89,8 @@ def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 class Chaos(Callback):
-    "Kill this replica once, at committed step `--kill-at`, in the stage `--kill-in`; slow the run while it is short of replicas"
+    """Kill this replica once, at committed step `--kill-at`, in the stage `--kill-in`; slow the run while it
+    is short of replicas"""
     order = Order.FINAL
     healed_at,batches,tries = None,0,0
     def after_batch(self):
@@ -94,7 +103,8 @@ class Chaos(Callback):
         if self.healed_at is None and learn.training: Chaos.healed_at = learn.train_iter
         if args.slow: time.sleep(args.slow)
         if args.wait_for and ft.manager.num_participants() < args.wait_for: wait_alone()
-        if not learn.training or args.kill_at is None or marker.exists() or learn.train_iter != args.kill_at: return
+        if not learn.training or args.kill_at is None or marker.exists() or learn.train_iter != args.kill_at:
+            return
         if group_rank != args.kill_rank or args.kill_group not in (None, replica): return
         if args.kill_in == 'forward': learn.model.register_forward_hook(lambda *a: die())
         elif args.kill_in == 'backward': learn.model[0].weight.register_hook(lambda g: die())
@@ -111,7 +121,8 @@ class Chaos(Callback):
             learn.model[0].weight.register_hook(lambda g: die() if learn.stepper._in_step else None)
 
 class Spike(Callback):
-    "The targets of training batch `--spike-at` made 100 times larger: a spike that SpikeGuard rolls back over"
+    """The targets of training batch `--spike-at` made 100 times larger: a spike that SpikeGuard rolls back
+    over"""
     at = tuple(map(int, args.spike_at.split(','))) if args.spike_at else None
     def before_batch(self):
         learn = self.learn
@@ -129,8 +140,9 @@ if args.plain:
     with learn.distrib_ctx(global_batch=64): learn.fit(args.epochs, cbs=guards)
 else:
     with learn.distrib_ctx(strategy=TorchFT(args.within, timeout=30, quorum_timeout=120), global_batch=64):
-        hold.unlink(missing_ok=True)      # its manager is up: the replicas that waited for it go on, and meet it
-        ckpt = [CheckpointCallback(out/f'ckpt{replica}', every_n_steps=4, background=False)] if args.ckpt else []
+        hold.unlink(missing_ok=True)  # its manager is up: the replicas that waited for it go on, and meet it
+        ckpt = [CheckpointCallback(out/f'ckpt{replica}', every_n_steps=4,
+                                   background=False)] if args.ckpt else []
         learn.fit(args.epochs, cbs=[Chaos(), *ckpt, *guards], resume='auto' if args.ckpt else None)
     assert isinstance(learn.model, nn.Sequential)
     assert args.step != 'one' or type(learn.opt).__name__ == 'Adam'

@@ -3,7 +3,8 @@ same weights and data, under one strategy; every result saved for the test to ho
 fit.
 
 python tests/distributed/matrix_script.py OUT --strategy one|ddp|fsdp|plain|torchft|torchft_fsdp [--only A,B]
-'one': this process, `distrib_ctx(global_batch=64)` (the order the others are held against); 'ddp', 'fsdp': two
+'one': this process, `distrib_ctx(global_batch=64)` (the order the others are held against); 'ddp', 'fsdp':
+two
 processes (learncb's `launch`, gloo); 'plain': two processes under a strategy registered with no override;
 'torchft': two replica groups of one process under a lighthouse of their own (`launch_replicas`);
 'torchft_fsdp': two replica groups of two ranks each, FSDP within a group. Each process saves
@@ -23,7 +24,8 @@ N_ITEMS,GLOBAL_BATCH,EPOCHS = 512,64,2
 def data(n, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 8, generator=g)
-    return TensorDataset(x, (x @ torch.randn(8, 1, generator=g)).squeeze(1) + 0.1 * torch.randn(n, generator=g))
+    return TensorDataset(x, (x @ torch.randn(8, 1, generator=g)).squeeze(1) + 0.1 * torch.randn(n,
+        generator=g))
 
 class Plain(Strategy):
     """A strategy a user registers without overriding anything: the data sharded, the gradients averaged in
@@ -38,7 +40,8 @@ class StepCount(Callback):
     def after_step(self): self.n += bool(self.learn.step_taken)
 
 class Spikes(Callback):
-    "Scripted spikes: the targets of batch (0, 3) made NaN, those of batch (1, 2) 100 times larger (then skipped)"
+    """Scripted spikes: the targets of batch (0, 3) made NaN, those of batch (1, 2) 100 times larger (then
+    skipped)"""
     def before_batch(self):
         learn = self.learn
         at = (learn.epoch, learn.iter) if learn.training else None
@@ -60,8 +63,8 @@ capabilities = {       # name: the callbacks of the fit, given its checkpoint fo
     'schedule_by_step': lambda folder: [ParamScheduler({'lr': SchedCos(3e-3, 1e-4)}, by='step')],
     'checkpoint': ckpt,
     'compiled_step': lambda folder: [],
-    'several_optimizers': lambda folder: [],       # Adam for the body, SGD for the head: one step of both a batch
-    'turns': lambda folder: [],                    # the body's optimizer, then the head's, each on a forward of its own
+    'several_optimizers': lambda folder: [],  # Adam for the body, SGD for the head: one step of both a batch
+    'turns': lambda folder: [],  # the body's optimizer, then the head's, each on a forward of its own
     'closure': lambda folder: [],                  # LBFGS: the step computes the batch again in a closure
     'padded_lm': lambda folder: [GradientAccumulation(128)],   # an LM's rows of unequal length, by tokens
 }
@@ -117,7 +120,7 @@ def fit(cap, strategy, out, rank):
         with ctx: learn.fit(EPOCHS, cbs=[steps, *capabilities[cap](folder)])
     except ValueError as e:
         refused = str(e)
-        assert all(torch.equal(v, learn.model.state_dict()[k]) for k,v in before.items()), cap   # nothing lost
+        assert all(torch.equal(v, learn.model.state_dict()[k]) for k,v in before.items()), cap  # nothing lost
     return {'weights': {k: v.detach().clone() for k,v in learn.model.state_dict().items()}, 'steps': steps.n,
             'refused': refused, 'train_iter': learn.train_iter, 'skipped': learn.skipped_batches,
             'skipped_items': sorted(learn.skipped_items),

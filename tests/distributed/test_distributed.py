@@ -3,15 +3,19 @@ Runs tests/distributed/ddp_script.py; rank 0 saves its results, which are compar
 import random, re
 from pathlib import Path
 import pytest, torch
-from learncb.ranks import num_distrib, rank_distrib, free_port   # free_port: the other test modules import it from here
+# free_port: the other test modules import it from here
+from learncb.ranks import num_distrib, rank_distrib, free_port
 from conftest import run_script
 
 SCRIPT = Path(__file__).parent/'ddp_script.py'
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason='torch.distributed is not available')
-shared_runs = pytest.mark.xdist_group('ddp_one_and_two')   # pytest -n: the tests sharing a module fixture's runs go to one worker, which makes them once
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason='torch.distributed is not '
+    'available')
+# pytest -n: the tests sharing a module fixture's runs go to one worker, which makes them once
+shared_runs = pytest.mark.xdist_group('ddp_one_and_two')
 
 def run(out, *args, nproc=2, check=True, timeout=180):
-    "Run the script in `nproc` processes (torchrun) or in one (`nproc=1`, plain python), forked; never longer than `timeout`"
+    """Run the script in `nproc` processes (torchrun) or in one (`nproc=1`, plain python), forked; never
+    longer than `timeout`"""
     res = run_script(SCRIPT, out, *args, nproc=nproc, timeout=timeout)
     if check and res.returncode != 0:
         raise AssertionError(f'{args}: exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}')
@@ -21,7 +25,8 @@ def result(out): return torch.load(Path(out)/'result.pt', weights_only=False)
 
 def ranks_said(res):
     "What each rank printed at the end: {rank: (world, epochs, files written)}"
-    return {int(r): tuple(map(int, rest)) for r,*rest in re.findall(r'RANK (\d) OF (\d) EPOCHS (\d+) WRITES (\d+)', res.stdout)}
+    return {int(r): tuple(map(int, rest)) for r,*rest in re.findall(r'RANK (\d) OF (\d) EPOCHS (\d+) WRITES '
+                                                                    r'(\d+)', res.stdout)}
 
 @pytest.fixture(scope='module')
 def one_and_two(tmp_path_factory):
@@ -35,20 +40,24 @@ def one_and_two(tmp_path_factory):
 @shared_runs
 def test_two_processes_train_like_one(one_and_two):
     one, two, res = one_and_two
-    assert two['world'] == 2 and one['world'] == 1 and two['is_plain']     # the model is unwrapped after the fit
+    assert two['world'] == 2 and one['world'] == 1 and two['is_plain']  # the model is unwrapped after the fit
     for k in one['model']: torch.testing.assert_close(two['model'][k], one['model'][k], atol=1e-6, rtol=1e-5)
-    for a, b in zip(one['values'], two['values']):                         # the table: global values, as 1 process
+    for a, b in zip(one['values'], two['values']):  # the table: global values, as 1 process
         assert all(abs(x - y) < 1e-6 for x, y in zip(a, b)), (a, b)
     assert ranks_said(res) == {0: (2, 3, 0), 1: (2, 3, 0)}
-    assert res.stdout.count('GLOO THREADS LEFT 0') == 2, res.stdout[-2000:]   # the group and its threads freed when
-    # distrib_ctx ends it: left to the interpreter's teardown, a gloo thread can abort the process at exit (seen)
+    # the group and its threads freed when
+    assert res.stdout.count('GLOO THREADS LEFT 0') == 2, res.stdout[-2000:]
+    # distrib_ctx ends it: left to the interpreter's teardown, a gloo thread can abort the process at exit
+    # (seen)
 
 @shared_runs
 def test_get_preds_gathers_in_order_without_duplicates(one_and_two):
     one, two, _ = one_and_two
-    assert two['preds'].shape == (33, 3)                                     # 33 items: 17 on rank 0, 16 on rank 1
+    assert two['preds'].shape == (33, 3)  # 33 items: 17 on rank 0, 16 on rank 1
     assert torch.equal(two['targs'], one['targs'])                           # in dataset order
-    assert torch.equal(two['preds'], two['alone'])                           # what one process gets with those weights (every item in a batch of the same size in both: 4, or 1 for item 32)
+    # what one process gets with those weights (every item in a batch of the same size in both: 4, or 1 for
+    # item 32)
+    assert torch.equal(two['preds'], two['alone'])
 
 @pytest.mark.slow
 def test_only_rank0_writes_and_the_table_prints_once(tmp_path):
@@ -96,13 +105,15 @@ def _train_in_each_process(out):
     learn = synth_learner()
     with learn.distrib_ctx(timeout=30):
         learn.fit(2)
-        if rank_distrib() == 0: torch.save({'world': num_distrib(), 'values': learn.recorder.values}, Path(out)/'r.pt')
+        if rank_distrib() == 0:
+            torch.save({'world': num_distrib(), 'values': learn.recorder.values}, Path(out)/'r.pt')
 
 @pytest.mark.slow
 def test_launch_from_a_notebook_forks_a_run(tmp_path):
     from learncb.distributed.context import launch
     import multiprocessing as mp
-    p = mp.get_context('spawn').Process(target=launch, args=(_train_in_each_process, tmp_path), kwargs={'nprocs': 2})
+    p = mp.get_context('spawn').Process(target=launch, args=(_train_in_each_process, tmp_path),
+                                        kwargs={'nprocs': 2})
     p.start(); p.join(120)                 # in a fresh process, as a kernel is: fork from there
     if p.is_alive(): p.kill(); pytest.fail('launch did not finish in 120 s')
     assert p.exitcode == 0
@@ -112,9 +123,10 @@ def test_launch_from_a_notebook_forks_a_run(tmp_path):
 @pytest.mark.slow
 def test_gradient_accumulation_skips_the_averaging_of_batches_that_do_not_step(tmp_path):
     run(tmp_path/'one', '--bs', '8', '--acc', '16', nproc=1)
-    run(tmp_path/'two', '--bs', '4', '--acc', '16')    # 4 items a batch per rank, 8 in all: the run's n_acc, as in one
+    # 4 items a batch per rank, 8 in all: the run's n_acc, as in one
+    run(tmp_path/'two', '--bs', '4', '--acc', '16')
     one, two = result(tmp_path/'one'), result(tmp_path/'two')
-    assert two['syncs'][:6] == [False, True] * 3                      # no_sync in the backward of the first of each pair
+    assert two['syncs'][:6] == [False, True] * 3  # no_sync in the backward of the first of each pair
     for k in one['model']: torch.testing.assert_close(two['model'][k], one['model'][k], atol=1e-6, rtol=1e-5)
 
 def test_gradient_clip_and_bf16_under_ddp(tmp_path):
@@ -143,7 +155,8 @@ def test_torchmetrics_sync_themselves(tmp_path):
 
 @pytest.mark.slow
 def test_a_compiled_step_under_ddp_trains_like_the_eager_one(tmp_path):
-    "learn.compile(step=True) under DDP (2 processes): within 1e-5 of the eager DDP fit, GradientClip in the compiled step"
+    """learn.compile(step=True) under DDP (2 processes): within 1e-5 of the eager DDP fit, GradientClip in the
+    compiled step"""
     common = ('--bs', '8', '--adam', '--clip', '--epochs', '2', '--n-valid', '30')
     run(tmp_path/'eager', *common, timeout=300)
     run(tmp_path/'compiled', *common, '--compile-step', timeout=600)
@@ -151,4 +164,5 @@ def test_a_compiled_step_under_ddp_trains_like_the_eager_one(tmp_path):
     assert compiled['graphs'] > 0 and eager['graphs'] == 0 and compiled['is_plain']
     for k, w in eager['model'].items():                # relative to the tensor's largest weight
         assert (compiled['model'][k] - w).abs().max() <= 1e-5 * w.abs().max(), k
-    for a, b in zip(eager['values'], compiled['values']): assert all(abs(x - y) <= 1e-5 * max(1, abs(x)) for x, y in zip(a, b))
+    for a, b in zip(eager['values'], compiled['values']):
+        assert all(abs(x - y) <= 1e-5 * max(1, abs(x)) for x, y in zip(a, b))

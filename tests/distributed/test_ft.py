@@ -1,8 +1,12 @@
-"""Fault tolerance per step on torchft (CPU, gloo, a lighthouse on loopback): replicas killed in the middle of a step,
-started again or for the first time while the others train; every replica that finishes ends as the undisturbed run.
+"""Fault tolerance per step on torchft (CPU, gloo, a lighthouse on loopback): replicas killed in the middle of
+a step,
+started again or for the first time while the others train; every replica that finishes ends as the
+undisturbed run.
 
-Each replica group is a process running `tests/distributed/ft_script.py`: forked from one that imported learncb (no
-2 to 3 s of imports each), or the plain `python ft_script.py` of a user (the new replica that joins a running one);
+Each replica group is a process running `tests/distributed/ft_script.py`: forked from one that imported
+learncb (no
+2 to 3 s of imports each), or the plain `python ft_script.py` of a user (the new replica that joins a running
+one);
 every wait is bounded by a timeout."""
 import os, subprocess, sys, time
 from pathlib import Path
@@ -17,7 +21,8 @@ SCRIPT = Path(__file__).parent/'ft_script.py'
 WAIT = 240          # seconds any one wait may take, on a loaded 2-core machine
 
 def start(out, lighthouse, replica, n, *args, plain_python=False):
-    """Replica group `replica` of `n` (its output in OUT/log{replica}-{k}): a process forked from one that imported
+    """Replica group `replica` of `n` (its output in OUT/log{replica}-{k}): a process forked from one that
+    imported
     learncb (`start_forked`), or with `plain_python` the `python ft_script.py` a user runs"""
     log = out/f'log{replica}-{len(list(out.glob(f"log{replica}-*")))}'
     env = {**os.environ, **replica_env(lighthouse, replica, n), 'RUST_LOG': 'warn'}
@@ -26,7 +31,8 @@ def start(out, lighthouse, replica, n, *args, plain_python=False):
                             stderr=subprocess.STDOUT)
 
 def start_awaited(out, lighthouse, replica, n, *args, plain_python=False):
-    "`start` after making OUT/hold: the replicas started with `--wait-for` wait for this one, however late it starts"
+    """`start` after making OUT/hold: the replicas started with `--wait-for` wait for this one, however late
+    it starts"""
     (out/'hold').touch()
     return start(out, lighthouse, replica, n, *args, plain_python=plain_python)
 
@@ -63,7 +69,8 @@ def assert_same(a, b):
     assert a['counters'] == b['counters'] and a['values'] == b['values']
 
 def assert_each_step_once(*results):
-    "`after_batch` fired once per committed step: each step from where the process joined (the start, or its heal)"
+    """`after_batch` fired once per committed step: each step from where the process joined (the start, or its
+    heal)"""
     for r in results: assert r['after_batch'] == r['counters'][2] - r['healed_at']
 
 def assert_close_to(a, plain, tol=1e-6):
@@ -75,17 +82,20 @@ def assert_close_to(a, plain, tol=1e-6):
     assert a['counters'][0] == plain['counters'][0] and a['counters'][2] == plain['counters'][2]
 
 def kill_and_restart(out, lighthouse, n, kills, restart, slow_alone=0.4, args=()):
-    """Start `n` replicas (with `args`); replica r of `kills` ({r: (step, stage)}) SIGKILLs itself once; those in
+    """Start `n` replicas (with `args`); replica r of `kills` ({r: (step, stage)}) SIGKILLs itself once; those
+    in
     `restart` start again"""
     common = ['--wait-for', str(n), '--slow-alone', str(slow_alone), *args]
     procs = {r: start(out, lighthouse, r, n, *common, *([] if r not in kills else
-                                                        ['--kill-at', str(kills[r][0]), '--kill-in', kills[r][1]]))
+                                                        ['--kill-at', str(kills[r][0]), '--kill-in',
+                                                         kills[r][1]]))
              for r in range(n)}
     deadline = time.monotonic() + WAIT
     for r in kills:
         while procs[r].poll() is None and time.monotonic() < deadline: time.sleep(0.1)
         assert procs[r].returncode == -9, logs(out)           # it died of its SIGKILL, in the stage asked
-        if r in restart: procs[r] = start_awaited(out, lighthouse, r, n, *common)    # the others cannot finish first
+        # the others cannot finish first
+        if r in restart: procs[r] = start_awaited(out, lighthouse, r, n, *common)
     codes = finish([p for r,p in procs.items() if r not in kills or r in restart])
     assert codes == [0] * len(codes), logs(out)
 
@@ -95,11 +105,12 @@ def lighthouse():
 
 @pytest.mark.parametrize('stage', ['forward'])
 def test_killed_replica_heals_and_both_end_as_one_process(tmp_path, lighthouse, plain, stage):
-    "Two replicas, one SIGKILLed in the middle of a step of epoch 1 and started again: both end as the undisturbed fit"
+    """Two replicas, one SIGKILLed in the middle of a step of epoch 1 and started again: both end as the
+    undisturbed fit"""
     kill_and_restart(tmp_path, lighthouse, 2, {1: (18, stage)}, restart={1})
     a,b = result(tmp_path, 0),result(tmp_path, 1)
-    assert b['healed_at'] >= 18             # started again, it healed from its peer: it did not train from the start
-    assert a['tries'] >= 1                  # the step its peer died in was not committed: the survivor computed it again
+    assert b['healed_at'] >= 18  # started again, it healed from its peer: it did not train from the start
+    assert a['tries'] >= 1  # the step its peer died in was not committed: the survivor computed it again
     assert_each_step_once(a, b)
     assert_same(a, b)
     assert_close_to(a, plain)
@@ -107,15 +118,18 @@ def test_killed_replica_heals_and_both_end_as_one_process(tmp_path, lighthouse, 
 @pytest.mark.slow
 @pytest.mark.parametrize('stage', ['backward', 'allreduce', 'step'])
 def test_a_kill_in_any_stage_neither_repeats_nor_loses_a_step(tmp_path, lighthouse, plain, stage):
-    "Killed during its backward, during the gradients' all-reduce, or during the optimizer step: no step twice, none lost"
+    """Killed during its backward, during the gradients' all-reduce, or during the optimizer step: no step
+    twice, none lost"""
     kill_and_restart(tmp_path, lighthouse, 2, {1: (15, stage)}, restart={1})
     a,b = result(tmp_path, 0),result(tmp_path, 1)
     assert b['healed_at'] >= 15
-    if stage == 'backward': assert a['tries'] >= 1  # killed before its all-reduce: the step is tried again (killed in
-    # the all-reduce, its data may have gone out: the survivor may then commit the step, which the healed one gets)
+    # killed before its all-reduce: the step is tried again (killed in
+    if stage == 'backward': assert a['tries'] >= 1
+    # the all-reduce, its data may have gone out: the survivor may then commit the step, which the healed one
+    # gets)
     assert_each_step_once(a, b)
     assert_same(a, b)
-    assert a['counters'][2] == plain['counters'][2]         # as many committed steps as the plain fit's batches
+    assert a['counters'][2] == plain['counters'][2]  # as many committed steps as the plain fit's batches
     assert_close_to(a, plain)
 
 @pytest.mark.slow
@@ -136,8 +150,10 @@ def test_a_kill_in_a_later_turn_or_a_closure_call_loses_nothing(tmp_path, lighth
 
 @pytest.mark.slow
 def test_a_spike_rolls_back_every_replica_one_that_healed_after_the_snapshot_too(tmp_path, lighthouse):
-    """SpikeGuard under torchft: replica 1, killed early in epoch 1 and started again, heals after the guard's snapshot
-    (the epoch's start) and before the scripted spike (its last batch); both roll back to that snapshot together,
+    """SpikeGuard under torchft: replica 1, killed early in epoch 1 and started again, heals after the guard's
+    snapshot
+    (the epoch's start) and before the scripted spike (its last batch); both roll back to that snapshot
+    together,
     skip the batch, and end bitwise equal to each other and as the same guarded fit in one process"""
     spike = ['--spike-at', '1,11']
     res = run_forked(SCRIPT, tmp_path/'plain', '--plain', *spike, timeout=WAIT)
@@ -146,9 +162,10 @@ def test_a_spike_rolls_back_every_replica_one_that_healed_after_the_snapshot_too
     assert plain['skipped'] == ((1, 11),) and plain['counters'][2] == 35        # rolled back in one process
     kill_and_restart(tmp_path, lighthouse, 2, {1: (13, 'forward')}, restart={1}, slow_alone=1.0, args=spike)
     a,b = result(tmp_path, 0),result(tmp_path, 1)
-    assert 13 <= b['healed_at'] <= 23           # it joined after the snapshot (batch 12), by the spike (batch 23)
+    assert 13 <= b['healed_at'] <= 23  # it joined after the snapshot (batch 12), by the spike (batch 23)
     assert a['skipped'] == b['skipped'] == plain['skipped']
-    assert logs(tmp_path).count('SpikeGuard: rolled back over epoch 1 batch 11') == 1     # said once, by one replica
+    # said once, by one replica
+    assert logs(tmp_path).count('SpikeGuard: rolled back over epoch 1 batch 11') == 1
     assert_same(a, b)
     assert_close_to(a, plain)
 
@@ -175,7 +192,8 @@ def running_past(out, lighthouse, step):
 def test_a_new_replica_joins_a_running_one(tmp_path, lighthouse, plain):
     "Scale up: a replica started for the first time while another trains heals from it and takes its share"
     first = running_past(tmp_path, lighthouse, 8)
-    late = start_awaited(tmp_path, lighthouse, 1, 2, plain_python=True)  # as a user starts one: no other variables
+    # as a user starts one: no other variables
+    late = start_awaited(tmp_path, lighthouse, 1, 2, plain_python=True)
     assert finish([first, late]) == [0, 0], logs(tmp_path)
     a,b = result(tmp_path, 0),result(tmp_path, 1)
     assert_same(a, b)
@@ -184,7 +202,8 @@ def test_a_new_replica_joins_a_running_one(tmp_path, lighthouse, plain):
 
 @pytest.mark.slow
 def test_every_replica_restarted_resumes_from_its_checkpoint(tmp_path, lighthouse, plain):
-    "CheckpointCallback still works: both replicas killed, both started again, each resumes from its own checkpoint"
+    """CheckpointCallback still works: both replicas killed, both started again, each resumes from its own
+    checkpoint"""
     first = start(tmp_path, lighthouse, 0, 2, '--ckpt', '--kill-at', '18', '--wait-for', '2')
     procs = [first, start_awaited(tmp_path, lighthouse, 1, 2, '--ckpt', '--kill-at', '18')]
     assert finish(procs) == [-9, -9], logs(tmp_path)
@@ -197,7 +216,8 @@ def test_every_replica_restarted_resumes_from_its_checkpoint(tmp_path, lighthous
 
 @pytest.mark.slow
 def test_a_replica_of_other_data_is_refused_and_the_run_goes_on(tmp_path, lighthouse, plain):
-    "A replica whose training data differs from the run's stops before its first batch; the run goes on, exact"
+    """A replica whose training data differs from the run's stops before its first batch; the run goes on,
+    exact"""
     first = running_past(tmp_path, lighthouse, 5)
     odd = start(tmp_path, lighthouse, 1, 2, '--n-items', str(64 * 10))
     assert finish([odd]) == [1]
@@ -242,8 +262,10 @@ def test_groups_of_two_ranks_one_killed_its_group_restarted_heals(tmp_path, ligh
     assert_close_to(a, plain)
 
 def test_replicas_with_different_weights_stop_at_the_first_step(tmp_path):
-    "Replicas that start together with models made differently (not seeded alike) say so before the first step is taken"
-    with Lighthouse(min_replicas=2, join_timeout=10, heartbeat_timeout=2) as both:     # the first quorum holds both
+    """Replicas that start together with models made differently (not seeded alike) say so before the first
+    step is taken"""
+    # the first quorum holds both
+    with Lighthouse(min_replicas=2, join_timeout=10, heartbeat_timeout=2) as both:
         assert finish([start(tmp_path, both, r, 2, '--seed', str(r)) for r in range(2)]) == [1, 1]
     assert logs(tmp_path).count('start with different weights') == 2
 
@@ -258,7 +280,8 @@ def tiny_learner():
     return Learner(DataLoaders(DataLoader(ds, batch_size=16), None), nn.Linear(4, 1), loss_func=nn.MSELoss())
 
 def fit_torchft(monkeypatch, env, strategy=None):
-    for k in ('TORCHFT_LIGHTHOUSE', 'REPLICA_GROUP_ID', 'NUM_REPLICA_GROUPS', 'WORLD_SIZE'): monkeypatch.delenv(k, raising=False)
+    for k in ('TORCHFT_LIGHTHOUSE', 'REPLICA_GROUP_ID', 'NUM_REPLICA_GROUPS', 'WORLD_SIZE'):
+        monkeypatch.delenv(k, raising=False)
     for k,v in env.items(): monkeypatch.setenv(k, v)
     learn = tiny_learner()
     model,weights = learn.model,{k: v.clone() for k,v in learn.model.state_dict().items()}
@@ -266,11 +289,13 @@ def fit_torchft(monkeypatch, env, strategy=None):
         with learn.distrib_ctx(strategy=strategy or TorchFT(connect_timeout=2)): learn.fit(1)
     finally:
         assert learn.model is model and type(learn.strategy).__name__ == 'SingleProcess'
-        assert all(torch.equal(v, learn.model.state_dict()[k]) for k,v in weights.items())   # no step was taken
+        # no step was taken
+        assert all(torch.equal(v, learn.model.state_dict()[k]) for k,v in weights.items())
 
 def test_no_lighthouse_is_an_error_before_the_first_batch(monkeypatch):
     env = replica_env(f'http://127.0.0.1:{free_port()}', 0, 1)
-    with pytest.raises(ConnectionError, match='no lighthouse answers at TORCHFT_LIGHTHOUSE.*torchft_lighthouse'):
+    with pytest.raises(ConnectionError, match='no lighthouse answers at '
+                                              'TORCHFT_LIGHTHOUSE.*torchft_lighthouse'):
         fit_torchft(monkeypatch, env)
 
 def test_missing_settings_are_named(monkeypatch):
@@ -284,7 +309,8 @@ def test_an_untested_or_missing_torchft_is_named(monkeypatch):
     import importlib.metadata
     real = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, 'version', lambda n: '0.1.0' if n == 'torchft' else real(n))
-    with pytest.raises(ImportError, match=r'torchft 0\.1\.0 is installed.*torchft==0\.2\.0.*allow_untested=True'):
+    with pytest.raises(ImportError, match=r'torchft 0\.1\.0 is '
+                                          r'installed.*torchft==0\.2\.0.*allow_untested=True'):
         fit_torchft(monkeypatch, replica_env('http://127.0.0.1:1', 0, 1))
     def missing(n): raise importlib.metadata.PackageNotFoundError(n)
     monkeypatch.setattr(importlib.metadata, 'version', missing)
@@ -293,7 +319,8 @@ def test_an_untested_or_missing_torchft_is_named(monkeypatch):
 
 @pytest.mark.slow
 def test_a_quorum_that_does_not_form_says_which_timeout_expired(monkeypatch):
-    with Lighthouse(min_replicas=2) as lh, pytest.raises(TimeoutError, match=r'quorum_timeout=2 s.*--min_replicas'):
+    with Lighthouse(min_replicas=2) as lh, pytest.raises(TimeoutError, match=r'quorum_timeout=2 '
+            r's.*--min_replicas'):
         fit_torchft(monkeypatch, replica_env(lh, 0, 2), TorchFT(quorum_timeout=2))
 
 def test_a_compiled_step_compiles_the_model_inside_the_fault_tolerant_step(monkeypatch):
@@ -312,7 +339,8 @@ def test_a_compiled_step_compiles_the_model_inside_the_fault_tolerant_step(monke
     assert torch._dynamo.utils.counters['stats']['unique_graphs'] > graphs
 
 def test_a_replica_alone_trains_and_nothing_callable_is_set_on_the_learner(monkeypatch):
-    "One replica under a lighthouse trains at once, through FaultTolerantStep, setting no function on an instance"
+    """One replica under a lighthouse trains at once, through FaultTolerantStep, setting no function on an
+    instance"""
     from test_step import AtThirdBatch
     with Lighthouse() as lh:
         for k,v in {**replica_env(lh, 0, 2), 'RUST_LOG': 'warn'}.items(): monkeypatch.setenv(k, v)
@@ -320,5 +348,6 @@ def test_a_replica_alone_trains_and_nothing_callable_is_set_on_the_learner(monke
         opt_func = learn.opt_func
         with learn.distrib_ctx(strategy='torchft'): learn.fit(1, cbs=seen)
     assert seen.seen == ([], [], 'FaultTolerantStep') and learn.train_iter == 4
-    assert isinstance(learn.model, nn.Linear) and learn.opt_func is opt_func and type(learn.strategy).__name__ == 'SingleProcess'
+    assert isinstance(learn.model,
+                      nn.Linear) and learn.opt_func is opt_func and type(learn.strategy).__name__ == 'SingleProcess'
 

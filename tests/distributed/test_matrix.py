@@ -9,7 +9,7 @@ from conftest import run_forked
 
 SCRIPT = Path(__file__).parent/'matrix_script.py'
 WAIT = 900
-pytestmark = pytest.mark.xdist_group('matrix')       # the one-process fits, made once, are read by every strategy
+pytestmark = pytest.mark.xdist_group('matrix')  # the one-process fits, made once, are read by every strategy
 
 # The cells a strategy refuses today, and who is named: a cell refused or run that is not in this table fails
 # the test. None is refused
@@ -35,7 +35,8 @@ def test_in_one_process_every_capability_runs_and_accumulation_steps_every_128_i
     assert guarded['skipped'] == ((0, 3), (1, 2)) and guarded['train_iter'] == 14
     found = one['spike_rows']                # the poisoned rows found and left out: no batch skipped
     assert found['skipped_items'] == [37, 301] and found['skipped'] == () and found['train_iter'] == 16
-    assert one['none']['steps'] == 16 and one['accumulation']['steps'] == 8     # 2 epochs of 512 items, 64 a batch
+    # 2 epochs of 512 items, 64 a batch
+    assert one['none']['steps'] == 16 and one['accumulation']['steps'] == 8
     assert one['turns']['steps'] == 32 and one['closure']['steps'] == 16        # turns: 2 steps a batch
 
 def max_rel(a, b):
@@ -44,7 +45,8 @@ def max_rel(a, b):
 @pytest.mark.slow
 @pytest.mark.parametrize('strategy', ['ddp', 'fsdp', 'plain', 'torchft', 'torchft_fsdp'])
 def test_every_capability_means_the_same_under_every_strategy(strategy, one, tmp_path):
-    "Each cell: the one-process fit's optimizer steps and weights, or a refusal before the first batch naming who and why"
+    """Each cell: the one-process fit's optimizer steps and weights, or a refusal before the first batch
+    naming who and why"""
     got = matrix(tmp_path, strategy)
     assert set(got) == set(one)
     for cap,r in got.items():

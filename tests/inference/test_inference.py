@@ -1,4 +1,5 @@
-"predict, test_dl, export and load_learner: state left alone, a file that loads in a process without the model's code"
+"""predict, test_dl, export and load_learner: state left alone, a file that loads in a process without the
+model's code"""
 import io, json, os, random, subprocess, sys, textwrap, warnings, zipfile
 from pathlib import Path
 import numpy as np
@@ -13,10 +14,12 @@ from learncb.test_utils import synth_dls, synth_learner
 ROOT = Path(learncb.__file__).resolve().parent.parent      # the checkout whose learncb these tests import
 
 class DropNorm(nn.Module):
-    "A model whose outputs depend on train/eval mode (dropout, batch norm) and that draws random numbers in training"
+    """A model whose outputs depend on train/eval mode (dropout, batch norm) and that draws random numbers in
+    training"""
     def __init__(self):
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(2, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 2))
+        self.body = nn.Sequential(nn.Linear(2, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8,
+            2))
     def forward(self, x): return self.body(x)
 
 def _rngs():
@@ -37,7 +40,8 @@ def test_predict_is_the_get_preds_row_and_leaves_the_learner_alone():
     dec,probs = learn.predict(x)
     assert _same_rngs(before, _rngs())
     assert learn.model.training
-    assert (list(rec.values), list(rec.losses), list(rec.lrs), learn.epoch, learn.iter, learn.train_iter) == history
+    assert (list(rec.values), list(rec.losses), list(rec.lrs), learn.epoch, learn.iter,
+            learn.train_iter) == history
     assert all(getattr(learn, k) is v for k,v in zip(('pred', 'xb', 'yb', 'dl', 'batch', 'loss'), loop))
     assert all(torch.equal(v, learn.model.state_dict()[k]) for k,v in params.items())
     p1,t1,d1 = learn.get_preds(dl=learn.test_dl([x]), with_decoded=True)
@@ -45,7 +49,7 @@ def test_predict_is_the_get_preds_row_and_leaves_the_learner_alone():
     p,_,d = learn.get_preds(with_decoded=True)                      # eval mode: the row of the validation set
     torch.testing.assert_close(probs, p[5])
     assert torch.equal(dec, d[5])
-    probs.mul_(2)                                                    # an ordinary tensor, not an inference tensor
+    probs.mul_(2)  # an ordinary tensor, not an inference tensor
 
 def test_predict_goes_through_the_callbacks():
     "A callback that changes predictions at after_pred changes those of predict as those of get_preds"
@@ -69,10 +73,11 @@ def test_test_dl_and_predict_with_two_inputs():
         def forward(self, x1, x2): return self.a(x1) + self.b(x2)
     x1,x2,y = torch.randn(20, 2),torch.randn(20, 3),torch.randint(0, 2, (20,))
     ds = TensorDataset(x1, x2, y)
-    dls = DataLoaders(torch.utils.data.DataLoader(ds, batch_size=8), torch.utils.data.DataLoader(ds, batch_size=8))
+    dls = DataLoaders(torch.utils.data.DataLoader(ds, batch_size=8), torch.utils.data.DataLoader(ds,
+        batch_size=8))
     learn = synth_learner(dls=dls, model=Two(), n_inp=2)
     b = next(iter(learn.test_dl(ds)))
-    assert len(b) == 2 and torch.equal(b[0], x1[:8]) and torch.equal(b[1], x2[:8])       # the targets are dropped
+    assert len(b) == 2 and torch.equal(b[0], x1[:8]) and torch.equal(b[1], x2[:8])  # the targets are dropped
     assert torch.equal(learn.get_preds(dl=learn.test_dl(ds))[0], learn.get_preds()[0])
     dec,probs = learn.predict((x1[3], x2[3]))
     assert torch.equal(probs, learn.get_preds(dl=learn.test_dl([(x1[3], x2[3])]))[0][0])
@@ -121,17 +126,19 @@ def test_export_then_load_where_the_model_class_cannot_be_imported(tmp_path, mon
     elsewhere = tmp_path/'elsewhere'
     elsewhere.mkdir()
     env = {**os.environ, 'PYTHONPATH': str(ROOT)}
-    res = subprocess.run([sys.executable, '-c', LOADER, str(fname), str(tmp_path/'x.pt'), str(tmp_path/'out.pt')],
+    res = subprocess.run([sys.executable, '-c', LOADER, str(fname), str(tmp_path/'x.pt'),
+                          str(tmp_path/'out.pt')],
                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     out = torch.load(tmp_path/'out.pt', weights_only=True)
     dec,probs = learn.predict(x[0])
-    # the exported program and the eager model compute the same function with kernels each picks for itself (another
+    # the exported program and the eager model compute the same function with kernels each picks for itself
+    # (another
     # process, another graph): equal to float rounding, not bit for bit
     close = lambda a, b: torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     close(out['preds'], learn.get_preds(dl=learn.test_dl(x))[0])
     close(out['probs'], probs)
-    assert torch.equal(out['dec'], dec)          # the class: the same unless two probabilities tie within rounding
+    assert torch.equal(out['dec'], dec)  # the class: the same unless two probabilities tie within rounding
     assert out['vocab'] == ['neg', 'pos'] and out['model'] == 'ExportedModel'
 
 class Branchy(nn.Module):
@@ -148,7 +155,8 @@ def test_a_model_torch_export_cannot_capture_round_trips_with_model(tmp_path):
     assert 'GuardOnDataDependent' in str(e.value)
     inf = load_learner(fname, model=Branchy())
     x = torch.randn(40, 2)
-    assert torch.equal(inf.get_preds(dl=inf.test_dl(x, bs=16))[0], learn.get_preds(dl=learn.test_dl(x, bs=16))[0])
+    assert torch.equal(inf.get_preds(dl=inf.test_dl(x, bs=16))[0], learn.get_preds(dl=learn.test_dl(x,
+        bs=16))[0])
     for a,b in zip(inf.predict(x[0]), learn.predict(x[0])): assert torch.equal(a, b)
 
 class BySize(nn.Module):
@@ -192,7 +200,8 @@ def test_custom_activation_warns_and_comes_back_with_act(tmp_path):
     x = torch.randn(5, 2)
     want = learn.get_preds(dl=learn.test_dl(x))[0]
     assert not torch.allclose(load_learner(fname).get_preds(dl=learn.test_dl(x))[0], want)
-    assert torch.equal(load_learner(fname, act=learn.loss_func.activation).get_preds(dl=learn.test_dl(x))[0], want)
+    assert torch.equal(load_learner(fname, act=learn.loss_func.activation).get_preds(dl=learn.test_dl(x))[0],
+                       want)
 
 class Payload:
     "Unpickling it would create the folder `path`"
@@ -217,7 +226,8 @@ def _pickled_weight(blob, marker):
     cfg = lambda b: b.replace(b'"use_pickle": false', b'"use_pickle": true', 1)
     buf = io.BytesIO()
     torch.save(Payload(marker), buf)
-    return _rewrite(_rewrite(blob, 'model_weights_config.json', cfg), 'weights/weight_0', lambda b: buf.getvalue())
+    return _rewrite(_rewrite(blob, 'model_weights_config.json', cfg), 'weights/weight_0',
+                    lambda b: buf.getvalue())
 
 def _shape_expression(blob, marker):
     code = f"__import__('os').mkdir('{marker}') + Symbol('s".encode()
@@ -231,7 +241,8 @@ def _guard_code(blob, marker):
     return _rewrite(blob, 'models/model.json', edit)
 
 @pytest.mark.parametrize('craft,message', [(_pickled_weight, 'stored as a pickle'),
-                                           (_shape_expression, 'shape expression'), (_guard_code, 'guard code')])
+                                           (_shape_expression, 'shape expression'), (_guard_code,
+    'guard code')])
 def test_a_crafted_program_is_refused_and_its_payload_does_not_run(tmp_path, craft, message):
     "Three ways torch.export.load (2.13) runs code from a file; the checks refuse each before torch reads it"
     learn = synth_learner(path=tmp_path)
@@ -240,11 +251,11 @@ def test_a_crafted_program_is_refused_and_its_payload_does_not_run(tmp_path, cra
     marker = tmp_path/'payload_ran'
     blob = craft(state['program'].numpy().tobytes(), str(marker))
     state['program'] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    atomic_save(with_checksum(state), fname)                        # a crafted file has a checksum that matches
+    atomic_save(with_checksum(state), fname)  # a crafted file has a checksum that matches
     with pytest.raises(ValueError, match=message): load_learner(fname)
     assert not marker.exists()
     assert torch.equal(load_learner(fname, model=nn.Linear(2, 2)).predict(torch.ones(2))[1],
-                       learn.predict(torch.ones(2))[1])             # the weights alone still load into a model
+                       learn.predict(torch.ones(2))[1])  # the weights alone still load into a model
 
 def test_load_learner_errors(tmp_path):
     learn = synth_learner(path=tmp_path)
@@ -264,16 +275,18 @@ def test_load_learner_errors(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 def test_cuda_predict_export_and_load(tmp_path):
-    "On a GPU: predict runs on the model's device, export captures from a CPU copy, load_learner(device='cuda') predicts"
+    """On a GPU: predict runs on the model's device, export captures from a CPU copy,
+    load_learner(device='cuda') predicts"""
     torch.manual_seed(0)
-    learn = Learner(synth_dls(), nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 2)), nn.CrossEntropyLoss(),
+    learn = Learner(synth_dls(), nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 2)),
+                    nn.CrossEntropyLoss(),
                     device='cuda', path=tmp_path)
     learn.fit(1)
     x = learn.dls.valid.dataset.tensors[0]
     dec,probs = learn.predict(x[0])
     assert probs.device.type == 'cpu' and next(learn.model.parameters()).is_cuda     # gathered to the CPU
     fname = learn.export()
-    assert next(learn.model.parameters()).is_cuda                                        # the learner's model stays
+    assert next(learn.model.parameters()).is_cuda  # the learner's model stays
     inf = load_learner(fname, device='cuda')
     got = inf.get_preds(dl=inf.test_dl(x))[0]
     torch.testing.assert_close(got, learn.get_preds(dl=learn.test_dl(x))[0])

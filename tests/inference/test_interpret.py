@@ -1,4 +1,5 @@
-"`ClassificationInterpretation` on a small 3-class problem (and the digits), checked against counts made by hand"
+"""`ClassificationInterpretation` on a small 3-class problem (and the digits), checked against counts made by
+hand"""
 import io, math
 from contextlib import redirect_stdout
 import matplotlib
@@ -14,7 +15,8 @@ from learncb.demo import digits_dls, digits_model
 from learncb.test_utils import synth_learner
 
 def three_classes(n, seed):
-    "`n` points of the plane, labelled by the third of the circle they lie in, with a tenth of the labels flipped"
+    """`n` points of the plane, labelled by the third of the circle they lie in, with a tenth of the labels
+    flipped"""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 2, generator=g)
     y = ((torch.atan2(x[:, 1], x[:, 0]) + math.pi) * 3 / (2 * math.pi)).long().clamp(max=2)
@@ -27,7 +29,8 @@ def three_dl(n, seed, shuffle=False, bs=16):
 
 @pytest.fixture(scope='module')
 def learn():
-    learn = synth_learner(dls=DataLoaders(three_dl(192, 0, shuffle=True), three_dl(90, 1)), model=nn.Linear(2, 3))
+    learn = synth_learner(dls=DataLoaders(three_dl(192, 0, shuffle=True), three_dl(90, 1)), model=nn.Linear(2,
+        3))
     learn.fit(3)
     return learn
 
@@ -36,7 +39,8 @@ def interp(learn): return ClassificationInterpretation.from_learner(learn)
 
 def test_keeps_one_get_preds_pass(learn, interp):
     inps,preds,targs,dec,losses = learn.get_preds(with_input=True, with_loss=True, with_decoded=True)
-    for a,b in zip((inps, preds, targs, dec, losses), (interp.inputs, interp.preds, interp.targs, interp.decoded,
+    for a,b in zip((inps, preds, targs, dec, losses), (interp.inputs, interp.preds, interp.targs,
+                                                       interp.decoded,
                                                        interp.losses)):
         assert torch.equal(a, b)
     assert interp.vocab == ['0', '1', '2'] and interp.n_classes == 3 and len(interp) == 90
@@ -123,7 +127,8 @@ def test_print_report_layout(interp):
     rep = interp.classification_report()
     with redirect_stdout(io.StringIO()) as out: interp.print_classification_report()
     lines = out.getvalue().splitlines()
-    assert lines[0] == ' ' * 13 + '{:>10}{:>10}{:>10}{:>10}'.format('precision', 'recall', 'f1-score', 'support')
+    assert lines[0] == ' ' * 13 + '{:>10}{:>10}{:>10}{:>10}'.format('precision', 'recall', 'f1-score',
+                                                                    'support')
     assert lines[0].index('support') + len('support') == len(lines[2])
     for c,line in zip('012', lines[2:5]):
         assert line.split() == [c, *(f"{rep[c][k]:.2f}" for k in ('precision', 'recall', 'f1-score')),
@@ -134,7 +139,8 @@ def test_print_report_layout(interp):
     assert lines[8].startswith('weighted avg') and len(lines) == 9
 
 def test_plots_saved(interp, tmp_path):
-    for i,kw in enumerate([{}, dict(normalize=True, norm_dec=3, cmap='Greens', figsize=(4, 4)), dict(plot_txt=False)]):
+    for i,kw in enumerate([{}, dict(normalize=True, norm_dec=3, cmap='Greens', figsize=(4, 4)),
+                           dict(plot_txt=False)]):
         ax = interp.plot_confusion_matrix(**kw)
         assert ax.get_xlabel() == 'Predicted' and ax.get_ylabel() == 'Actual'
         assert len(ax.texts) == (0 if kw.get('plot_txt') is False else 9)
@@ -168,7 +174,8 @@ def test_top_losses_images(shape, tmp_path):
     n,g = 12,torch.Generator().manual_seed(0)
     preds = torch.rand(n, 3, generator=g).softmax(1)
     targs,losses = torch.randint(0, 3, (n,), generator=g),torch.rand(n, generator=g)
-    interp = ClassificationInterpretation(None, torch.randn(n, *shape, generator=g), preds, targs, preds.argmax(1),
+    interp = ClassificationInterpretation(None, torch.randn(n, *shape, generator=g), preds, targs,
+                                          preds.argmax(1),
                                           losses, vocab=['cat', 'dog', 'bird'])
     fig = interp.plot_top_losses(5, nrows=2)
     assert len(fig.axes) == 6 and not fig.axes[5].images
@@ -181,14 +188,17 @@ def test_top_losses_images(shape, tmp_path):
     plt.close(fig)
 
 def test_plot_top_losses_args(interp):
-    images = ClassificationInterpretation(None, torch.rand(90, 4, 4), interp.preds, interp.targs, interp.decoded,
+    images = ClassificationInterpretation(None, torch.rand(90, 4, 4), interp.preds, interp.targs,
+                                          interp.decoded,
                                           interp.losses)
-    with pytest.raises(ValueError, match='2 rows of 2 cannot hold 5 items'): images.plot_top_losses(5, nrows=2, ncols=2)
+    with pytest.raises(ValueError, match='2 rows of 2 cannot hold 5 items'):
+        images.plot_top_losses(5, nrows=2, ncols=2)
     with pytest.raises(ValueError, match='k must be a positive int'): images.plot_top_losses(0)
     fig = images.plot_top_losses(3, largest=False, ncols=3, figsize=(6, 2))
     assert fig.axes[0].get_title().split(' / ')[1] == f'{interp.losses.min():.2f}'
     plt.close(fig)
-    no_inputs = ClassificationInterpretation(None, None, interp.preds, interp.targs, interp.decoded, interp.losses)
+    no_inputs = ClassificationInterpretation(None, None, interp.preds, interp.targs, interp.decoded,
+                                             interp.losses)
     with pytest.raises(ValueError, match='shows the inputs'): no_inputs.plot_top_losses(3)
 
 def test_digits_images(tmp_path):
@@ -198,7 +208,8 @@ def test_digits_images(tmp_path):
     learn = synth_learner(dls=dls, model=nn.Sequential(nn.Flatten(), digits_model()), lr=3e-3)
     learn.fit(1)
     xv,yv = dls.valid.dataset.tensors
-    interp = ClassificationInterpretation.from_learner(learn, dl=DataLoader(TensorDataset(xv.view(-1, 1, 8, 8), yv),
+    interp = ClassificationInterpretation.from_learner(learn, dl=DataLoader(TensorDataset(xv.view(-1, 1, 8,
+        8), yv),
                                                                             batch_size=100))
     assert interp.inputs.shape == (len(yv), 1, 8, 8) and interp.vocab == [str(i) for i in range(10)]
     fig = interp.plot_top_losses(9)
@@ -218,14 +229,16 @@ def test_vocab_of_the_learner(learn):
     interp = ClassificationInterpretation.from_learner(named)
     assert interp.vocab == ['west', 'south', 'east']
     assert all(a in named.vocab and p in named.vocab for a,p,_ in interp.most_confused())
-    assert set(interp.classification_report()) == {'west', 'south', 'east', 'accuracy', 'macro avg', 'weighted avg'}
+    assert set(interp.classification_report()) == {'west', 'south', 'east', 'accuracy', 'macro avg',
+                                                   'weighted avg'}
     with pytest.raises(ValueError, match='2 names'):
         ClassificationInterpretation(None, *interp[:], vocab=['a', 'b'])
 
 def test_getitem(interp):
     x,p,y,d,l = interp[[4, 1]]
     assert torch.equal(y, interp.targs[[4, 1]]) and torch.equal(x, interp.inputs[[4, 1]])
-    two = Interpretation(None, (interp.inputs, interp.inputs * 2), interp.preds, interp.targs, None, interp.losses)
+    two = Interpretation(None, (interp.inputs, interp.inputs * 2), interp.preds, interp.targs, None,
+                         interp.losses)
     (a,b),*_,d,l = two[torch.tensor([0, 3])]
     assert torch.equal(b, 2 * a) and d is None and torch.equal(l, interp.losses[[0, 3]])
 
@@ -261,12 +274,14 @@ def test_preds_not_one_per_class():
 
 def test_targets_checked(interp):
     p,y,d,l = interp.preds,interp.targs,interp.decoded,interp.losses
-    with pytest.raises(ValueError, match='class indices'): ClassificationInterpretation(None, None, p, y.float(), d, l)
+    with pytest.raises(ValueError, match='class indices'):
+        ClassificationInterpretation(None, None, p, y.float(), d, l)
     with pytest.raises(ValueError, match='class indices'):
         ClassificationInterpretation(None, None, p, F.one_hot(y, 3), d, l)
     with pytest.raises(ValueError, match='target -1 is not a class index in \\[0, 3\\)'):
         ClassificationInterpretation(None, None, p, y - 1, d, l)
-    with pytest.raises(ValueError, match='89 losses for 90'): ClassificationInterpretation(None, None, p, y, d, l[1:])
+    with pytest.raises(ValueError, match='89 losses for 90'):
+        ClassificationInterpretation(None, None, p, y, d, l[1:])
 
 def test_functional_cross_entropy(learn):
     "A plain `F.cross_entropy` loss: probabilities by softmax and argmax decoding all the same"

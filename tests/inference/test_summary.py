@@ -1,4 +1,5 @@
-"`learn.summary()`: rows and totals, and that it changes nothing: model, optimizer, random generators, data order"
+"""`learn.summary()`: rows and totals, and that it changes nothing: model, optimizer, random generators, data
+order"""
 import random
 from functools import partial
 import numpy as np
@@ -10,7 +11,8 @@ from learncb.sampler import ResumableSampler, resumable_dataloader
 from learncb.test_utils import synth_dls, synth_learner
 
 class Tied(nn.Module):
-    "A model with a tied weight, a learned scale of its own, a frozen layer, BatchNorm and a layer it never calls"
+    """A model with a tied weight, a learned scale of its own, a frozen layer, BatchNorm and a layer it never
+    calls"""
     def __init__(self):
         super().__init__()
         self.emb = nn.Linear(2, 4)
@@ -54,9 +56,11 @@ def test_partly_trainable_layer():
     assert (s.trainable_params, s.non_trainable_params) == (15, 2)
 
 def test_shapes_of_a_known_model():
-    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(),
                           nn.Linear(4, 2))
-    dls = DataLoaders(DataLoader(TensorDataset(torch.randn(20, 1, 8, 8), torch.randint(0, 2, (20,))), batch_size=8))
+    dls = DataLoaders(DataLoader(TensorDataset(torch.randn(20, 1, 8, 8), torch.randint(0, 2, (20,))),
+                                 batch_size=8))
     s = synth_learner(dls=dls, model=model).summary()
     assert [r.shape for r in s.rows] == ['8 x 4 x 6 x 6'] * 3 + ['8 x 4 x 1 x 1', '8 x 4', '8 x 2']
     assert [r.n_params for r in s.rows] == [40, 8, 0, 0, 0, 10]
@@ -64,7 +68,8 @@ def test_shapes_of_a_known_model():
 
 class TwoInputs(nn.Module):
     "Returns a dict and a tuple inside it; takes two inputs"
-    def __init__(self): super().__init__(); self.lin,self.lstm = nn.Linear(2, 3),nn.LSTM(3, 5, batch_first=True)
+    def __init__(self):
+        super().__init__(); self.lin,self.lstm = nn.Linear(2, 3),nn.LSTM(3, 5, batch_first=True)
     def forward(self, a, b):
         out,(h,c) = self.lstm(self.lin(a + b)[:, None])
         return {'out': out[:, 0], 'state': (h, c)}
@@ -79,9 +84,10 @@ def test_several_inputs_and_outputs():
 
 def test_nothing_changes():
     learn = synth_learner(model=Tied(), dls=synth_dls(shuffle=True))
-    learn.model.train(); learn.model.unused.eval()          # mixed modes come back as they were; BatchNorm trains
+    learn.model.train(); learn.model.unused.eval()  # mixed modes come back as they were; BatchNorm trains
     state,modes = _clone_state(learn.model),[m.training for m in learn.model.modules()]
-    attrs = {k: getattr(learn, k) for k in ('xb', 'yb', 'pred', 'batch', 'loss', 'dl', 'iter', 'training', 'opt')}
+    attrs = {k: getattr(learn, k) for k in ('xb', 'yb', 'pred', 'batch', 'loss', 'dl', 'iter', 'training',
+                                            'opt')}
     rngs,gen = _rngs(),learn.dls.train.generator.get_state()
     learn.summary()
     assert _same_state(learn.model, state)                           # BatchNorm running stats and counter too
@@ -91,7 +97,8 @@ def test_nothing_changes():
     assert all(not m._forward_hooks for m in learn.model.modules())
 
 def test_optimizer_untouched_after_fit():
-    learn = synth_learner(model=nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 2)), opt_func=torch.optim.Adam)
+    learn = synth_learner(model=nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 2)),
+                          opt_func=torch.optim.Adam)
     learn.fit(1)
     opt,state = learn.opt,learn.opt.state_dict()
     steps = [s['step'].clone() for s in state['state'].values()]
@@ -113,7 +120,8 @@ def test_text_names_optimizer_loss_and_callbacks():
     assert "Optimizer: none yet: made at the first fit by partial(SGD, momentum=0.9) (lr 0.1, wd 0.01)" in s
     assert 'Loss function: CrossEntropyLoss()' in s
     assert s.endswith('Callbacks:\n  - Early\n  - TrainEvalCallback\n  - Recorder\n  - Late')
-    learn.opt = torch.optim.SGD([{'params': learn.model.weight}, {'params': learn.model.bias, 'lr': 0.5}], lr=0.1)
+    learn.opt = torch.optim.SGD([{'params': learn.model.weight}, {'params': learn.model.bias, 'lr': 0.5}],
+                                lr=0.1)
     groups = 'SGD, 2 param groups\n  group 0: lr 0.1, wd 0 (4 params)\n  group 1: lr 0.5, wd 0 (2 params)'
     assert groups in learn.summary()
     learn.loss_func = nn.functional.cross_entropy
@@ -124,16 +132,18 @@ def _order(dl): return [b[1].tolist() for b in dl]
 _ds = TensorDataset(torch.randn(64, 2), torch.arange(64))
 _loaders = {
     'global rng': lambda: DataLoader(_ds, batch_size=16, shuffle=True),
-    'own generator': lambda: DataLoader(_ds, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(3)),
+    'own generator': lambda: DataLoader(_ds, batch_size=16, shuffle=True,
+                                        generator=torch.Generator().manual_seed(3)),
     'workers': lambda: DataLoader(_ds, batch_size=16, shuffle=True, num_workers=2),
-    'persistent workers': lambda: DataLoader(_ds, batch_size=16, shuffle=True, num_workers=2, persistent_workers=True,
+    'persistent workers': lambda: DataLoader(_ds, batch_size=16, shuffle=True, num_workers=2,
+                                             persistent_workers=True,
                                              generator=torch.Generator().manual_seed(3)),
     'resumable sampler': lambda: resumable_dataloader(DataLoader(_ds, batch_size=16, shuffle=True))}
 
 def _orders_after(make, summary):
     dl = make()
-    learn = synth_learner(dls=(dl, None))                   # seeds torch's generator: before `manual_seed` below
-    if isinstance(dl.sampler, ResumableSampler): dl.sampler.start = 16         # resuming part-way through an epoch
+    learn = synth_learner(dls=(dl, None))  # seeds torch's generator: before `manual_seed` below
+    if isinstance(dl.sampler, ResumableSampler): dl.sampler.start = 16  # resuming part-way through an epoch
     torch.manual_seed(5)
     if summary: learn.summary()
     return _order(dl), _order(dl)
@@ -148,9 +158,11 @@ def test_stateful_dataloader_unchanged(part_way):
     sdl = pytest.importorskip('torchdata.stateful_dataloader')
     def make():
         torch.manual_seed(5)
-        dl = sdl.StatefulDataLoader(_ds, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(1))
+        dl = sdl.StatefulDataLoader(_ds, batch_size=16, shuffle=True,
+                                    generator=torch.Generator().manual_seed(1))
         if part_way:
-            src = sdl.StatefulDataLoader(_ds, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(1))
+            src = sdl.StatefulDataLoader(_ds, batch_size=16, shuffle=True,
+                                         generator=torch.Generator().manual_seed(1))
             it = iter(src); next(it)
             dl.load_state_dict(src.state_dict())
         return dl
@@ -160,7 +172,8 @@ def test_stateful_dataloader_unchanged(part_way):
     assert (_order(dl), _order(dl)) == (_order(ref), _order(ref))
 
 def test_same_fit_with_or_without_summary():
-    "A summary before the fit and one inside it (from a callback) leave the trained weights bit for bit the same"
+    """A summary before the fit and one inside it (from a callback) leave the trained weights bit for bit the
+    same"""
     def train(summary):
         torch.manual_seed(1)
         model = nn.Sequential(nn.Linear(2, 8), nn.Dropout(0.5), nn.Linear(8, 2))

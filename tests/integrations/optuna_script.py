@@ -1,4 +1,5 @@
-"One worker of a shared Optuna study: python optuna_script.py DB LR,LR,... (one trial per lr; the study 'search' must exist in DB)"
+"""One worker of a shared Optuna study: python optuna_script.py DB LR,LR,... (one trial per lr; the study
+'search' must exist in DB)"""
 import sys, warnings
 import optuna, torch
 from torch import nn
@@ -21,7 +22,8 @@ def objective(trial):
 
 if __name__ == '__main__':
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    # the database keeps trials, not the pruner: every process passes its own (load_study's default has 5 startup trials)
+    # the database keeps trials, not the pruner: every process passes its own (load_study's default has 5
+    # startup trials)
     study = optuna.load_study(study_name='search', storage=f'sqlite:///{sys.argv[1]}',
                               pruner=optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=0))
     study.optimize(objective, n_trials=len(LRS))

@@ -1,4 +1,5 @@
-"""What tests/integrations/test_ray.py gives the Ray recipe of the cluster page: transparent_script's learner, whose rank 1 fails once
+"""What tests/integrations/test_ray.py gives the Ray recipe of the cluster page: transparent_script's learner,
+whose rank 1 fails once
 after a given step, and whose rank 0 saves its weights and history when the fit ends."""
 import os
 from pathlib import Path
@@ -7,12 +8,14 @@ from learncb.all import *
 from transparent_script import make_learner, SaveAtEnd
 
 class FailOnce(Callback):
-    "Rank 1 (rank 0 alone) raises after training batch `k` of the run, the first time only (a file in `out` remembers it)"
+    """Rank 1 (rank 0 alone) raises after training batch `k` of the run, the first time only (a file in `out`
+    remembers it)"""
     order = Order.LAST
     def __init__(self, out, k): self.flag,self.k = Path(out)/'failed',k
     def after_batch(self):
         rank = rank_distrib()
-        if self.training and self.train_iter == self.k and rank == min(1, num_distrib() - 1) and not self.flag.exists():
+        if self.training and self.train_iter == self.k and rank == min(1,
+                num_distrib() - 1) and not self.flag.exists():
             self.flag.touch()
             raise RuntimeError(f'rank {rank} fails after step {self.k}')
 
@@ -30,7 +33,8 @@ def torchft_train_func(config):
     runpy.run_path(config['script'], run_name='__main__')
 
 def fsdp_train_func(config):
-    "The cluster page's recipe under FSDP, on a global batch of 16 whatever the number of workers (2: 8 items each)"
+    """The cluster page's recipe under FSDP, on a global batch of 16 whatever the number of workers (2: 8
+    items each)"""
     import ray.train
     from learncb.integrations.ray import RayTrainReportCallback, ray_checkpoint
     learn = config['make_learner']()

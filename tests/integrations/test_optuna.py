@@ -6,7 +6,8 @@ optuna = pytest.importorskip('optuna')
 SCRIPT = Path(__file__).parent/'optuna_script.py'
 
 def worker(db, lrs):
-    return subprocess.Popen([sys.executable, str(SCRIPT), str(db), ','.join(map(str, lrs))], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(db), ','.join(map(str, lrs))],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 def finish(procs, timeout=180):
@@ -19,7 +20,7 @@ def finish(procs, timeout=180):
 def test_two_processes_share_a_sqlite_study(tmp_path):
     db = tmp_path/'search.db'
     optuna.create_study(study_name='search', storage=f'sqlite:///{db}')   # each worker brings its pruner
-    finish([worker(db, (0.05, 0.1, 0.2))])                               # the good ones first: the pruner's baseline
+    finish([worker(db, (0.05, 0.1, 0.2))])  # the good ones first: the pruner's baseline
     finish([worker(db, (20., 0.15, 50.)), worker(db, (100., 30., 0.08))])  # then two processes at once
     trials = optuna.load_study(study_name='search', storage=f'sqlite:///{db}').trials
     assert len(trials) == 9

@@ -1,7 +1,10 @@
 """Ray Train: the recipe of the cluster page (taken from its cell) run by `TorchTrainer` on two
-CPU workers, on a local Ray started by the test. Rank 1 fails once in the middle of the run; Ray starts the workers
-again (`FailureConfig(max_failures=2)`) with the last checkpoint `RayTrainReportCallback` reported, and the run ends
-with the weights of a run where no worker failed, `torch.equal`. Each worker has a folder of its own: the restart
+CPU workers, on a local Ray started by the test. Rank 1 fails once in the middle of the run; Ray starts the
+workers
+again (`FailureConfig(max_failures=2)`) with the last checkpoint `RayTrainReportCallback` reported, and the
+run ends
+with the weights of a run where no worker failed, `torch.equal`. Each worker has a folder of its own: the
+restart
 finds its checkpoint through Ray only."""
 import os, shutil, tempfile
 from functools import partial
@@ -16,7 +19,8 @@ HERE = Path(__file__).parent
 
 def recipe_module(folder):
     "The cell of the cluster page that defines `train_func`, as a module the workers can import"
-    cell = next(c.source for c in read_nb(HERE.parents[1]/'nbs'/'23d_cluster.ipynb').cells if 'def train_func(config)' in c.source)
+    cell = next(c.source for c in read_nb(HERE.parents[1]/'nbs'/'23d_cluster.ipynb').cells
+                if 'def train_func(config)' in c.source)
     (folder/'ray_recipe.py').write_text('from learncb.all import *\n' + cell)
 
 @pytest.fixture
@@ -26,7 +30,8 @@ def local_ray(tmp_path, monkeypatch):
     monkeypatch.setenv('PYTHONPATH', child_pythonpath(tmp_path))
     monkeypatch.setenv('OMP_NUM_THREADS', '1')
     monkeypatch.setenv('RAY_DEDUP_LOGS', '0')
-    monkeypatch.setenv('RAY_worker_niceness', '0')          # Ray lowers its workers' priority; on a busy machine they starve
+    # Ray lowers its workers' priority; on a busy machine they starve
+    monkeypatch.setenv('RAY_worker_niceness', '0')
     temp = tempfile.mkdtemp(prefix='ray')                   # short: Ray's socket paths must fit in 107 bytes
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
     try: yield tmp_path
@@ -42,7 +47,8 @@ def run(out, storage, fail_at=None, checkpoint=None, fsdp=False, workers=2):
     from ray_job import job_learner, fsdp_train_func
     out.mkdir()
     trainer = TorchTrainer(fsdp_train_func if fsdp else train_func,
-                           train_loop_config={'make_learner': partial(job_learner, out, fail_at), 'n_epoch': 3,
+                           train_loop_config={'make_learner': partial(job_learner, out, fail_at),
+                                              'n_epoch': 3,
                                               'checkpoint': checkpoint},
                            scaling_config=ScalingConfig(num_workers=workers),
                            run_config=RunConfig(storage_path=str(storage), name=out.name,
@@ -63,12 +69,14 @@ def test_ray_train_restarts_a_failed_worker_and_the_run_ends_exactly(local_ray):
     assert got['values'] == ref['values']
     assert result.metrics['train_iter'] == 18 and result.checkpoint is not None      # the last one reported
     assert result.metrics['valid_loss'] == ref['values'][-1][1]
-    assert restored_copies() == before                    # the restarted workers' copies of the checkpoint are gone
+    assert restored_copies() == before  # the restarted workers' copies of the checkpoint are gone
 
 @pytest.mark.slow
 def test_an_fsdp_run_restarts_a_failed_worker_and_ends_exactly_also_on_one_worker(local_ray):
-    """Under FSDP the sharded checkpoint is read in `before_train`: the copy Ray restored must still be there. The run
-    restarts on its two workers and ends as the unfailed run; its checkpoint of the middle of an epoch continues on one"""
+    """Under FSDP the sharded checkpoint is read in `before_train`: the copy Ray restored must still be there.
+    The run
+    restarts on its two workers and ends as the unfailed run; its checkpoint of the middle of an epoch
+    continues on one"""
     from ray.train import Checkpoint
     tmp = local_ray
     before = restored_copies()
@@ -77,10 +85,12 @@ def test_an_fsdp_run_restarts_a_failed_worker_and_ends_exactly_also_on_one_worke
     assert (tmp/'failed'/'failed').exists() and got['train_iter'] == ref['train_iter'] == 18
     for k in ref['model']: assert torch.equal(got['model'][k], ref['model'][k]), k
     assert got['values'] == ref['values'] and restored_copies() == before
-    last = next((tmp/'storage'/'failed').glob('checkpoint_*/checkpoint_00000005_batch')).parent    # mid-epoch: step 5
+    # mid-epoch: step 5
+    last = next((tmp/'storage'/'failed').glob('checkpoint_*/checkpoint_00000005_batch')).parent
     two_ranks = Checkpoint.from_directory(str(last))           # its shards, written by two ranks, read by one
     _, one = run(tmp/'one', tmp/'storage', checkpoint=two_ranks, fsdp=True, workers=1)
-    result, one_failed = run(tmp/'one_failed', tmp/'storage', checkpoint=two_ranks, fsdp=True, workers=1, fail_at=8)
+    result, one_failed = run(tmp/'one_failed', tmp/'storage', checkpoint=two_ranks, fsdp=True, workers=1,
+                             fail_at=8)
     assert (tmp/'one_failed'/'failed').exists() and one_failed['train_iter'] == one['train_iter'] == 18
     for k in one['model']: assert torch.equal(one_failed['model'][k], one['model'][k]), k
     assert one_failed['values'] == one['values'] and len(one['values']) == 3 and restored_copies() == before
@@ -94,7 +104,8 @@ def test_a_run_starts_from_another_runs_checkpoint_and_leaves_no_copy(local_ray)
     again, got = run(tmp/'again', tmp/'storage', checkpoint=first.checkpoint)
     assert got['train_iter'] == ref['train_iter'] == 18 and got['values'] == ref['values']
     for k in ref['model']: assert torch.equal(got['model'][k], ref['model'][k]), k
-    assert not list((tmp/'again').glob('worker*/checkpoints/checkpoint_*'))   # nothing trained again: resumed at the end
+    # nothing trained again: resumed at the end
+    assert not list((tmp/'again').glob('worker*/checkpoints/checkpoint_*'))
     assert restored_copies() == before
 
 v1_script = """
@@ -117,21 +128,26 @@ print('REPORTED', result.metrics['train_iter'], result.checkpoint is not None)
 
 @pytest.mark.slow
 def test_the_older_ray_train_api_reports_the_checkpoints_without_a_preemption_notice(tmp_path, monkeypatch):
-    "`RAY_TRAIN_V2_ENABLED=0`: no `get_preemption_info`; the callback says so before the first batch, and reports"
+    """`RAY_TRAIN_V2_ENABLED=0`: no `get_preemption_info`; the callback says so before the first batch, and
+    reports"""
     import subprocess, sys
     recipe_module(tmp_path)
     (tmp_path/'v1.py').write_text(v1_script)
-    env = dict(os.environ, RAY_TRAIN_V2_ENABLED='0', PYTHONPATH=child_pythonpath(tmp_path), OMP_NUM_THREADS='1',
+    env = dict(os.environ, RAY_TRAIN_V2_ENABLED='0', PYTHONPATH=child_pythonpath(tmp_path),
+               OMP_NUM_THREADS='1',
                RAY_worker_niceness='0')
-    res = subprocess.run([sys.executable, str(tmp_path/'v1.py'), str(tmp_path/'out')], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, str(tmp_path/'v1.py'), str(tmp_path/'out')], capture_output=True,
+                         text=True,
                          timeout=420, env=env)
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-4000:])
     assert 'REPORTED 12 True' in res.stdout, res.stdout[-2000:]
 
 @pytest.mark.slow
 def test_torchft_replica_groups_on_ray_a_killed_worker_heals_and_the_run_is_exact(local_ray):
-    """Ray Train's `TorchftConfig`: 2 replica groups of one worker each run tests/distributed/ft_script.py; the worker of
-    group 1 SIGKILLs itself in the middle of a step; Ray starts that group again, it heals from group 0, which went on
+    """Ray Train's `TorchftConfig`: 2 replica groups of one worker each run tests/distributed/ft_script.py;
+    the worker of
+    group 1 SIGKILLs itself in the middle of a step; Ray starts that group again, it heals from group 0, which
+    went on
     without a restart; both end bitwise equal, and within 1e-6 of the same fit in one process"""
     import subprocess, sys
     from ray.train import ScalingConfig, RunConfig, FailureConfig
@@ -139,13 +155,16 @@ def test_torchft_replica_groups_on_ray_a_killed_worker_heals_and_the_run_is_exac
     from ray.train.v2.torch.torchft_config import TorchftConfig
     from ray_job import torchft_train_func
     script,out = HERE.parents[0]/'distributed'/'ft_script.py',local_ray/'out'
-    plain = subprocess.run([sys.executable, str(script), str(local_ray/'plain'), '--plain'], capture_output=True,
+    plain = subprocess.run([sys.executable, str(script), str(local_ray/'plain'), '--plain'],
+                           capture_output=True,
                            text=True, timeout=300)
     assert plain.returncode == 0, plain.stderr[-3000:]
-    args = ['--wait-for', '2', '--slow-alone', '0.3', '--kill-at', '18', '--kill-in', 'backward', '--kill-group', '1',
+    args = ['--wait-for', '2', '--slow-alone', '0.3', '--kill-at', '18', '--kill-in', 'backward',
+            '--kill-group', '1',
             '--hold-when-killed']
     lighthouse = {'min_replicas': 1, 'join_timeout_ms': 10000, 'heartbeat_timeout_ms': 2000}
-    trainer = TorchTrainer(torchft_train_func, train_loop_config={'script': str(script), 'out': str(out), 'args': args},
+    trainer = TorchTrainer(torchft_train_func, train_loop_config={'script': str(script), 'out': str(out),
+                                                                  'args': args},
                            scaling_config=ScalingConfig(num_workers=2),
                            torch_config=TorchftConfig(lighthouse_kwargs=lighthouse, backend='gloo'),
                            run_config=RunConfig(storage_path=str(local_ray/'storage'), name='torchft',
@@ -153,7 +172,8 @@ def test_torchft_replica_groups_on_ray_a_killed_worker_heals_and_the_run_is_exac
     trainer.fit()
     a,b = [torch.load(out/f'result{g}.pt', weights_only=False) for g in range(2)]
     ref = torch.load(local_ray/'plain'/'resultplain.pt', weights_only=False)
-    assert (out/'killed1').exists() and b['healed_at'] >= 18 and a['healed_at'] < 18   # group 1 killed, then healed
+    # group 1 killed, then healed
+    assert (out/'killed1').exists() and b['healed_at'] >= 18 and a['healed_at'] < 18
     assert a['tries'] >= 1                       # group 0 computed the step again, without group 1
     assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model']) and a['values'] == b['values']
     for k,w in ref['model'].items(): assert (a['model'][k] - w).abs().max() <= 1e-6 * w.abs().max(), k

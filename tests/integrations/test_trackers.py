@@ -1,4 +1,5 @@
-"""Experiment trackers (TensorBoard, MLflow, W&B offline): what they log, read back with each tracker's own reader;
+"""Experiment trackers (TensorBoard, MLflow, W&B offline): what they log, read back with each tracker's own
+reader;
 resumed fits continue the same run without writing a step twice; no host sync per batch; missing packages."""
 import subprocess, sys, time
 from pathlib import Path
@@ -34,17 +35,20 @@ def make_learner(path):
 def fit(path, tracker, cbs=(), resume=None, **ckpt):
     "`fit_one_cycle` (the lr changes every batch) with checkpoints every 3 batches; returns the learner"
     learn = make_learner(path)
-    learn.fit_one_cycle(N_EPOCH, 1e-2, cbs=[CheckpointCallback(every_n_steps=3, **ckpt), tracker, *cbs], resume=resume)
+    learn.fit_one_cycle(N_EPOCH, 1e-2, cbs=[CheckpointCallback(every_n_steps=3, **ckpt), tracker, *cbs],
+                        resume=resume)
     return learn
 
 # the two ways a run is interrupted at the end of epoch 1 (batches 5 to 8):
-RESUMES = {'from_the_epoch_end': {},            # the error's checkpoint, at the end of epoch 1: nothing written twice
-           # the last checkpoint is at batch 6: batches 7, 8 and epoch 1's row, already written, are done again
+RESUMES = {'from_the_epoch_end': {},  # the error's checkpoint, at the end of epoch 1: nothing written twice
+           # the last checkpoint is at batch 6: batches 7, 8 and epoch 1's row, already written, are done
+           # again
            'from_inside_the_epoch': dict(every_epoch=False, on_exception=False)}
 
 def interrupted_then_resumed(path, make_tracker, how):
     raw = RawLosses()
-    with pytest.raises(RuntimeError, match='boom'): fit(path, make_tracker(), cbs=[Boom(), raw], **RESUMES[how])
+    with pytest.raises(RuntimeError, match='boom'):
+        fit(path, make_tracker(), cbs=[Boom(), raw], **RESUMES[how])
     assert max(raw.losses) == 8
     last = checkpoints_in(path/'checkpoints')[-1].name
     want = 'checkpoint_00000008_epoch_end.pt' if how == 'from_the_epoch_end' else 'checkpoint_00000006_batch.pt'
@@ -54,7 +58,8 @@ def interrupted_then_resumed(path, make_tracker, how):
     return learn, tracker
 
 def check_logged(history, learn, raw):
-    "`history` (`{name: [(step, value)]}`) holds the recorder's table and the raw batch losses and lrs, each step once"
+    """`history` (`{name: [(step, value)]}`) holds the recorder's table and the raw batch losses and lrs, each
+    step once"""
     for name, points in history.items():
         steps = [s for s, _ in points]
         assert len(steps) == len(set(steps)), f'{name}: a step written twice: {steps}'
@@ -91,14 +96,16 @@ def tb_hparams(acc):
     return {k: getattr(v, v.WhichOneof('kind')) for k, v in info.session_start_info.hparams.items()}
 
 def test_tensorboard_logs_the_table_the_raw_batch_losses_and_the_hparams(tmp_path):
-    raw, tb = RawLosses(), TensorBoardCallback(log_every=3)        # 3: flushes inside epochs and at their ends
+    raw, tb = RawLosses(), TensorBoardCallback(log_every=3)  # 3: flushes inside epochs and at their ends
     learn = fit(tmp_path, tb, cbs=[raw])
     assert tb.run_dir.parent == tmp_path/'runs'
     history, acc = tb_history(tb.run_dir)
     check_logged(history, learn, raw)
-    assert len(set(history['batch/lr'][i][1] for i in range(12))) > 6          # the one-cycle schedule, batch by batch
+    # the one-cycle schedule, batch by batch
+    assert len(set(history['batch/lr'][i][1] for i in range(12))) > 6
     hps = tb_hparams(acc)
-    assert (hps['n_epoch'], hps['lr'], hps['bs'], hps['opt'], hps['model']) == (3, 1e-2, 16, 'Adam', 'Sequential')
+    assert (hps['n_epoch'], hps['lr'], hps['bs'], hps['opt'], hps['model']) == (3, 1e-2, 16, 'Adam',
+        'Sequential')
     assert hps['n_params'] == sum(p.numel() for p in learn.model.parameters()) == 42
     assert hps['loss_func'] == 'CrossEntropyLoss' and 'TensorBoardCallback' in hps['callbacks']
 
@@ -138,7 +145,8 @@ def test_tensorboard_with_several_param_groups(tmp_path):
 
 @pytest.fixture(scope='module')
 def mlflow_dir(tmp_path_factory):
-    "The folder of the one database of these tests (MLflow takes seconds to make one): `learn.path` of the first"
+    """The folder of the one database of these tests (MLflow takes seconds to make one): `learn.path` of the
+    first"""
     return tmp_path_factory.mktemp('mlflow')
 
 @pytest.fixture(scope='module')
@@ -239,7 +247,7 @@ def test_wandb_offline_resumed_run_keeps_its_id_and_steps(tmp_path, wandb_offlin
         return made[-1]
     interrupted_then_resumed(tmp_path/'run', tracker, 'from_inside_the_epoch')
     first, resumed = made
-    assert first.run_id == resumed.run_id and first.run_dir != resumed.run_dir       # offline: a folder per fit
+    assert first.run_id == resumed.run_id and first.run_dir != resumed.run_dir  # offline: a folder per fit
     history = wb_history(first.run_dir, resumed.run_dir)
     for name, points in history.items():
         assert len(points) == len({s for s, _ in points}), f'{name}: a step written twice'
@@ -265,11 +273,13 @@ def test_no_host_sync_per_batch(tmp_path, mlflow_uri, wandb_offline, kind):
 
 def test_only_rank_0_logs_and_lr_find_does_not(tmp_path, monkeypatch):
     import learncb.dispatch
-    assert all(c.rank0_only and c.remove_on_lr_find for c in (TensorBoardCallback, MLflowCallback, WandbCallback))
+    assert all(c.rank0_only and c.remove_on_lr_find for c in (TensorBoardCallback, MLflowCallback,
+                                                              WandbCallback))
     learn = synth_learner(path=tmp_path, cbs=TensorBoardCallback())
     learn.lr_find(num_it=8, show_plot=False)
     assert not (tmp_path/'runs').exists()
-    monkeypatch.setattr(learncb.dispatch, 'is_rank0', lambda: False)      # the dispatch tables leave rank0_only out
+    # the dispatch tables leave rank0_only out
+    monkeypatch.setattr(learncb.dispatch, 'is_rank0', lambda: False)
     learn.fit(1)
     assert not (tmp_path/'runs').exists()
 
@@ -288,6 +298,7 @@ def test_a_package_that_fails_to_import_says_why():
 @pytest.mark.slow
 def test_learncb_all_imports_no_tracker_package():
     code = ("import sys, learncb.all; "
-            "print([m for m in ('tensorboard', 'torch.utils.tensorboard', 'mlflow', 'wandb') if m in sys.modules])")
+            "print([m for m in ('tensorboard', 'torch.utils.tensorboard', 'mlflow', 'wandb') if m in "
+            "sys.modules])")
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == '[]'
