@@ -26,7 +26,8 @@ def check_model(model):
         f"model must be a model (an nn.Module instance), not the class {model.__name__}: make one, "
         f"model={model.__name__}(...)")
     if not (callable(model) and hasattr(model, 'parameters')): raise TypeError(
-        f"model must be an nn.Module, not {type(model).__name__}: wrap your function in an nn.Module subclass")
+        f"model must be an nn.Module, not {type(model).__name__}: wrap your function in an nn.Module "
+        f"subclass")
     return model
 
 def check_loss_func(loss_func, allow_none=False):
@@ -69,7 +70,8 @@ def check_opt_func(opt_func):
 def _check_metric(m):
     if isinstance(m, str):
         known = callable(getattr(importlib.import_module('learncb.metrics'), m, None))
-        fix = f"from learncb.metrics import {m}; metrics={m}" if known else "from learncb.metrics import accuracy"
+        fix = (f"from learncb.metrics import {m}; metrics={m}" if known else "from learncb.metrics import "
+            "accuracy")
         raise TypeError(f"metrics must be functions f(pred, *yb) or metric objects, not the string {m!r}: "
                         f"pass the "
                         f"function itself ({fix})")

@@ -39,7 +39,7 @@ after_step
 after_cancel_batch
 after_batch
 End Batch Loop
-Start Rollback (a guard put the run back to a snapshot: the Batch Loop above goes on from the snapshot's batch)
+Start Rollback (a guard put the run back to a snapshot: the Batch Loop goes on from its batch)
 after_rollback
 End Rollback
 after_cancel_train

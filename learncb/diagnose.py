@@ -237,9 +237,8 @@ def why_no_grad(learn):
     params = list(learn.model.parameters())
     if not any(p.requires_grad for p in params):
         frozen = (f"all its {len(params)} parameter tensors have requires_grad=False (the model is frozen); "
-                  f"unfreeze "
-                  f"what should train, e.g. for p in model.parameters(): p.requires_grad_(True)") if params else \
-                 "it has no parameters at all"
+                  f"unfreeze what should train, e.g. for p in model.parameters(): p.requires_grad_(True)"
+                  if params else "it has no parameters at all")
         return f"the loss has no gradient because nothing in the model can be trained: {frozen}"
     if not any(t.requires_grad for t in tensors_of(learn.pred)):
         return ("the loss has no gradient because the model's output has none: its forward detaches its "

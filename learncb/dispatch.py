@@ -274,7 +274,11 @@ class EventFilter(Callback):
     "Callback made by `learn.on`: calls `fn(learn)` at one event, filtered by `every`, `once` or `filter_fn`"
     _state_attrs = ('num_called', 'num_executed')
     def __init__(self, event_name, fn, every=None, once=None, filter_fn=None):
-        self.event_name,self.fn,self.every,self.once,self.filter_fn = event_name,fn,every,once,filter_fn
+        self.event_name = event_name
+        self.fn = fn
+        self.every = every
+        self.once = once
+        self.filter_fn = filter_fn
         self.num_called = self.num_executed = 0
         self._name = getattr(fn, '__name__', None)
         setattr(self, event_name, self._maybe_call)

@@ -216,7 +216,10 @@ class StateSnapshot:
             self.meta,(self.data,self.buffer),self.fallback = f.getvalue(),_bytes_of(pickler.tensors,
                 buffer),None
         except _NotPackable:
-            self.meta,self.data,self.buffer,self.fallback = None,None,None,serialized(with_checksum(state))
+            self.meta = None
+            self.data = None
+            self.buffer = None
+            self.fallback = serialized(with_checksum(state))
 
     def write(self, path):
         """Write the snapshot to `path` atomically, with a checksum of all of it: `load_torch_file` reads it

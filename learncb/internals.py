@@ -41,8 +41,8 @@ _has_step_privates = (all(hasattr(_torch_optimizer, f'_global_optimizer_{w}_hook
 
 def unwrapped_step(opt):
     """torch's step function of `opt`'s class, to call as `step(opt)` without torch's wrapper, when nothing
-    needs that
-    wrapper (step hooks, a step set on the instance, the profiler); else `None`: call `opt.step()`"""
+    needs that wrapper (step hooks, a step set on the instance, the profiler); else `None`: call
+    `opt.step()`"""
     step = type(opt).step
     if not (_private and _has_step_privates and getattr(step, 'hooked', False)) or 'step' in vars(opt):
         return None
@@ -160,9 +160,8 @@ _compile_settings = ('trace_autograd_ops', 'fail_on_recompile_limit_hit')
 
 def compile_settings(trace_backward):
     """`{setting: value before}` after setting, for a compiled fit, whether dynamo traces the backward into
-    the step's graph
-    and whether reaching its recompile limit is an error (then the fit falls back, saying so); `{}` when not
-    set"""
+    the step's graph and whether reaching its recompile limit is an error (then the fit falls back, saying
+    so); `{}` when not set"""
     cfg = getattr(getattr(torch, '_dynamo', None), 'config', None)
     if not _use(cfg is not None and all(hasattr(cfg, k) for k in _compile_settings)): return {}
     before = {k: getattr(cfg, k) for k in _compile_settings}
@@ -197,8 +196,8 @@ def recompile_limit_hit(e):
 
 def own_function(fn):
     """A copy of function `fn` on a copy of its code, the functions it closes over copied likewise:
-    torch.compile keeps
-    its graphs per code object, so a copy per learner keeps each learner's apart (public path: `fn` itself)"""
+    torch.compile keeps its graphs per code object, so a copy per learner keeps each learner's apart (public
+    path: `fn` itself)"""
     if not _use(True): return fn
     cells = fn.__closure__ and tuple(CellType(own_function(c.cell_contents)) if isinstance(c.cell_contents,
         FunctionType)

@@ -107,7 +107,8 @@ def _busy_error(what, running, me):
         f"it, and "
         f"{running.what} goes on if this error is caught. To look at the model during a fit use "
         f"learn.validate() or "
-        f"learn.get_preds(), which can run inside it; to train more, call {what} after {running.what} returns")
+        f"learn.get_preds(), which can run inside it; to train more, call {what} after {running.what} "
+        f"returns")
     return RuntimeError(
         f"{what} was called in thread {me.name!r} while thread {running.name!r} runs {running.what} on this "
         f"learner: "
@@ -139,19 +140,33 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         self.loss_func,self.opt_func = check_loss_func(loss_func, allow_none=True),check_opt_func(opt_func)
         self.lr = check_lr(default_lr(opt_func, lr), who='Learner')
         self.wd = check_wd(wd, who='Learner')
-        self.splitter,self._vocab,self.frozen_idx,self.train_bn = check_splitter(splitter),vocab,0,bool(train_bn)
+        self.splitter = check_splitter(splitter)
+        self._vocab = vocab
+        self.frozen_idx = 0
+        self.train_bn = bool(train_bn)
         self.n_inp,self.model_dir,self.path = n_inp,model_dir,Path(path)
         self.metrics = check_metrics(metrics)
         self.device = torch.device(device) if device is not None else default_device()
         if not meta_tensors(self.model): self.model.to(self.device)  # a model on `meta` is refused by `fit`
-        self.opt,self.state,self.logger,self.exception,self.cbs = None,AttrDict(),print_row,None,[]
-        self.fitting,self.validating_aside,self.stop_reason,self.resume_from = False,0,None,None
+        self.opt = None
+        self.state = AttrDict()
+        self.logger = print_row
+        self.exception = None
+        self.cbs = []
+        self.fitting = False
+        self.validating_aside = 0
+        self.stop_reason = None
+        self.resume_from = None
         self.strategy = SingleProcess()               # how fits run: `distrib_ctx` sets another
         # who runs a fit now; the optimizers create_opt made
         self._running,self._opts_made = None,weakref.WeakKeyDictionary()
         self._removed_in_fit,self._rows_of,self._taken = [],None,None      # see _fit_session and _end_fit
         for k,v in {**fit_attrs, **phase_attrs}.items(): setattr(self, k, v)
-        self.training,self.start_epoch,self.start_iter,self._out_loss,self.turn = False,0,0,None,None
+        self.training = False
+        self.start_epoch = 0
+        self.start_iter = 0
+        self._out_loss = None
+        self.turn = None
         self.stepper = self._resting_step = self.step_class(self, hooks=False)      # the step outside a fit
         self._batch_device = _unprepared                                            # how batches move
         self.cbs_changed()
@@ -243,7 +258,10 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             with self.added_cbs(cbs):
                 self._opt_for_fit(reset_opt)
                 self._set_hypers(lr=self.lr if lr is None else lr, wd=self.wd if wd is None else wd)
-                self.n_epoch,self.exception,self.stop_reason,self._raised_in = n_epoch,None,None,None
+                self.n_epoch = n_epoch
+                self.exception = None
+                self.stop_reason = None
+                self._raised_in = None
                 self.start_epoch,self.start_iter,self.skipped_batches = 0,0,()
                 data = getattr(self.dls.train, 'dataset', None)      # the rows found bad in it stay out
                 if data is not self._rows_of: self.skipped_items,self._rows_of = [],data
@@ -337,10 +355,9 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
 
     def forward_batch(self, model=None):
         """The model's output on the current batch (`model(*xb)`, `model(**xb[0])` for a dict batch), no
-        events: from a
-        dict output its `pred_key` entry; without `loss_func`, what is left once the model's own loss is taken
-        out.
-        `model`: what to call in place of `learn.model` (a step hook's, as AutoMicrobatch's micro-batches)"""
+        events: from a dict output its `pred_key` entry; without `loss_func`, what is left once the model's
+        own loss is taken out. `model`: what to call in place of `learn.model` (a step hook's, as
+        AutoMicrobatch's micro-batches)"""
         model = self.model if model is None else model
         out = model(**self.xb[0]) if self._kw else model(*self.xb)
         if self.loss_func is None:

@@ -38,11 +38,9 @@ def _is_loss(t): return isinstance(t, torch.Tensor) and t.ndim == 0 and t.is_flo
 
 def model_loss(out, loss_key='loss', pred_key='logits'):
     """`(pred, loss)` from the output of a model that computes its own loss: a dict's `loss_key` entry (`pred`
-    its
-    `pred_key` entry), an object's `.loss`, or the one 0-dim floating tensor of a tuple (`pred` the rest: one
-    tensor
-    alone); `loss` is `None` when there is none. Two 0-dim tensors in a tuple are an error: which is the
-    loss?"""
+    its `pred_key` entry), an object's `.loss`, or the one 0-dim floating tensor of a tuple (`pred` the rest:
+    one tensor alone); `loss` is `None` when there is none. Two 0-dim tensors in a tuple are an error: which
+    is the loss?"""
     if isinstance(out, Mapping): return (out[pred_key] if pred_key in out else out),out.get(loss_key)
     if isinstance(out, (tuple, list)):
         where = [i for i,t in enumerate(out) if _is_loss(t)]
@@ -73,7 +71,11 @@ class Gatherer:
     with `pad`"""
     def __init__(self, n=None, dim=0, pad=0):
         self.n,self.dim,self.pad = n,dim,pad
-        self.kids,self.buf,self.parts,self.pos,self.cuda = None,None,[],0,False
+        self.kids = None
+        self.buf = None
+        self.parts = []
+        self.pos = 0
+        self.cuda = False
 
     def add(self, o):
         "Append one batch: a tensor, or a tuple/list of tensors"
@@ -145,7 +147,10 @@ class GatherPredsCallback(Callback):
     run_train = False
     def __init__(self, with_input=False, with_loss=False, save_preds=None, save_targs=None, with_preds=True,
                  with_targs=True, concat_dim=0, pickle_protocol=2):
-        self.with_input,self.with_loss,self.with_preds,self.with_targs = with_input,with_loss,with_preds,with_targs
+        self.with_input = with_input
+        self.with_loss = with_loss
+        self.with_preds = with_preds
+        self.with_targs = with_targs
         self.save_preds,self.save_targs = save_preds,save_targs
         self.concat_dim,self.pickle_protocol = concat_dim,pickle_protocol
         self._new_gatherers(None)
@@ -321,8 +326,8 @@ class PredsHost:
         gather = GatherPredsCallback(with_input=with_input, with_loss=with_loss, save_preds=save_preds,
                                      save_targs=save_targs, with_preds=with_preds, with_targs=with_targs,
                                      concat_dim=concat_dim, pickle_protocol=pickle_protocol)
-        with _recorders_off(self), self.added_cbs([gather,
-                                                   *listify(cbs)]), self.no_logging(), self._validation_aside():
+        with (_recorders_off(self), self.added_cbs([gather, *listify(cbs)]), self.no_logging(),
+              self._validation_aside()):
             if with_loss and self.loss_func is not None:
                 with self.loss_not_reduced(), _noting_reduction(): self.run_validation(dl)
             else: self.run_validation(dl)
@@ -436,7 +441,10 @@ class FetchPredsCallback(Callback):
     "At `after_validate`, gets predictions of another dataloader with `get_preds` and keeps them in `preds`"
     remove_on_fetch = True
     def __init__(self, ds_idx=1, dl=None, with_input=False, with_decoded=False, cbs=None, reorder=True):
-        self.ds_idx,self.fetch_dl,self.with_input,self.with_decoded = ds_idx,dl,with_input,with_decoded
+        self.ds_idx = ds_idx
+        self.fetch_dl = dl
+        self.with_input = with_input
+        self.with_decoded = with_decoded
         self.removed,self.reorder,self.preds = listify(cbs),reorder,None
 
     def after_validate(self):

@@ -75,7 +75,10 @@ class ProgressCallback(Callback):
 
     def _close(self):
         "Close the bars left open (all of them after a failed fit) and give the learner its logger back"
-        pbar,mbar,self.pbar,self.mbar = self.pbar,self.mbar,None,None
+        pbar = self.pbar
+        mbar = self.mbar
+        self.pbar = None
+        self.mbar = None
         try:
             if pbar is not None and pbar.last_v is not None: pbar.on_iter_end()
             if mbar is not None: mbar.on_iter_end()

@@ -35,21 +35,37 @@ class Recorder(Callback):
 
     def __init__(self, add_time=True, train_metrics=False, beta=0.98):
         self.add_time,self.train_metrics,self.beta = add_time,train_metrics,beta
-        self.last_valid,self._valid_metrics,self._train_metrics,self._header_logged = None,[],[],False
-        self._valid_stack,self._warned_nan,self.hps,self._metrics_unchecked = [],False,{},False
+        self.last_valid = None
+        self._valid_metrics = []
+        self._train_metrics = []
+        self._header_logged = False
+        self._valid_stack = []
+        self._warned_nan = False
+        self.hps = {}
+        self._metrics_unchecked = False
         self._reset_history()
 
     def _reset_history(self):
-        self.lrs,self.iters,self.values,self._losses = [],[],[],[]
+        self.lrs = []
+        self.iters = []
+        self.values = []
+        self._losses = []
         self._pending,self._pending_bs = [],[]  # training losses still on the device, and their batch sizes
-        self._smooth,self._count,self._on_device,self._loss_device = 0.,0,None,None
+        self._smooth = 0.
+        self._count = 0
+        self._on_device = None
+        self._loss_device = None
         self._fit_columns = None  # the extra columns of the history, once its fit has ended
         self._clear_epoch()
 
     def _clear_epoch(self):
         """Per-epoch state, cleared when used: correct even if another callback cancelled a stage before ours
         began"""
-        self._train_sum,self._train_n,self._epoch_valid,self._epoch_start,self._extra = 0.,0,None,None,{}
+        self._train_sum = 0.
+        self._train_n = 0
+        self._epoch_valid = None
+        self._epoch_start = None
+        self._extra = {}
         self._train_cols,self._train_bs,self._epoch_train_metrics = [[] for _ in self._metrics],[],None
         self._clear_valid()
 
@@ -136,7 +152,8 @@ class Recorder(Callback):
         tensors"""
         n = self._uncounted()  # a batch that failed before its end: not in the checkpoint, still in memory
         held,self._pending = self._pending[len(self._pending) - n:],self._pending[:len(self._pending) - n]
-        held_bs,self._pending_bs = self._pending_bs[len(self._pending_bs) - n:],self._pending_bs[:len(self._pending_bs) - n]
+        held_bs,self._pending_bs = (self._pending_bs[len(self._pending_bs) - n:],
+                                    self._pending_bs[:len(self._pending_bs) - n])
         self._flush()
         self._pending,self._pending_bs = held,held_bs
         state = {**super().state_dict(), 'lrs': numbers_tensor(self.lrs[:len(self._losses)]),
@@ -177,14 +194,21 @@ class Recorder(Callback):
         if not self._pending: return
         pending = [_summed(l) for l in self._pending]
         (raw,items),self._loss_device = batch_losses(pending, self._pending_bs),pending[0].device
-        beta,smooth,count,total,n = self.beta,self._smooth,self._count,self._train_sum,self._train_n
+        beta = self.beta
+        smooth = self._smooth
+        count = self._count
+        total = self._train_sum
+        n = self._train_n
         for v,bs in zip(raw, items):
             count += 1
             smooth = beta * smooth + (1 - beta) * v
             self._losses.append(smooth / (1 - beta ** count))
             total += v * bs
             n += bs
-        self._smooth,self._count,self._train_sum,self._train_n = smooth,count,total,n
+        self._smooth = smooth
+        self._count = count
+        self._train_sum = total
+        self._train_n = n
         self._pending,self._pending_bs,self._on_device = [],[],None
 
     def before_fit(self):
@@ -269,7 +293,8 @@ class Recorder(Callback):
                 _explain_metric_error(e, name, learn)
                 raise add_note(e, f"learncb: metrics are tried on the first training batch, so that one that "
                                   f"fails "
-                                  f"does so before an epoch is spent (this batch has not updated the weights)")
+                                  f"does so before an epoch is spent (this batch has not updated the "
+                                  f"weights)")
 
     def after_validate(self):
         aside = self.learn.validating_aside
@@ -350,7 +375,11 @@ class Recorder(Callback):
         per_epoch = {}
         for e,i in getattr(self, 'skipped', ()) if not self.learn.fitting else self.learn.skipped_batches:
             per_epoch.setdefault(e, set()).add(i)
-        n,xs,ends,marks,start = len(self.losses),[],[],[],0
+        n = len(self.losses)
+        xs = []
+        ends = []
+        marks = []
+        start = 0
         for e,(a,b) in enumerate(zip([0, *self.iters], [*self.iters, n])):
             skip = per_epoch.get(e, set())
             xs += [start + i for i in itertools.islice((i for i in itertools.count() if i not in skip),

@@ -26,7 +26,8 @@ class ResumeCallback(Callback):
     order = Order.LAST
     def __init__(self, state, path):
         self.state,self.path,self.at = state,path,state.get('at', 'epoch_end')
-        self.epoch,self.iter,self.finished = state['loop']['epoch'],state['loop']['iter'],_finished(state) is not None
+        self.epoch,self.iter,self.finished = (state['loop']['epoch'],state['loop']['iter'],
+                                              _finished(state) is not None)
 
     def _restore(self):
         learn,state = self.learn,self.state

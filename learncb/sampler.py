@@ -14,7 +14,8 @@ __all__ = ['RowsOut', 'ResumableSampler', 'has_state', 'sampler_of', 'cannot_res
 import math
 from collections import namedtuple
 import torch
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler,
+                              Sampler, SequentialSampler)
 from .utils import *
 
 # %% ../nbs/16e_sampler.ipynb #66758e89
@@ -22,8 +23,18 @@ class ResumableSampler(Sampler):
     """The order of torch's `RandomSampler` (`seed=None`) or `DistributedSampler` (`seed`), saved and resumed
     part-way"""
     def __init__(self, n, shuffle=True, seed=None, generator=None, rank=0, world=1):
-        self.n,self.shuffle,self.seed,self.generator,self.rank,self.world = n,shuffle,seed,generator,rank,world
-        self.epoch,self.start,self._pass,self._saved_pass,self._replay,self.order = 0,0,None,None,None,None
+        self.n = n
+        self.shuffle = shuffle
+        self.seed = seed
+        self.generator = generator
+        self.rank = rank
+        self.world = world
+        self.epoch = 0
+        self.start = 0
+        self._pass = None
+        self._saved_pass = None
+        self._replay = None
+        self.order = None
         self._out = (None, None)       # `(key, rows_out)`: where the rows left out are in this pass's batches
 
     def __len__(self): return math.ceil(self.n / self.world)
@@ -254,13 +265,10 @@ def epoch_start_state(dl):
 
 class replayed_from:
     """An epoch of `dl` from batch `n`, for a dataloader that cannot skip: its first `n` batches are read
-    again from the
-    random state the epoch started with (`start`, an `epoch_start_state`) and dropped, then the run's random
-    state `rng`
-    is put back. Exact for any `dl` that reading again gives the same batches (a list, a sampler, a stream
-    that draws
-    from torch's, numpy's or Python's generators); `start=None` (an older checkpoint) replays from the state
-    at hand"""
+    again from the random state the epoch started with (`start`, an `epoch_start_state`) and dropped, then the
+    run's random state `rng` is put back. Exact for any `dl` that reading again gives the same batches (a
+    list, a sampler, a stream that draws from torch's, numpy's or Python's generators); `start=None` (an older
+    checkpoint) replays from the state at hand"""
     def __init__(self, dl, n, start, rng): self.dl,self.n,self.start,self.rng = dl,n,start,rng
     def __iter__(self):
         if self.start is not None:

@@ -261,8 +261,7 @@ def _opt_tensors(opt):
 
 def _put_back(before, after):
     """The tensors `before` held, with the values loaded since: the optimizer keeps its tensor objects across
-    a load
-    (a compiled step guards on them, and would compile again)"""
+    a load (a compiled step guards on them, and would compile again)"""
     for w,(c,new) in after.items():
         old = before.get(w, (None, None))[1]
         if old is not None and old is not new and (old.shape, old.dtype, old.device) == (new.shape, new.dtype,

@@ -72,8 +72,7 @@ def tensors_of(o):
 
 def name_of(f, detail=False):
     """The name of a function, a class, a partial or a callable object: `Adam`, `CrossEntropyLoss`; with
-    `detail`, as
-    a summary shows it: `partial(SGD, momentum=0.9)`, `CrossEntropyLoss()`"""
+    `detail`, as a summary shows it: `partial(SGD, momentum=0.9)`, `CrossEntropyLoss()`"""
     if not detail:
         f = getattr(f, 'func', f)
         return getattr(f, '__name__', None) or type(f).__name__
@@ -319,8 +318,7 @@ def user_frame(depth=1):
 
 def warn_user(message, category=UserWarning):
     """Warn with `message` every time (not once per place, as Python does), at the line of the user's code
-    that led here,
-    so the warning shows that line and never one of learncb's"""
+    that led here, so the warning shows that line and never one of learncb's"""
     f = user_frame()
     if f is None: return warnings.warn(message, category, stacklevel=2)
     warnings.warn_explicit(message, category, f.f_code.co_filename, f.f_lineno,

@@ -61,15 +61,15 @@ class ForkedProcess:
 
 def start_forked(*argv, out, err=None, env=None):
     """`subprocess.Popen([python, *argv], stdout=out, stderr=err or out, env=env)` with `out` and `err` file
-    names, but
-    forked from a process that imported `learncb.all` (a forkserver): no 2 to 3 s of CPU for imports. A
-    process of its
-    own all the same (it can SIGKILL itself: its return code is then -9), with this process's environment and
-    folder of
-    now. Not for what must be set before Python starts (`MALLOC_*`, `PYTHONWARNINGS`)."""
+    names, but forked from a process that imported `learncb.all` (a forkserver): no 2 to 3 s of CPU for
+    imports. A process of its own all the same (it can SIGKILL itself: its return code is then -9), with this
+    process's environment and folder of now. Not for what must be set before Python starts (`MALLOC_*`,
+    `PYTHONWARNINGS`)."""
     import multiprocessing as mp
     if not _forkserver:
-        ctx = mp.get_context('forkserver'); ctx.set_forkserver_preload(['learncb.all']); _forkserver.append(ctx)
+        ctx = mp.get_context('forkserver')
+        ctx.set_forkserver_preload(['learncb.all'])
+        _forkserver.append(ctx)
     argv = [str(a) for a in argv]
     proc = _forkserver[0].Process(target=_run_as_main, args=(argv, dict(os.environ if env is None else env),
                                                              os.getcwd(),

@@ -7,7 +7,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from learncb.all import *
 
-nz, ngf, ndf, nc = 8, 8, 8, 3
+nz = 8
+ngf = 8
+ndf = 8
+nc = 3
 
 def weights_init(m):
     "The example's initialisation: conv weights N(0, 0.02), batchnorm weights N(1, 0.02) and biases 0"

@@ -105,7 +105,8 @@ def test_wd_must_be_finite_and_not_negative(entry, bad):
         if entry == 'Learner': counted(wd=bad)
         else: FITS[entry](learn, wd=bad)
     msg = message(info)
-    assert f'wd must be a number >= 0' in msg and f'not {bad!r}' in msg and 'a weight decay such as 0.01' in msg
+    assert (f'wd must be a number >= 0' in msg and f'not {bad!r}' in msg and 'a weight decay such as 0.01'
+            in msg)
     assert learn.train_batches.n == 0 and learn.opt is None
 
 def test_learner_lr_replaced_by_hand_is_checked_at_fit():
@@ -126,7 +127,8 @@ def test_lr_list_longer_than_the_param_groups():
     learn = counted(cbs=[log])
     with pytest.raises(ValueError) as info: learn.fit(1, lr=[0.1, 0.01])
     msg = message(info)
-    assert 'lr=[0.1, 0.01] gives 2 values, but Adam has 1 param group' in msg and 'pass one lr, or one per' in msg
+    assert ('lr=[0.1, 0.01] gives 2 values, but Adam has 1 param group' in msg and 'pass one lr, or one per'
+            in msg)
     assert learn.train_batches.n == 0 and 'before_fit' not in log.log
 
 def test_loss_func_class_instead_of_instance():
@@ -216,7 +218,8 @@ def test_callback_order_must_be_an_int(bad):
     class Late(Callback): order = bad
     learn = counted()
     with pytest.raises(TypeError) as info: learn.fit(1, cbs=Late)
-    assert f'Late: order must be an int, not {bad!r}' in message(info) and 'TrainEvalCallback is -10' in message(info)
+    assert (f'Late: order must be an int, not {bad!r}' in message(info) and 'TrainEvalCallback is -10'
+            in message(info))
     assert learn.train_batches.n == 0
     with pytest.raises(TypeError, match=f"Callback\\('mine'\\): order must be an int, not {bad!r}"):
         Callback(name='mine', order=bad)
@@ -233,7 +236,8 @@ def test_opt_func_given_an_optimizer_instance():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(TypeError) as info: Learner(synth_dls(), model, nn.CrossEntropyLoss(), opt_func=opt)
     msg = message(info)
-    assert 'not the optimizer SGD already made' in msg and 'opt_func=torch.optim.SGD' in msg and 'learn.opt =' in msg
+    assert ('not the optimizer SGD already made' in msg and 'opt_func=torch.optim.SGD' in msg
+            and 'learn.opt =' in msg)
 
 def test_opt_func_not_callable_or_not_making_an_optimizer():
     with pytest.raises(TypeError, match="opt_func must be a function that makes an optimizer.*not 'adam'"):
@@ -299,7 +303,8 @@ def test_tracker_of_a_validation_value_without_validation(tracker, monitor, tmp_
     with pytest.raises(ValueError) as info: learn.fit(2, cbs=tracker(monitor=monitor))
     msg = message(info)
     assert f"{tracker.__name__} monitors {monitor!r}, a value of the validation" in msg
-    assert 'no validation dataloader' in msg and 'DataLoaders(train, valid)' in msg and "monitor 'train_loss'" in msg
+    assert ('no validation dataloader' in msg and 'DataLoaders(train, valid)' in msg
+            and "monitor 'train_loss'" in msg)
     assert "raised by" in msg and "'before_fit'" in msg
     assert learn.train_batches.n == 0 and all(torch.equal(a, b) for a, b in zip(w, weights(learn)))
     assert not (tmp_path/'models').exists()
@@ -330,7 +335,8 @@ def test_method_named_like_another_librarys_event_warns_when_added(name, ev, lib
         warnings.simplefilter('always')
         learn = synth_learner(cbs=Foreign())
     msgs = [str(o.message) for o in w if issubclass(o.category, UserWarning)]
-    said = rf"Foreign.{name} is not an event and will never be called; did you mean .*{ev!r}\??( \(where)? [^)]*{lib}"
+    said = (rf"Foreign.{name} is not an event and will never be called; did you mean .*{ev!r}\??( \(where)? "
+            rf"[^)]*{lib}")
     # the event, then in parentheses the libraries firing it there
     assert any(re.search(said, m) for m in msgs), msgs
     assert learn.foreign in learn.cbs                                      # added all the same: a warning
@@ -463,7 +469,8 @@ def test_uncaught_nested_fit_ends_the_outer_fit_clearly_and_the_learner_is_usabl
     refit = Callback(after_epoch=lambda self: self.learn.fit(1), name='refit', order=99)
     with pytest.raises(RuntimeError) as info: learn.fit(3, cbs=refit)
     msg = message(info)
-    assert 'learn.fit() was called during learn.fit()' in msg and "raised by Callback('refit') in 'after_epoch'" in msg
+    assert ('learn.fit() was called during learn.fit()' in msg and "raised by Callback('refit') in "
+                                                                   "'after_epoch'" in msg)
     assert len(learn.recorder.values) == 1 and learn._running is None and not learn.fitting
     learn.fit(1)
     assert len(learn.recorder.values) == 1 and learn.exception is None

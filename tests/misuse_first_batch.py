@@ -1,11 +1,9 @@
 """Errors in the first batch (and the Recorder's part of one run at a time): errors from the first batch speak
-learncb, a learncb
-handler never crashes while the loop unwinds, a diverging loss warns once, a resumed run prints its table
-header.
+learncb, a learncb handler never crashes while the loop unwinds, a diverging loss warns once, a resumed run
+prints its table header.
 
 Each misuse asserts the exception type (torch's own, kept), that the notes name the bad value and the fix,
-where in
-the run the error came (counted with a callback), and what the learner holds afterwards."""
+where in the run the error came (counted with a callback), and what the learner holds afterwards."""
 import io, math, warnings
 from collections import Counter
 import pytest, torch
@@ -151,7 +149,8 @@ def test_detached_loss():
     learn, count = learner_on(TensorDataset(X, Y))
     learn.loss_func = lambda p, y: torch.tensor(nn.functional.cross_entropy(p, y).item())
     with pytest.raises(RuntimeError, match='does not require grad') as info: learn.fit(1)
-    assert 'loss_func returned a tensor cut off from pred' in notes(info.value) and fails_at_first_batch(count)
+    assert ('loss_func returned a tensor cut off from pred' in notes(info.value)
+            and fails_at_first_batch(count))
 
 def test_model_whose_forward_detaches():
     class Detaching(nn.Linear):

@@ -1,11 +1,9 @@
 """Files and resume: nothing the user had is lost, and a resumed run is the same run.
 
 Loads that do not fit change nothing; files from wrapped models load; damaged files are refused by their
-checksum and
-`resume=True` goes back to an intact one; the user's dataloader is never replaced; Ctrl-C's handler comes back
-after
-every fit; a resume checks the data and says when the run is over; save names and write errors name the right
-file."""
+checksum and `resume=True` goes back to an intact one; the user's dataloader is never replaced; Ctrl-C's
+handler comes back after every fit; a resume checks the data and says when the run is over; save names and
+write errors name the right file."""
 import copy, errno, os, signal, warnings
 from pathlib import Path
 import pytest, torch
@@ -207,7 +205,8 @@ def test_strict_false_with_no_key_in_common_raises_and_changes_nothing(tmp_path)
     before = snapshot(learn)
     with pytest.raises(ValueError) as info: learn.load('encoder', strict=False)
     msg = messages(info)
-    assert 'encoder.pth has no key in common with the model' in msg and "'encoder.weight'" in msg and "'weight'" in msg
+    assert ('encoder.pth has no key in common with the model' in msg and "'encoder.weight'" in msg
+            and "'weight'" in msg)
     assert_untouched(learn, before)
 
 def test_strict_false_with_some_keys_in_common_warns_with_the_keys(tmp_path):
@@ -552,7 +551,8 @@ def test_a_full_disk_names_the_target_and_keeps_the_old_file(tmp_path, monkeypat
     def full(fd): raise OSError(errno.ENOSPC, 'No space left on device')
     monkeypatch.setattr(os, 'fsync', full)
     with pytest.raises(OSError) as info: learn.save('m')
-    assert info.value.errno == errno.ENOSPC and info.value.filename == str(path) and '.tmp' not in messages(info)
+    assert (info.value.errno == errno.ENOSPC and info.value.filename == str(path) and '.tmp' not
+            in messages(info))
     assert 'the disk is full; it needs' in messages(info) and 'are free there' in messages(info)
     assert path.read_bytes() == old and [p.name for p in path.parent.iterdir()] == ['m.pth']
 

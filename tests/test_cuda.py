@@ -84,9 +84,8 @@ def test_two_ranks_on_one_gpu(tmp_path):
                          ids=['Adam', 'fused Adam', 'SGD with momentum'])
 def test_compiled_step_as_cuda_graphs(opt_func):
     """`learn.compile(step=True, mode='reduce-overhead')`: the step replayed as CUDA graphs (Adam's
-    hyper-parameters as
-    device tensors), with SpikeGuard: no fallback, the eager fit's weights, the Recorder's losses its own
-    copies"""
+    hyper-parameters as device tensors), with SpikeGuard: no fallback, the eager fit's weights, the Recorder's
+    losses its own copies"""
     def fit(**compile):
         learn = cuda_learner(opt_func=opt_func, lr=1e-2, cbs=SpikeGuard())
         if compile: learn.compile(step=True, fallback=False, **compile)

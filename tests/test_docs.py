@@ -65,7 +65,8 @@ def test_the_coming_from_page_maps_each_foreign_event_as_the_hints_do():
         for col,lib in ((pa, 'pytorch-accelerated'), (fnlp, 'fastNLP')):
             for mine,theirs in zip(names(ours), names(col)):
                 if (found := foreign_events[lib].get(f'on_{theirs}')):
-                    assert found == mine, f"the page maps {lib}'s on_{theirs} to {mine}, foreign_events to {found}"
+                    assert found == mine, (f"the page maps {lib}'s on_{theirs} to {mine}, "
+                                           f"foreign_events to {found}")
                     checked.append(theirs)
     assert {'train_epoch_end', 'train_epoch_start', 'train_epoch_begin',
             'before_backward'} <= set(checked), checked
@@ -77,4 +78,5 @@ def test_the_coming_from_page_maps_each_foreign_event_as_the_hints_do():
         cells = [', '.join(f'`{n}`' for n,e in foreign_events[lib].items() if e == ev) or '-' for lib in libs]
         if any(c != '-' for c in cells): rows.append(f'| `{ev}` | ' + ' | '.join(cells) + ' |')
     per_library = next(c.source for c in nb.cells if '### Where each library fires its handlers' in c.source)
-    assert '\n'.join(rows) in per_library, "the page's table per library is not foreign_events: make it again from it"
+    assert ('\n'.join(rows)
+            in per_library), "the page's table per library is not foreign_events: make it again from it"

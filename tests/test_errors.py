@@ -117,7 +117,8 @@ def test_device_mismatch_is_explained(monkeypatch):
     monkeypatch.setattr(learncb.learner, 'check_materialized', lambda m: m)
     with pytest.raises(RuntimeError) as info: learn.fit(1)
     note = info.value.__notes__[-1]
-    assert 'the model failed with the batch on meta' in note and 'the model is split over cpu, meta: put all of it on one device' in note
+    assert ('the model failed with the batch on meta' in note and 'the model is split over cpu, meta: put '
+                                                                  'all of it on one device' in note)
 
 def test_unknown_event_names():
     learn = synth_learner()

@@ -1,10 +1,8 @@
 """A fit ended from outside: `SystemExit` raised by another library's handler in the middle of a
 batch. The checkpoint written on the way out records a position consistent with the loop's counters, so that
 `resume='auto'` neither repeats nor skips a batch: the resumed run takes the uninterrupted run's number of
-steps, and
-ends with its weights where the checkpoint is exact. An exit after the optimizer stepped (`after_step`) counts
-the
-batch: the weights have seen it, so the resumed run goes on with the next one."""
+steps, and ends with its weights where the checkpoint is exact. An exit after the optimizer stepped
+(`after_step`) counts the batch: the weights have seen it, so the resumed run goes on with the next one."""
 import pytest, torch
 from learncb.all import *
 from learncb.state import read_checkpoint

@@ -1,8 +1,6 @@
 """The "Porting a training loop" page: its three ports, taken from the page, end with the hand-written loops'
-weights
-(`torch.equal`); the nanoGPT port killed with SIGKILL in the middle of a gradient accumulation and resumed
-with
-`resume=True` ends with them too."""
+weights (`torch.equal`); the nanoGPT port killed with SIGKILL in the middle of a gradient accumulation and
+resumed with `resume=True` ends with them too."""
 import subprocess, sys
 from pathlib import Path
 import pytest, torch
@@ -56,7 +54,7 @@ class KillAt(Callback):
     def __init__(self, k): self.k = k
     def after_batch(self):
         if self.training and self.train_iter == self.k: os.kill(os.getpid(), signal.SIGKILL)
-if kill_at < 0:                         # the hand-written loop, in a process like the others (the same kernels)
+if kill_at < 0:                         # the hand-written loop, in a process like the others (same kernels)
     model, estimates = nanogpt_by_hand()
     torch.save({'model': model.state_dict(), 'estimates': estimates}, out/'reference.pt')
     sys.exit()
@@ -64,7 +62,8 @@ learn = nanogpt_learner(path=out)
 with learn.no_bar(), learn.no_logging():
     if kill_at: learn.fit(1, cbs=[CheckpointCallback(every_n_steps=5), KillAt(kill_at)])
     else: learn.fit(1, resume=True)
-torch.save({'model': learn.model.state_dict(), 'estimates': learn.estimate_loss.estimates, 'iters': learn.train_iter},
+torch.save({'model': learn.model.state_dict(), 'estimates': learn.estimate_loss.estimates,
+            'iters': learn.train_iter},
            out/'final.pt')
 '''
 

@@ -52,7 +52,8 @@ def test_validate_and_fetch_preds_inside_a_fit():
     learn = synth_learner(metrics=accuracy, cbs=fetch)
     learn.fit(2)
     loss, acc = learn.validate()
-    assert loss == pytest.approx(learn.recorder.values[-1][1]) and acc == pytest.approx(learn.recorder.values[-1][2])
+    assert (loss == pytest.approx(learn.recorder.values[-1][1])
+            and acc == pytest.approx(learn.recorder.values[-1][2]))
     inp, preds, targs = fetch.preds
     assert torch.equal(inp, learn.dls.train.dataset.tensors[0]) and learn.train_iter == 8
     assert learn.recorder.iters == [4, 8] and not learn.model.training
@@ -111,8 +112,9 @@ def test_loading_a_malicious_file_refuses_and_runs_nothing(tmp_path, monkeypatch
     (tmp_path/'models').mkdir()
     torch.save({'model': Evil()}, tmp_path/'models'/'evil.pth')
     learn = synth_learner(path=tmp_path)
-    with pytest.raises(ValueError,
-                       match='refused to load .*evil.pth: it contains objects that would run code'): learn.load('evil')
+    refused = 'refused to load .*evil.pth: it contains objects that would run code'
+    with pytest.raises(ValueError, match=refused):
+        learn.load('evil')
     assert not flag.exists()
 
 @pytest.mark.slow
@@ -127,10 +129,11 @@ def test_demo_runs_and_reaches_target(tmp_path):
 
 def test_public_api():
     names = set(learncb.all.__dict__)
-    expected = '''Learner DataLoaders Callback event CancelBatchException CancelStepException CancelBackwardException
-        CancelTrainException CancelValidException CancelEpochException CancelFitException CancelBatch CancelStep
-        CancelBackward CancelTrain CancelValid CancelEpoch CancelFit TrainEvalCallback Recorder ProgressCallback
-        GatherPredsCallback FetchPredsCallback accuracy error_rate defaults to_device find_bs atomic_save'''.split()
+    expected = '''Learner DataLoaders Callback event CancelBatchException CancelStepException
+        CancelBackwardException CancelTrainException CancelValidException CancelEpochException
+        CancelFitException CancelBatch CancelStep CancelBackward CancelTrain CancelValid CancelEpoch CancelFit
+        TrainEvalCallback Recorder ProgressCallback GatherPredsCallback FetchPredsCallback accuracy error_rate
+        defaults to_device find_bs atomic_save'''.split()
     assert set(expected) <= names, set(expected) - names
     for name in expected:
         obj = getattr(learncb.all, name)

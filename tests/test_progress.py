@@ -10,7 +10,8 @@ FIT = textwrap.dedent('''
     torch.manual_seed(0)
     x = torch.randn(512, 2); y = (x.sum(1) > 0).long()
     dl = DataLoader(TensorDataset(x, y), batch_size=16)
-    learn = Learner(DataLoaders(dl, dl), nn.Linear(2, 2), nn.CrossEntropyLoss(), metrics=accuracy, device='cpu')
+    learn = Learner(DataLoaders(dl, dl), nn.Linear(2, 2), nn.CrossEntropyLoss(), metrics=accuracy,
+                    device='cpu')
     learn.fit(2)
 ''')
 

@@ -52,7 +52,8 @@ def test_several_optimizers_take_an_lr_per_name_and_a_schedule_moves_each():
     assert all(g == pytest.approx(100 * d) for d, g in lrs) and lrs[1][0] > lrs[0][0]
     # 'mom': Adam's betas[0], SGD's momentum
     d, g = learn.opt['D'].param_groups[0], learn.opt['G'].param_groups[0]
-    assert d['lr'] == lrs[-1][0] and g['lr'] == lrs[-1][1] and d['betas'][0] == g['momentum'] == moms[-1] != 0.9
+    assert (d['lr'] == lrs[-1][0] and g['lr'] == lrs[-1][1]
+            and d['betas'][0] == g['momentum'] == moms[-1] != 0.9)
     learn.fit(1, lr=3e-4)
     assert [pg['lr'] for pg in learn.opt.param_groups] == [3e-4, 3e-4]
 
@@ -211,7 +212,8 @@ def test_a_torch_scheduler_steps_its_optimizer_once_a_batch_and_a_step_schedule_
                                 opt_name='G')
     by_step = ParamScheduler({'mom': lambda pos: 0.9 - 0.1 * pos / 8}, by='step')
     learn.fit(1, cbs=[sched, by_step])
-    assert learn.opt['G'].param_groups[0]['lr'] == 1e-2 * 0.5 ** 4 and learn.opt['D'].param_groups[0]['lr'] == 2e-4
+    assert (learn.opt['G'].param_groups[0]['lr'] == 1e-2 * 0.5 ** 4
+            and learn.opt['D'].param_groups[0]['lr'] == 2e-4)
     assert by_step.n_steps == 4 and by_step.hps['mom'] == pytest.approx([0.9 - 0.1 * i / 8 for i in range(4)])
     with pytest.raises(ValueError, match=r"several optimizers, \['D', 'G'\]: say which one the scheduler "
                                          r"steps"):
@@ -255,7 +257,8 @@ def test_a_loss_that_fails_on_the_wrong_target_is_told_what_pred_and_targets_wer
     with pytest.raises(Exception) as e: learn.fit(1)
     notes = '\n'.join(getattr(e.value, '__notes__', []))
     assert "got pred = a tuple of 3 tensors" in notes and "targets = a tuple of 1 tensor" in notes, notes
-    assert "(batch[1:])" in notes and "learn.xb" in notes and "(x, x)" in notes and "HiddenStateCallback" in notes
+    assert ("(batch[1:])" in notes and "learn.xb" in notes and "(x, x)" in notes and "HiddenStateCallback"
+            in notes)
 
 def test_a_float64_models_losses_stay_float64():
     x = torch.randn(64, 3, dtype=torch.float64); y = x.sum(1, keepdim=True) + 1e-9

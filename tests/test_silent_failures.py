@@ -1,8 +1,7 @@
 """The last silent failures, and three points where fastai's own tests expect otherwise.
 
 Each mistake is refused with an error that names the bad value and the fix, before work is wasted (no batch,
-or only
-the first one, has run), and leaves the learner usable: nothing the user had is lost."""
+or only the first one, has run), and leaves the learner usable: nothing the user had is lost."""
 import builtins, errno, os, sys, warnings
 import numpy as np
 import pytest, torch

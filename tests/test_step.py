@@ -1,8 +1,6 @@
 """The step as one seam: during a fit nothing callable is set on the learner or the model, whatever capability
-runs;
-`learn.compile(step=True)` runs compiled with the guards (no fallback) and rolls back through its graphs; the
-events a
-rollback and a checkpoint fire are declared."""
+runs; `learn.compile(step=True)` runs compiled with the guards (no fallback) and rolls back through its
+graphs; the events a rollback and a checkpoint fire are declared."""
 import os, subprocess, sys, warnings
 from functools import partial
 from types import FunctionType, MethodType
@@ -76,7 +74,8 @@ from learncb.distributed.context import launch
 from test_step import synth_learner, synth_dls, mlp, AtThirdBatch
 
 def run(strategy, micro, out):
-    learn = synth_learner(model=mlp(), cbs=[AutoMicrobatch()] if micro == '1' else [], dls=synth_dls(n_train=256))
+    cbs = [AutoMicrobatch()] if micro == '1' else []
+    learn = synth_learner(model=mlp(), cbs=cbs, dls=synth_dls(n_train=256))
     spy = AtThirdBatch()
     with warnings.catch_warnings(), learn.distrib_ctx(strategy=strategy):
         warnings.simplefilter('ignore')

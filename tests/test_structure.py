@@ -1,8 +1,6 @@
 """The package's shape: its layers and what may import what, no import cycle, `Learner` readable as classes
-(no
-`@patch` onto a class of the same module, no reading of frame locals), no module over 700 lines, and a learner
-that
-needs no other import than its own module."""
+(no `@patch` onto a class of the same module, no reading of frame locals), no module over 700 lines, and a
+learner that needs no other import than its own module."""
 import ast, re, subprocess, sys, textwrap
 import pytest, torch
 from pathlib import Path
@@ -86,7 +84,8 @@ def find_cycle(graph):
 def test_no_import_cycle_also_inside_functions():
     "No module imports one that imports it back, counting the imports made inside functions"
     graph = {m: sorted(top | lazy) for m,(top,lazy) in import_graph().items()}
-    assert 'learncb.checkpoint.callback' in graph['learncb.resume'] and 'learncb.recorder' in graph['learncb.learner']
+    assert ('learncb.checkpoint.callback' in graph['learncb.resume'] and 'learncb.recorder'
+            in graph['learncb.learner'])
     assert find_cycle(graph) is None, f'import cycle: {" -> ".join(find_cycle(graph))}'
 
 def test_learner_imports_nothing_of_the_checkpoint_layer():
@@ -112,7 +111,8 @@ def test_loop_layer_imports_nothing_above_it():
 
 def test_lazy_imports_are_the_known_ones():
     lazy = {(m, n) for m,(_,lz) in import_graph().items() for n in lz if n != 'learncb'}
-    assert lazy == lazy_allowed, f'imports inside functions changed: new {lazy - lazy_allowed}, gone {lazy_allowed - lazy}'
+    assert lazy == lazy_allowed, (f'imports inside functions changed: new {lazy - lazy_allowed}, '
+                                  f'gone {lazy_allowed - lazy}')
 
 def test_learner_holds_no_file_format():
     """Writing, checksums and safe loading live in `learncb.files`, below the learner, its weights and the
@@ -122,7 +122,8 @@ def test_learner_holds_no_file_format():
         for word in ('torch.save(', 'torch.load(', 'hashlib', 'os.replace', 'fsync'):
             assert word not in src, (mod, word)
     graph = import_graph()
-    assert 'learncb.files' in graph['learncb.weights'][0] and 'learncb.files' in graph['learncb.checkpoint.callback'][0]
+    assert ('learncb.files' in graph['learncb.weights'][0] and 'learncb.files'
+            in graph['learncb.checkpoint.callback'][0])
     assert not {'learncb.learner', 'learncb.checkpoint.callback'} & graph['learncb.files'][0]
 
 def _is_patch(d):
@@ -181,7 +182,8 @@ from pathlib import Path
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from learncb.learner import Learner, DataLoaders
-assert {{'state_dict', 'load_state_dict', 'save_checkpoint', 'load_checkpoint'}} <= set(dir(Learner))   # the class's own
+# the class's own
+assert {{'state_dict', 'load_state_dict', 'save_checkpoint', 'load_checkpoint'}} <= set(dir(Learner))
 {imports}
 torch.manual_seed(0)
 x = torch.randn(64, 2); y = (x.sum(1) > 0).long()
@@ -279,8 +281,8 @@ def test_no_private_name_is_imported_across_modules():
 
 private_torch = re.compile(
     r"torch\._(?!_)|torch\.utils\._|\.__wrapped__|\._orig_mod\b|\._version\b|_optimizer_step_|"
-                           r"_global_optimizer_|_profiler_enabled|_backward_hooks|_post_accumulate_grad_hooks|"
-                           r"_step_supports_amp_scaling|\.found_inf\b|\._metadata\b|\._enabled\b")
+    r"_global_optimizer_|_profiler_enabled|_backward_hooks|_post_accumulate_grad_hooks|"
+    r"_step_supports_amp_scaling|\.found_inf\b|\._metadata\b|\._enabled\b")
 python_own = {'_getframe', '_fields', '_asdict', '_replace', '_make'}  # Python's (sys, namedtuple), public
 
 def _private_uses(tree, learncb_names):
@@ -320,9 +322,8 @@ def _defined_names(trees):
 
 def test_torch_internals_are_used_in_one_module():
     """Only learncb.internals reaches into torch's private API (strings in messages and comments aside): no
-    private
-    name imported from torch, no private attribute learncb does not define itself, no private name in a
-    getattr"""
+    private name imported from torch, no private attribute learncb does not define itself, no private name in
+    a getattr"""
     trees = {name: ast.parse(path.read_text()) for name, path in modules().items()}
     learncb_names = _defined_names(t for n,t in trees.items() if n != 'learncb.internals')
     found = [f'{name}: {use[:80]}' for name, tree in trees.items() if name != 'learncb.internals'

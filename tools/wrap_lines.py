@@ -135,6 +135,22 @@ def closes_soon(toks, k, within=30):
             if depth == 0: return t.start[1] - toks[k].end[1] <= within
     return False
 
+def paren_wrap(line, toks, stacks, on_line):
+    "Put brackets around the expression of a statement that has none to break in (`assert`, `=`, `return`)"
+    first,last = toks[on_line[0]], toks[on_line[-1]]
+    if stacks[on_line[0]] or toks[on_line[-1] + 1].type != tokenize.NEWLINE: return None
+    start = None
+    if first.type == tokenize.NAME and first.string in ('assert', 'return'): start = 1
+    else: start = next((n + 1 for n,k in enumerate(on_line) if not stacks[k] and toks[k].type == tokenize.OP
+                        and toks[k].string in ('=', '+=', '-=', '*=', '/=', '|=')), None)
+    if start is None or start >= len(on_line): return None
+    end = len(on_line)
+    if first.string == 'assert':
+        end = next((n for n in range(start, len(on_line)) if not stacks[on_line[n]]
+                    and toks[on_line[n]].string == ','), len(on_line))
+    a,b = toks[on_line[start]].start[1], toks[on_line[end - 1]].end[1]
+    return [line[:a] + '(' + line[a:b] + ')' + line[b:]]
+
 def fix_code(lines, toks, stacks, i):
     "Break code line `i` at the rightmost place that leaves its first part within the width"
     line = lines[i]
@@ -161,7 +177,7 @@ def fix_code(lines, toks, stacks, i):
             col = stack[-1].end[1] if stack[-1].start[0] == i + 1 else len(lead_of(line)) + 4
             indent = ' ' * col if col <= 70 else hanging(lines, toks, stacks, k)
             cand = (t.start[1] - 5 - 8 * len(stack), [line[:t.start[1]].rstrip(), indent + line[t.start[1]:]])
-        elif t.type == tokenize.STRING and stack and t.start[0] == t.end[0] and t.end[1] > WIDTH:
+        elif t.type == tokenize.STRING and stack and t.start[0] == t.end[0] and t.end[1] > WIDTH - 10:
             cuts = [c for c in string_splits(t, stack) if c[0] <= WIDTH]
             if not cuts: continue
             col,first,second = cuts[-1]
@@ -169,7 +185,7 @@ def fix_code(lines, toks, stacks, i):
             cand = (col - 30, [line[:t.start[1]] + first, indent + second + line[t.end[1]:]])
         else: continue
         if len(cand[1][0]) <= WIDTH and (best is None or cand[0] > best[0]): best = cand
-    return best[1] if best else None
+    return best[1] if best else paren_wrap(line, toks, stacks, on_line)
 
 def fix_line(text, i):
     "New lines for line `i` of `text` (0-based), or `None` if this tool cannot wrap it"
@@ -190,7 +206,7 @@ def same_tree(a, b):
     return ast.dump(ast.parse(a)) == ast.dump(ast.parse(b))
 
 def wrap_file(path):
-    text,left = Path(path).read_text(), []
+    text,left,tried = Path(path).read_text(), [], []
     for _ in range(5000):
         lines = text.split('\n')
         todo = [i for i,l in enumerate(lines) if is_long(l) and l not in left]
@@ -200,7 +216,10 @@ def wrap_file(path):
         candidate = '\n'.join(lines[:i] + (new or []) + lines[i+1:])
         try: ok = new is not None and (is_doc and bool(ast.parse(candidate)) or same_tree(text, candidate))
         except SyntaxError: ok = False
-        if ok and (len(new) > 1 or not is_long(new[0])): text = candidate
+        wrapped = len(new or []) == 1 and new[0].count('(') > lines[i].count('(') and lines[i] not in tried
+        if ok and (len(new) > 1 or not is_long(new[0]) or wrapped):
+            text = candidate
+            if wrapped: tried.append(new[0])
         else: left.append(lines[i])
     Path(path).write_text(text)
     return left

@@ -72,9 +72,8 @@ _tensor_hyper_opts = (torch.optim.Adam, torch.optim.AdamW)
 
 def hypers_as_tensors(opt, device=None):
     """Adam's and AdamW's `lr` and `betas` as 0-dim tensors (and `capturable`): a compiled step takes them as
-    inputs, not
-    constants. On the CPU by default; on `device` (the GPU) for a step captured as CUDA graphs, which reads no
-    CPU tensor"""
+    inputs, not constants. On the CPU by default; on `device` (the GPU) for a step captured as CUDA graphs,
+    which reads no CPU tensor"""
     if type(opt) not in _tensor_hyper_opts: return False
     for pg in opt.param_groups:
         if pg.get('fused') or pg.get('differentiable'): return False
@@ -106,21 +105,18 @@ def _own_code(method):
 
 def _own_step(opt, cuda_graphs=False):
     """`opt`'s step (`bare_step`) on code of its own: torch's optimizer step breaks the graph, so its frames
-    are compiled
-    apart, and on torch's code every optimizer of the class would share them (past torch's recompile limit,
-    eagerly).
-    A fused optimizer's kernel is never traced, nor torch's wrapper of the step (hooks, a scheduler's counter,
-    the
-    profiler's annotation, which torch would warn it ignores): such a step runs as it is, outside the graph"""
+    are compiled apart, and on torch's code every optimizer of the class would share them (past torch's
+    recompile limit, eagerly). A fused optimizer's kernel is never traced, nor torch's wrapper of the step
+    (hooks, a scheduler's counter, the profiler's annotation, which torch would warn it ignores): such a step
+    runs as it is, outside the graph"""
     step = bare_step(opt)
     if not _step_traced(opt, cuda_graphs): return torch.compiler.disable(step)
     return _own_code(step) if isinstance(step, MethodType) else step
 
 def _step_traced(opt, cuda_graphs=False):
     """Whether the compiled step traces `opt`'s step: torch's own, unwrapped and not fused; under CUDA graphs
-    Adam or AdamW
-    alone (their state is made capturable; another optimizer's state made in a graph would be overwritten at
-    its next replay)"""
+    Adam or AdamW alone (their state is made capturable; another optimizer's state made in a graph would be
+    overwritten at its next replay)"""
     if cuda_graphs and type(opt) not in _tensor_hyper_opts: return False
     return unwrapped_step(opt) is not None and not any(pg.get('fused') for pg in opt.param_groups)
 
@@ -140,11 +136,17 @@ class TracedStep(Step):
     step ends its stage"""
     def __init__(self, learn, compiled):
         super().__init__(learn, hooks=False)
-        self.compiled,self.cbs,self.xb,self.yb = compiled,{},(),()
+        self.compiled = compiled
+        self.cbs = {}
+        self.xb = ()
+        self.yb = ()
 
     def prepare(self, xb, yb, cbs):
         "Take the batch `xb`, `yb` and the handlers `cbs` (`{event: callbacks}`) of the next `steps`"
-        self.xb,self.yb,self.cbs,self.stage_now = xb,yb,cbs,None
+        self.xb = xb
+        self.yb = yb
+        self.cbs = cbs
+        self.stage_now = None
 
     def fire(self, event):
         for cb in self.cbs.get(event, ()): getattr(cb, event)()
@@ -179,7 +181,11 @@ class CompiledStep(Step):
     callbacks' compiled handlers inside"""
     def __init__(self, learn, trace_backward=True, fallback=True, **kwargs):
         super().__init__(learn)
-        self.kwargs,self.trace_backward,self.fallback,self._plans,self.opt_step = kwargs,trace_backward,fallback,{},None
+        self.kwargs = kwargs
+        self.trace_backward = trace_backward
+        self.fallback = fallback
+        self._plans = {}
+        self.opt_step = None
         self.fell_back,self.traced_backward = None,trace_backward and backward_traceable(learn)
         # `mode='reduce-overhead'` on a GPU: the graphs replayed as CUDA graphs
         self.cuda_graphs = self._opt_graphs = False
@@ -193,7 +199,8 @@ class CompiledStep(Step):
         learn,self.fell_back = self.learn,None
         self.find_hooks()
         self.traced_backward = self.trace_backward and backward_traceable(learn)   # DDP may wrap it now
-        self.cuda_graphs = self.kwargs.get('mode') in _graph_modes and model_device(learn.model).type == 'cuda'
+        self.cuda_graphs = (self.kwargs.get('mode') in _graph_modes
+                            and model_device(learn.model).type == 'cuda')
         self.for_opt(learn.opt)
         # its gradient tells whether a failed step wrote any
         self._first = next(iter(learn.model.parameters()), None)
@@ -301,9 +308,8 @@ class CompiledStep(Step):
 
     def _go_compiled(self):
         """For this fit: Adam's hyper-parameters as tensors (schedules change them in place), the backward
-        traced, and
-        torch's recompile limit an error (no part of the step runs eagerly without a word: the fit falls back,
-        saying so)"""
+        traced, and torch's recompile limit an error (no part of the step runs eagerly without a word: the fit
+        falls back, saying so)"""
         learn = self.learn
         if _step_traced(learn.opt, self.cuda_graphs):                 # an eager step takes numbers
             hypers_as_tensors(learn.opt, model_device(learn.model) if self.cuda_graphs else None)
@@ -334,7 +340,10 @@ class CompileCallback(Callback):
     error falls back to eager"""
     order,_name = Order.COMPILE,'compiler'  # `learn.compiler`: `learn.compile` is the method that adds it
     def __init__(self, step=False, fallback=True, trace_backward=True, **kwargs):
-        self.kwargs,self.step,self.fallback,self.trace_backward = kwargs,step,fallback,trace_backward
+        self.kwargs = kwargs
+        self.step = step
+        self.fallback = fallback
+        self.trace_backward = trace_backward
         self.compiled,self.compiled_step = None,None
 
     @property

@@ -75,7 +75,8 @@ class SanityCheckCallback(Callback):
                         f"validates the "
                          f"first {self.n_batches} validation batches before training: the validation step "
                          f"fails, and "
-                         f"training has not started; fix the model, loss, metrics or callbacks for validation")
+                         f"training has not started; fix the model, loss, metrics or callbacks for "
+                         f"validation")
             raise
 
 # %% ../../nbs/15_evaluation.ipynb #e1913278
@@ -101,7 +102,10 @@ class EvaluateCallback(Callback):
         if not (isinstance(name, str) and name.isidentifier()):
             raise arg_error(name, 'name', "an identifier such as 'test'", who='EvaluateCallback',
                             hint='it prefixes the columns')
-        self.eval_dl,self.every,self._name,self.history = dl,every,name,[]
+        self.eval_dl = dl
+        self.every = every
+        self._name = name
+        self.history = []
         self.eval_metrics = _metric_list(metrics)
 
     @property

@@ -67,11 +67,19 @@ class SpikeGuard(Callback):
             f"SpikeGuard: warmup={warmup} is more than n_history={n_history}, the batches it remembers: make "
             f"warmup at "
             f"most n_history")
-        self.grad_norm,self.history,self.rollbacks,self.replayable = bool(grad_norm),{'loss': [],
-            'grad_norm': []},0,True
+        self.grad_norm = bool(grad_norm)
+        self.history = {'loss': [],
+            'grad_norm': []}
+        self.rollbacks = 0
+        self.replayable = True
         # a fused optimizer's flag: no step on a non-finite loss, at a cost
         self.skip_on_device = bool(skip_on_device)
-        self._snap,self._start,self._snap_at,self._taken,self._found_inf,self._last = None,0,0,None,None,-1
+        self._snap = None
+        self._start = 0
+        self._snap_at = 0
+        self._taken = None
+        self._found_inf = None
+        self._last = -1
         self._joined = None       # a live peer's snapshot and unchecked losses, for a replica that joins
         self._pending = {}        # `{batch: (bound, why, first)}`: spiked, looked at when fetched again
         self._clear()
@@ -377,14 +385,18 @@ class SpikeGuard(Callback):
         give_order_back(self.learn, self._taken)
         opt = self.learn.opt
         if self._found_inf is not None: take_found_inf(opt, self._found_inf)
-        self._snap,self._taken,self._found_inf,self._joined = None,None,None,None
+        self._snap = None
+        self._taken = None
+        self._found_inf = None
+        self._joined = None
         self._clear()
         self._end_pending()
 
 def _why(value, level):
     "What made `value` a spike, for a message: not finite, or how many times its level it is"
     if not math.isfinite(value): return f" (loss {value})"
-    return '' if level is None else f" (loss {value:.4g}, {value / level:.3g} times the median {level:.4g} of the batches before it)"
+    return ('' if level is None else f" (loss {value:.4g}, {value / level:.3g} times the median {level:.4g} "
+                                     f"of the batches before it)")
 
 class TerminateOnNaNCallback(SpikeGuard):
     """Stops the fit at the first batch whose loss is NaN or infinite, before any step on it (validation: at
@@ -454,7 +466,8 @@ class TerminateOnNaNCallback(SpikeGuard):
         bad = (~finite).float().sum().reshape(1)
         if world > 1: bad = sum_across_ranks(bad)
         if not bad.item(): return
-        where = f"batch {int((~finite).nonzero()[0])}" if not bool(finite.all()) else "a batch of another rank"
+        where = (f"batch {int((~finite).nonzero()[0])}" if not bool(finite.all()) else "a batch of another "
+            "rank")
         self.found = (f"validation loss is NaN or infinite at epoch {self.learn.epoch}, {where}: the fit "
                       f"stopped after "
                       f"that validation, with the weights of the epoch's last step")

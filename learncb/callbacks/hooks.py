@@ -21,7 +21,11 @@ class Hook:
     """Calls `hook_func(module, input, output)` at each forward (or backward) of `m` and keeps what it returns
     in `stored`"""
     def __init__(self, m, hook_func, is_forward=True, detach=True, cpu=False):
-        self.hook_func,self.detach,self.cpu,self.stored,self.removed = hook_func,detach,cpu,None,False
+        self.hook_func = hook_func
+        self.detach = detach
+        self.cpu = cpu
+        self.stored = None
+        self.removed = False
         register = m.register_forward_hook if is_forward else m.register_full_backward_hook
         self.handle = register(self.hook_fn)
 
@@ -87,8 +91,14 @@ class HookCallback(Callback):
     def __init__(self, modules=None, every=None, remove_end=True, is_forward=True, detach=True, cpu=False,
                  include_paramless=False):
         check_int(every, 'every', ge=1, allow_none=True, who=type(self).__name__)
-        self.modules,self.every,self.remove_end,self.include_paramless = modules,every,remove_end,include_paramless
-        self.is_forward,self.detach,self.cpu,self.hooks = is_forward,detach,cpu,None
+        self.modules = modules
+        self.every = every
+        self.remove_end = remove_end
+        self.include_paramless = include_paramless
+        self.is_forward = is_forward
+        self.detach = detach
+        self.cpu = cpu
+        self.hooks = None
 
     def before_fit(self):
         if self.hooks is not None: self.hooks.remove()
@@ -120,7 +130,10 @@ class ActivationStats(HookCallback):
     `with_hist`)"""
     def __init__(self, with_hist=False, near_zero=0.05, bins=40, hist_range=(0, 10), **kwargs):
         super().__init__(**kwargs)
-        self.with_hist,self.near_zero,self.bins,self.hist_range = with_hist,near_zero,bins,hist_range
+        self.with_hist = with_hist
+        self.near_zero = near_zero
+        self.bins = bins
+        self.hist_range = hist_range
         self._stats,self._hists = [],[]
 
     def before_fit(self):

@@ -150,7 +150,10 @@ class CSVLogger(Callback):
     rank0_only = True      # in a distributed run, rank 0 alone logs
     def __init__(self, fname='history.csv', append=False):
         self.fname,self.append = fname,append
-        self._file,self._writer,self._path,self._epoch_start = None,None,None,None
+        self._file = None
+        self._writer = None
+        self._path = None
+        self._epoch_start = None
 
     @property
     def file_path(self):
@@ -235,7 +238,10 @@ class TimerCallback(Callback):
     _state_attrs = ('times',)
     def __init__(self, sync_cuda=False, verbose=True):
         self.sync_cuda,self.verbose,self.times = sync_cuda,verbose,[]
-        self._sync,self._acc,self._start,self._valid_starts = noop,None,{},[]
+        self._sync = noop
+        self._acc = None
+        self._start = {}
+        self._valid_starts = []
 
     def before_fit(self):
         self.times = []

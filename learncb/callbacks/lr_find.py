@@ -41,12 +41,22 @@ class LRFinder(Callback):
     # with several optimizers in turn: one lr for every optimizer, the batch's loss the sum of its turns'
     def __init__(self, start_lr=1e-7, end_lr=10, num_it=100, stop_div=True, beta=0.98):
         _check_lr_find_args(start_lr, end_lr, num_it)
-        self.sched,self.num_it,self.stop_div,self.beta = SchedExp(start_lr, end_lr),num_it,stop_div,beta
-        self.lrs,self.losses,self.suggestions,self.best = [],[],None,math.inf
+        self.sched = SchedExp(start_lr, end_lr)
+        self.num_it = num_it
+        self.stop_div = stop_div
+        self.beta = beta
+        self.lrs = []
+        self.losses = []
+        self.suggestions = None
+        self.best = math.inf
         self._avg = 0.
 
     def before_fit(self):
-        self.lrs,self.losses,self.suggestions,self.best,self._avg = [],[],None,math.inf,0.
+        self.lrs = []
+        self.losses = []
+        self.suggestions = None
+        self.best = math.inf
+        self._avg = 0.
 
     def before_batch(self):
         lr = self.sched(len(self.lrs) / (self.num_it - 1))

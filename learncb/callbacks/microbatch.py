@@ -70,7 +70,10 @@ class AutoMicrobatch(Callback):
     _state_attrs = ('halvings', 'since_change', 'history')
     def __init__(self, grow_every=100):
         self.grow_every = check_int(grow_every, 'grow_every (a number of steps)', ge=1, who='AutoMicrobatch')
-        self.halvings,self.valid_halvings,self.since_change,self.history = 0,0,0,[]
+        self.halvings = 0
+        self.valid_halvings = 0
+        self.since_change = 0
+        self.history = []
 
     def before_fit(self):
         "Find the model the micro-batches call, and who reduces their gradients"
@@ -286,9 +289,8 @@ class AutoMicrobatch(Callback):
 
     def _whole_backward(self, params, leaves):
         """The backward of the whole batch's graph: into `.grad` (then `_in_place`), or the gradients when
-        `.grad` must
-        stay as it is (gradients kept from earlier batches, or to average over the ranks); `None` if out of
-        memory"""
+        `.grad` must stay as it is (gradients kept from earlier batches, or to average over the ranks); `None`
+        if out of memory"""
         outs,grad_outs = zip(*[(t, l.grad) for _,t,l in leaves if l.grad is not None])
         try:
             if any(p.grad is not None for p in params):
@@ -342,8 +344,7 @@ class AutoMicrobatch(Callback):
 
     def _averaged(self, params, grads):
         """The gradients averaged over the ranks, and the ranks' halvings agreed on (the largest wins), with
-        no wait for
-        the device: on a GPU the agreement is read once it has come, at a later batch"""
+        no wait for the device: on a GPU the agreement is read once it has come, at a later batch"""
         import torch.distributed as dist
         agreed = torch.full((1,), self.halvings, device=self._device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
@@ -360,9 +361,8 @@ class AutoMicrobatch(Callback):
 
     def _reduce_buffer(self):
         """The buffer the gradients are averaged through, made once per fit: room for all of them (one
-        collective a step)
-        when every rank has it, else `_chunk` items; its size agreed by the ranks (the same collectives on
-        every rank)"""
+        collective a step) when every rank has it, else `_chunk` items; its size agreed by the ranks (the same
+        collectives on every rank)"""
         import torch.distributed as dist
         total,buffer = sum(p.numel() for p in self._params),None
         for n in dict.fromkeys((min(total, 2**24), min(total, _chunk))):

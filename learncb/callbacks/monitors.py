@@ -55,7 +55,10 @@ class TrackerCallback(Callback):
         check_number(min_delta, 'min_delta', ge=0, who=type(self).__name__, type_error=TypeError)
         self.monitor,self.greater_is_better = monitor,greater_is_better
         self.min_delta,self.reset_on_fit = min_delta,reset_on_fit
-        self.best,self.best_epoch,self.new_best,self.value = None,None,False,None
+        self.best = None
+        self.best_epoch = None
+        self.new_best = False
+        self.value = None
 
     @property
     def monitor_name(self):
@@ -99,9 +102,9 @@ class TrackerCallback(Callback):
         "Whether `value` beats the best so far by more than `min_delta` (`None`, NaN and infinities never do)"
         if value is None or not math.isfinite(value):
             what = 'has no value' if value is None else f'is {value}'
+            why = ' (no validation set?)' if value is None else ''
             if not self._warned: warn_user(f"{type(self).__name__}: {self.monitor_name} {what} at epoch "
-                                               f"{self.learn.epoch}{' (no validation set?)' if value is None else ''}; "
-                                               f"that epoch is not compared")
+                                           f"{self.learn.epoch}{why}; that epoch is not compared")
             self._warned = True
         return beats(value, self.best, self._greater, self.min_delta)
 
@@ -115,7 +118,11 @@ class SaveModelCallback(TrackerCallback):
         super().__init__(monitor, greater_is_better, min_delta, reset_on_fit)
         if every_epoch is not False and at_end:
             raise ValueError("every_epoch and at_end are exclusive: pick one")
-        self.fname,self.every_epoch,self.at_end,self.with_opt,self.saved = fname,every_epoch,at_end,with_opt,None
+        self.fname = fname
+        self.every_epoch = every_epoch
+        self.at_end = at_end
+        self.with_opt = with_opt
+        self.saved = None
 
     _state_attrs = TrackerCallback._state_attrs + ('saved',)
 

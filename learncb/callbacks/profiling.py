@@ -38,7 +38,11 @@ class ThroughputCallback(Callback):
     def before_fit(self): self.history,self._warned = [],False
 
     def before_train(self):
-        self._wait,self._items,self._counted,self._n_batches,self._start = 0.,0,0,0,clock.now()
+        self._wait = 0.
+        self._items = 0
+        self._counted = 0
+        self._n_batches = 0
+        self._start = clock.now()
     def before_fetch(self): self._fetch = clock.now()
     def after_fetch(self): self._wait += clock.now() - self._fetch
 
@@ -81,7 +85,11 @@ class ProfilerCallback(Callback):
         for v,n in ((wait, 'wait'), (warmup, 'warmup'), (repeat, 'repeat')):
             check_int(v, n, ge=0, who='ProfilerCallback')
         check_int(active, 'active', ge=1, who='ProfilerCallback')
-        self.path,self.wait,self.warmup,self.active,self.repeat = Path(path),wait,warmup,active,repeat
+        self.path = Path(path)
+        self.wait = wait
+        self.warmup = warmup
+        self.active = active
+        self.repeat = repeat
         self.record_shapes,self.with_stack,self.tensorboard = record_shapes,with_stack,tensorboard
         self.traces,self.prof = [],None
 
@@ -116,8 +124,8 @@ class ProfilerCallback(Callback):
         self.traces.append(path)
         if self._tb is not None:
             self._tb.mkdir(parents=True, exist_ok=True)
-            shutil.copy(path,
-                        self._tb/f'{socket.gethostname()}_{os.getpid()}.{time.time_ns() // 1_000_000}.pt.trace.json')
+            name = f'{socket.gethostname()}_{os.getpid()}.{time.time_ns() // 1_000_000}.pt.trace.json'
+            shutil.copy(path, self._tb/name)
 
     def after_fit(self):
         prof,self.prof = self.prof,None

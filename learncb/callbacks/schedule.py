@@ -22,7 +22,8 @@ from ..checks import check_has_len
 from ..recorder import *
 
 # %% ../../nbs/11_schedule.ipynb #4be0a57e
-_one_value = "for one value per parameter group, make one schedule per group and return a list of their values"
+_one_value = ("for one value per parameter group, make one schedule per group and return a list of their "
+              "values")
 
 class _Annealer:
     "Base of the annealers: goes from `start` (at `pos=0`) to `end` (at `pos=1`)"
@@ -116,7 +117,10 @@ class ParamScheduler(Callback):
             if not callable(s):
                 raise TypeError(f"ParamScheduler: the schedule for {name!r} must be a function of pos, not "
                                 f"{s!r}")
-        self.scheds,self.hps,self._plan,self.n_steps = dict(scheds),{name: [] for name in scheds},[],0
+        self.scheds = dict(scheds)
+        self.hps = {name: [] for name in scheds}
+        self._plan = []
+        self.n_steps = 0
 
     def before_fit(self):
         if self.by == 'pct': check_has_len(self.learn.dls.train, 'ParamScheduler')
@@ -146,7 +150,8 @@ class ParamScheduler(Callback):
             if len(value) != n: raise ValueError(
                 f"ParamScheduler: the schedule for {name!r} returns {len(value)} values, but "
                 f"{type(opt).__name__} has "
-                f"{n} param group{'s' if n > 1 else ''}: return one value, or a list with one value per group")
+                f"{n} param group{'s' if n > 1 else ''}: return one value, or a list with one value per "
+                f"group")
         elif not isinstance(value, (Real, torch.Tensor)) or isinstance(value, bool):
             raise TypeError(f"ParamScheduler: the schedule for {name!r} must return a number (or a list of "
                             f"one per "
@@ -322,7 +327,10 @@ class LRSchedulerCallback(Callback):
                             f"not {scheduler!r}")
         self.make_scheduler = None if _is_scheduler(scheduler) else scheduler
         self.scheduler = scheduler if _is_scheduler(scheduler) else None
-        self.step_on,self.monitor,self._cancelled_at,self._monitor_idx = step_on,monitor,-1,None
+        self.step_on = step_on
+        self.monitor = monitor
+        self._cancelled_at = -1
+        self._monitor_idx = None
         self.opt_name = opt_name
         self._live,self._pending = False,None  # whether this fit's scheduler exists; a state to load into it
         if self.scheduler is not None: self._check_plateau()

@@ -24,7 +24,10 @@ def judge_losses(values, history, factor, n_history):
     n = len(values)
     if _all_low(values, history, factor, n_history): return [False] * n,[None] * n,[math.inf] * n
     recent = deque(v for v in history[-n_history:] if math.isfinite(v))
-    known,spiked,levels,bounds = sorted(recent),[],[],[]
+    known = sorted(recent)
+    spiked = []
+    levels = []
+    bounds = []
     for v in values:
         level = _quantile(known, 0.5) if known else None
         bound = max(factor * level, factor / 2 * _quantile(known, 0.9)) if known else math.inf

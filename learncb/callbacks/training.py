@@ -34,7 +34,10 @@ def _is_last_batch(learn):
 class GradientAccumulation(Callback):
     """Step the optimizer once every `n_acc` samples of the run (all ranks'), with the gradient of the step's
     mean loss over its items (the tokens that count for a language model: `Step.items`)"""
-    order,run_valid,_state_attrs,_sync = Order.ACCUMULATE,False,('count', 'items'),None
+    order = Order.ACCUMULATE
+    run_valid = False
+    _state_attrs = ('count', 'items')
+    _sync = None
     compiled_events = ('before_backward', 'before_step')
     def __init__(self, n_acc=32):
         self.n_acc = check_int(n_acc, 'n_acc (a number of samples)', ge=1, who='GradientAccumulation')
@@ -174,8 +177,14 @@ class MixedPrecision(Callback):
         self.dtype = _check_amp_dtype(dtype)
         self.init_scale = check_number(init_scale, 'init_scale', gt=0, who='MixedPrecision')
         self.growth_interval = check_int(growth_interval, 'growth_interval', ge=1, who='MixedPrecision')
-        self.scaler,self.skipped_steps,self._scaler_state,self.in_model = None,0,None,False
-        self._region,self._device_type,self._scaler_device,self._probe = None,None,None,None
+        self.scaler = None
+        self.skipped_steps = 0
+        self._scaler_state = None
+        self.in_model = False
+        self._region = None
+        self._device_type = None
+        self._scaler_device = None
+        self._probe = None
 
     def amp_dtype(self, device_type):
         "The autocast dtype used on `device_type`: `dtype`, or bfloat16 on the CPU and float16 elsewhere"

@@ -32,7 +32,10 @@ class MixHandler(Callback):
     fold = True                         # λ taken as max(λ, 1-λ) (MixUp), or kept as drawn (CutMix)
     def __init__(self, alpha=0.4):
         self.alpha = check_number(alpha, 'alpha', gt=0, finite=True, who=type(self).__name__)
-        self.lam,self.perm,self._yb_other,self._beta = None,None,None,None
+        self.lam = None
+        self.perm = None
+        self._yb_other = None
+        self._beta = None
 
     def before_fit(self):
         if self.learn.loss_func is None:
@@ -201,7 +204,10 @@ class EMACallback(WeightAveraging):
             raise ValueError(f"EMACallback: decay={decay!r} never moves the average: use a value just "
                                         f"below 1, such as 0.999 (the average then spans about 1000 steps)")
         super().__init__()
-        self.validate,self.replace_at_end,self._stepped,self._n = validate,replace_at_end,True,0
+        self.validate = validate
+        self.replace_at_end = replace_at_end
+        self._stepped = True
+        self._n = 0
         self._in_batch = False                  # a turn of this batch stepped (several optimizers in turn)
 
     def before_fit(self):
@@ -212,8 +218,11 @@ class EMACallback(WeightAveraging):
             if not a.is_floating_point(): continue
             avg,model = self._floats.setdefault((a.device, a.dtype), ([], []))
             avg.append(a); model.append(m)
-        self._others,self._pairs,self._n,self._steps = [(a, m) for a,m in pairs
-                                                        if not a.is_floating_point()],pairs,0,0
+        self._others = [(a, m) for a,m in pairs
+                                                        if not a.is_floating_point()]
+        self._pairs = pairs
+        self._n = 0
+        self._steps = 0
 
     def after_cancel_step(self): self._stepped = False
 
@@ -280,7 +289,10 @@ class SWACallback(WeightAveraging):
         check_choice(anneal_strategy, 'anneal_strategy', ('cos', 'linear'), who='SWACallback')
         check_number(swa_lr, 'swa_lr', ge=0, finite=True, per_group=True, who='SWACallback',
                      hint='the lr to anneal to, such as 0.05')
-        self.start_epoch,self.swa_lr,self.anneal_epochs,self.anneal_strategy = start_epoch,swa_lr,anneal_epochs,anneal_strategy
+        self.start_epoch = start_epoch
+        self.swa_lr = swa_lr
+        self.anneal_epochs = anneal_epochs
+        self.anneal_strategy = anneal_strategy
         super().__init__()
         self.update_bn,self.replace_at_end = update_bn,replace_at_end
         self.swalr,self._lrs,self._saved_swalr = None,None,None

@@ -60,12 +60,19 @@ class CheckpointCallback(Callback):
                  signals=('SIGTERM',), background=True, store=None, requeue=False):
         check_int(every_n_steps, 'every_n_steps', ge=1, allow_none=True, who='CheckpointCallback')
         check_int(keep_last, 'keep_last', ge=1, who='CheckpointCallback')
-        self.path,self.every_n_steps,self.every_epoch = path if is_url(path) else Path(path),every_n_steps,every_epoch
-        self.keep_last,self.on_exception,self.signals,self.background = keep_last,on_exception,signals,background
+        self.path,self.every_n_steps,self.every_epoch = (path if is_url(path) else Path(path),every_n_steps,
+                                                         every_epoch)
+        self.keep_last = keep_last
+        self.on_exception = on_exception
+        self.signals = signals
+        self.background = background
         self.store = store  # where checkpoints go; `None`: the strategy's, in `path`
         self.requeue = requeue  # after a signal's checkpoint: `scontrol requeue` (SLURM)
         self._guard = SignalGuard(signals, on_exception)   # holds the signals to the end of a batch
-        self.last,self._stateful,self._loader_end,self._kept = None,False,None,[]
+        self.last = None
+        self._stateful = False
+        self._loader_end = None
+        self._kept = []
         self._user_dl = None  # (the training dataloader the user gave, the one ordered for this fit)
         self._stopped_at = None                         # the checkpoint of a signal's stop
         self._writer,self._pending,self._store = BackgroundWriter(),None,None
@@ -94,7 +101,10 @@ class CheckpointCallback(Callback):
             self._pos.update(at=resuming.at, epoch=resuming.epoch, iter=resuming.iter,
                              train_iter=loop['train_iter'],
                              pct_train=loop['pct_train'], dirty=False)
-        self._stateful,self._loader_end,self._stopped_at,self._pending = has_state(learn.dls.train),None,None,None
+        self._stateful = has_state(learn.dls.train)
+        self._loader_end = None
+        self._stopped_at = None
+        self._pending = None
         # a dataloader with neither a state nor a sampler learncb orders resumes by replaying its epoch: from
         # its start
         self._replays,learn.epoch_rng = not self._stateful and sampler_of(learn.dls.train) is None,None
@@ -139,7 +149,10 @@ class CheckpointCallback(Callback):
 
     def after_batch(self):             # every training batch: kept to a few attribute reads
         learn,pos = self.learn,self._pos
-        pos['at'],pos['epoch'],pos['iter'],pos['dirty'] = 'batch',learn.epoch,learn.iter,False
+        pos['at'] = 'batch'
+        pos['epoch'] = learn.epoch
+        pos['iter'] = learn.iter
+        pos['dirty'] = False
         pos['train_iter'],pos['pct_train'] = learn.train_iter,learn.pct_train
         # the last batch: its state, before the epoch ends
         if self._stateful and learn.iter == learn.n_iter - 1:

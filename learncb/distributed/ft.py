@@ -57,10 +57,18 @@ class TorchFT(Strategy):
             check_number(v, k, gt=0, who='TorchFT', hint='seconds')
         self.quorum_every = check_number(quorum_every, 'quorum_every', ge=0, who='TorchFT', hint='seconds')
         self._quorum_due,self._last_quorum = True,0.
-        self.within,self.shard,self.inner,self.group_rank,self.group_world = within,shard,None,0,1
+        self.within = within
+        self.shard = shard
+        self.inner = None
+        self.group_rank = 0
+        self.group_world = 1
         self.timeout,self.quorum_timeout,self.connect_timeout = timeout,quorum_timeout,connect_timeout
         self.allow_untested,self.manager,self.learn = allow_untested,None,None
-        self._ready,self._received,self._replica,self._first_fit,self.rank = False,None,None,True,0
+        self._ready = False
+        self._received = None
+        self._replica = None
+        self._first_fit = True
+        self.rank = 0
 
     @property
     def needs_group(self):
@@ -290,7 +298,10 @@ class FaultTolerantStep(Step):
     call of a closure (LBFGS) summed and committed alike"""
     def __init__(self, learn, strategy):
         super().__init__(learn)
-        self.strategy,self.tries,self._total,self.cut = strategy,0,None,True
+        self.strategy = strategy
+        self.tries = 0
+        self._total = None
+        self.cut = True
         self._again,self._in_step = False,False     # a try after one not committed; inside the optimizer step
         self._before_backward = [cb for cb in learn.ordered_cbs('before_backward')
                                  if cb.takes_part('before_backward', True)]

@@ -329,7 +329,10 @@ def export(self:Learner, fname='export.pt', with_program=True, sample=None):
     with rng_kept():
         if with_program: program,batch,shapes,why = self._program(sample)
         else:
-            program,batch,shapes,why = None,None,self._item_shapes(),"it was exported with with_program=False"
+            program = None
+            batch = None
+            shapes = self._item_shapes()
+            why = "it was exported with with_program=False"
     if program is None and with_program:
         warn_user(f"export: torch.export could not capture the model ({why}), so {path} holds its weights "
                   f"only: "

@@ -51,7 +51,12 @@ class Interpretation:
                              f"{describe_value(losses)}: gather them with learn.get_preds(with_loss=True), "
                              f"whose "
                              f"loss function must give one loss per item when called with reduction='none'")
-        self.dl,self.inputs,self.preds,self.targs,self.decoded,self.losses = dl,inputs,preds,targs,decoded,losses
+        self.dl = dl
+        self.inputs = inputs
+        self.preds = preds
+        self.targs = targs
+        self.decoded = decoded
+        self.losses = losses
         self.learn = learn
 
     @classmethod
@@ -318,6 +323,7 @@ def _report_lines(rep, names, digits):
     w = max(len('weighted avg'), *map(len, names))
     def row(name, r):
         return f"{name:>{w}} " + ''.join(f"{r[c]:>10.{digits}f}" for c in cols[:3]) + f"{r['support']:>10}"
-    acc = f"{'accuracy':>{w}} " + ' ' * 20 + f"{rep['accuracy']:>10.{digits}f}{rep['macro avg']['support']:>10}"
+    support = rep['macro avg']['support']
+    acc = f"{'accuracy':>{w}} " + ' ' * 20 + f"{rep['accuracy']:>10.{digits}f}{support:>10}"
     return [' ' * (w + 1) + ''.join(f'{c:>10}' for c in cols), '', *(row(n, rep[n]) for n in names), '', acc,
             row('macro avg', rep['macro avg']), row('weighted avg', rep['weighted avg'])]

@@ -45,7 +45,8 @@ class TensorBoardCallback(ExperimentTrackerCallback):
     def root(self):
         """The folder of the runs, to give `tensorboard --logdir`: `log_dir`, under `learn.path` unless
         absolute"""
-        return self.log_dir if self.log_dir.is_absolute() or self.learn is None else self.learn.path/self.log_dir
+        return (self.log_dir if self.log_dir.is_absolute() or self.learn is None
+                else self.learn.path/self.log_dir)
 
     @property
     def run_dir(self):

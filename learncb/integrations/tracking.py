@@ -85,7 +85,10 @@ class ExperimentTrackerCallback(Callback):
     """Base of the trackers: hyper-parameters, the epoch table, batch loss and lr without a sync per batch,
     resumable"""
     # after the Recorder (50) and trackers (60)
-    order,run_valid,remove_on_lr_find,rank0_only = Order.LOGGER,False,True,True
+    order = Order.LOGGER
+    run_valid = False
+    remove_on_lr_find = True
+    rank0_only = True
     deferred_events = ('after_loss',)           # it keeps the loss and lr: after a compiled step too
     package,extra,_default_name = None,None,'tracker'
 
@@ -98,7 +101,11 @@ class ExperimentTrackerCallback(Callback):
             f"{who}: hparams must be a dict of extra hyper-parameters to log, like {{'dropout': 0.1}}, not "
             f"{hparams!r}")
         self.hparams,self.log_model = dict(hparams or {}),log_model
-        self._run_ref,self._resumed,self._is_open,self._last,self._to_log = None,False,False,{},None
+        self._run_ref = None
+        self._resumed = False
+        self._is_open = False
+        self._last = {}
+        self._to_log = None
         self._losses,self._lrs,self._steps = [],[],[]
 
     @property

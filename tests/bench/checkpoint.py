@@ -1,7 +1,6 @@
 """Cost of checkpoints on the core benchmark's learner: the time of one checkpoint (written atomically, with
-fsync),
-and the overhead per step of CheckpointCallback(every_n_steps=100) on the loop benchmark.
-`python tests/bench/checkpoint.py` for the full run, `--short` for the quick one CI runs."""
+fsync), and the overhead per step of CheckpointCallback(every_n_steps=100) on the loop benchmark. `python
+tests/bench/checkpoint.py` for the full run, `--short` for the quick one CI runs."""
 import argparse, statistics, sys, tempfile, time
 from functools import partial
 from pathlib import Path
@@ -24,7 +23,9 @@ def checkpoint_ms(n_batches, repeats):
         with learn.no_logging(): learn.fit(2)
         times,copies,before = [],[],[]
         for i in range(repeats):
-            t = time.perf_counter(); learn.save_checkpoint(Path(d)/f'c{i % 2}.pt'); times.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            learn.save_checkpoint(Path(d)/f'c{i % 2}.pt')
+            times.append(time.perf_counter() - t)
             t = time.perf_counter(); StateSnapshot(learn.state_dict()); copies.append(time.perf_counter() - t)
             t = time.perf_counter(); serialized(
                 with_checksum(learn.state_dict())); before.append(time.perf_counter() - t)

@@ -1,6 +1,6 @@
 """The cost of fault tolerance per step: the same fit under DDP (2 processes, gloo) and under
-`strategy='torchft'` (2
-replica groups, gloo, a lighthouse on this machine), global batch 64, for a small and a larger MLP.
+`strategy='torchft'` (2 replica groups, gloo, a lighthouse on this machine), global batch 64, for a small and
+a larger MLP.
 
 `python tests/bench/ft.py` for the full run (DDP and torchft in turn, twice each: the best epoch of each, on a
 machine whose other work comes and goes), `--short` for the quick one CI runs. Prints figures; asserts

@@ -1,6 +1,5 @@
 """learncb's loop against a hand-written loop on a small CNN on the GPU: microseconds per step and their
-ratio.
-`python tests/bench/gpu_cnn.py` (prints 'skipped' without CUDA); `--short` for a quick run."""
+ratio. `python tests/bench/gpu_cnn.py` (prints 'skipped' without CUDA); `--short` for a quick run."""
 import argparse
 import torch
 from torch import nn

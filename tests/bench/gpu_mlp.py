@@ -1,9 +1,7 @@
 """The tiny MLP of `loop_overhead.py` on the GPU at batch sizes 1 to 64: microseconds per training step of a
-hand-written
-loop, a hand-written step under `torch.compile(mode='reduce-overhead')` (CUDA graphs), and learncb eager,
-compiled and
-compiled as CUDA graphs. `python tests/bench/gpu_mlp.py` (prints 'skipped' without CUDA); `--short` for a
-quick run."""
+hand-written loop, a hand-written step under `torch.compile(mode='reduce-overhead')` (CUDA graphs), and
+learncb eager, compiled and compiled as CUDA graphs. `python tests/bench/gpu_mlp.py` (prints 'skipped' without
+CUDA); `--short` for a quick run."""
 import argparse, time, warnings
 import torch
 from torch import nn

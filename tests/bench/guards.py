@@ -1,14 +1,11 @@
 """What the guards cost: `SpikeGuard` at steady state on the tiny model of loop_overhead.py (checks every 25
-batches,
-a snapshot every 100), side by side with the same fit without it in one run: over whole fits, and at steady
-state (the
-epochs after the first, without what the guard costs once per fit).
+batches, a snapshot every 100), side by side with the same fit without it in one run: over whole fits, and at
+steady state (the epochs after the first, without what the guard costs once per fit).
 
 Each round fits both, in alternating order, and times each fit by the process's CPU time, which the other work
-on a
-loaded machine disturbs less than wall time; the figures are the median of the rounds' ratios and the ratio of
-the
-best times. `python tests/bench/guards.py` for the full run, `--short` for the quick one CI runs."""
+on a loaded machine disturbs less than wall time; the figures are the median of the rounds' ratios and the
+ratio of the best times. `python tests/bench/guards.py` for the full run, `--short` for the quick one CI
+runs."""
 import argparse, statistics, time
 import torch
 from torch import nn
@@ -45,10 +42,8 @@ def spike_guard_cost(n_batches, n_epoch, rounds):
 
 def steady_state_cost(n_batches, rounds):
     """Microseconds per step of the epochs after the first (a 3-epoch fit's time less a 1-epoch fit's, over
-    the 2
-    epochs between): what the guard costs a long fit, without what it costs once per fit (its first snapshot's
-    memory,
-    the dataloader's order); the median over the rounds of each, and their ratio"""
+    the 2 epochs between): what the guard costs a long fit, without what it costs once per fit (its first
+    snapshot's memory, the dataloader's order); the median over the rounds of each, and their ratio"""
     train, valid = make_data(n_batches)
     guard = lambda: [SpikeGuard(snapshot_every=100)]
     times = paired_cpu_times({'plain 1': lambda: fit(train, valid, 1), 'plain 3': lambda: fit(train, valid,

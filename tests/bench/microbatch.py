@@ -1,14 +1,11 @@
 """What `AutoMicrobatch` costs: the time to recover from an out-of-memory error (the batch that ran out, split
-and
-stepped), the steps after it (micro-batches), and a batch that fits (on the tiny model of loop_overhead.py,
-side by
-side with the same fit without it in one run, by CPU time as tests/bench/guards.py measures).
+and stepped), the steps after it (micro-batches), and a batch that fits (on the tiny model of
+loop_overhead.py, side by side with the same fit without it in one run, by CPU time as tests/bench/guards.py
+measures).
 
 The error is injected (a model that raises on a training batch over a size, in its forward or in its
-backward), so
-the figures are the library's own work, not the allocator's. `python tests/bench/microbatch.py` for the full
-run,
-`--short` for the quick one CI runs."""
+backward), so the figures are the library's own work, not the allocator's. `python tests/bench/microbatch.py`
+for the full run, `--short` for the quick one CI runs."""
 import argparse, statistics, time, warnings
 import torch
 from torch import nn
@@ -28,8 +25,11 @@ class Wide(nn.Module):
     backward (`where`)"""
     def __init__(self, limit=None, where='forward', hidden=2048):
         super().__init__()
-        self.body,self.head,self.limit,self.where = nn.Sequential(nn.Linear(256, hidden),
-                                                                  nn.ReLU()),nn.Linear(hidden, 10),limit,where
+        self.body = nn.Sequential(nn.Linear(256, hidden),
+                                                                  nn.ReLU())
+        self.head = nn.Linear(hidden, 10)
+        self.limit = limit
+        self.where = where
     def forward(self, x):
         over = self.limit is not None and torch.is_grad_enabled() and x.shape[0] > self.limit
         if over and self.where == 'forward':

@@ -1,6 +1,5 @@
 """What the multi-process benchmarks share: start `world` forked CPU processes that form a gloo group, and
-read the
-figures rank 0 writes, never waiting longer than a timeout."""
+read the figures rank 0 writes, never waiting longer than a timeout."""
 import json, os, socket, tempfile, time
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 

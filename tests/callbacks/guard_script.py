@@ -1,8 +1,6 @@
 """A regression whose batch `bad` holds targets in the wrong unit, for tests/callbacks/test_guards.py: trained
-in one
-process or several (torchrun: DDP, gloo), with `SpikeGuard` or without, on the poisoned data or on the data
-without
-that batch; checkpointed, killed after a rollback and resumed.
+in one process or several (torchrun: DDP, gloo), with `SpikeGuard` or without, on the poisoned data or on the
+data without that batch; checkpointed, killed after a rollback and resumed.
 
 python tests/callbacks/guard_script.py OUT [--poison scale|inf|none] [--poison-rank R] [--drop] [--guard]
                                        [--ckpt] [--kill-at K] [--epochs E] [--strategy ddp|fsdp] [--rows R,..]
@@ -19,10 +17,8 @@ N, BS, BAD = 320, 8, 5
 
 def regression(world=1, poison='scale', poison_rank=None, drop=False, bad=BAD, n=N, bs=BS):
     """`DataLoaders` of a regression whose global batch `bad` (each rank's batch `bad` of `bs` items, ranks
-    taking
-    every `world`-th item) has its targets times 1e4 (`scale`) or infinite (`inf`), on rank `poison_rank` only
-    if
-    given; `drop`: the data without that global batch"""
+    taking every `world`-th item) has its targets times 1e4 (`scale`) or infinite (`inf`), on rank
+    `poison_rank` only if given; `drop`: the data without that global batch"""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 4, generator=g)
     y = x @ torch.tensor([[1.], [-2.], [.5], [3.]]) + .1 * torch.randn(n, 1, generator=g)

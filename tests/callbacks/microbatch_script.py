@@ -1,23 +1,17 @@
 """A classifier whose batches run out of memory, for tests/callbacks/test_microbatch.py: in one process or
-several
-(torchrun: DDP or `--strategy fsdp`, gloo), with `AutoMicrobatch` or without.
+several (torchrun: DDP or `--strategy fsdp`, gloo), with `AutoMicrobatch` or without.
 
 python tests/callbacks/microbatch_script.py OUT [--auto] [--inject N] [--inject-rank R] [--cap] [--cap-rank R]
     [--epochs E] [--strategy ddp|fsdp] [--turns]
 
 --inject N: the model raises `torch.OutOfMemoryError` on a training batch of more than N items (on rank R
-only, if
-given). --cap: the process's address space is capped (`RLIMIT_AS`, on rank R only, if given) after a warm-up
-fit (in
-one process) or after its first training batch (under DDP), so that the CPU allocator itself fails on a whole
-batch
-and not on a quarter of one. The cap is measured, not a number of MiB: the least room a forward and backward
-of one
-item and of the whole batch fit in, each probed under caps (`room_for`), whatever the machine maps and
-allocates.
-Each rank saves OUT/rank{r}.pt: the weights, the steps, the split history, the rooms measured; an error is
-saved as
-OUT/error{r}.txt (and the exit status is 3). --turns: an optimizer for the body, one for the head, in turn."""
+only, if given). --cap: the process's address space is capped (`RLIMIT_AS`, on rank R only, if given) after a
+warm-up fit (in one process) or after its first training batch (under DDP), so that the CPU allocator itself
+fails on a whole batch and not on a quarter of one. The cap is measured, not a number of MiB: the least room a
+forward and backward of one item and of the whole batch fit in, each probed under caps (`room_for`), whatever
+the machine maps and allocates. Each rank saves OUT/rank{r}.pt: the weights, the steps, the split history, the
+rooms measured; an error is saved as OUT/error{r}.txt (and the exit status is 3). --turns: an optimizer for
+the body, one for the head, in turn."""
 import argparse, os, resource, sys, traceback
 from functools import partial
 from pathlib import Path
@@ -98,8 +92,7 @@ def room_for(model, n):
 
 def cap_between(model, bs):
     """Measure the room of one item and of a batch of `bs`, then cap the address space between them: a quarter
-    of a
-    batch fits with room to spare, a half does not, nor the whole one. `(one, whole, cap)` in MiB"""
+    of a batch fits with room to spare, a half does not, nor the whole one. `(one, whole, cap)` in MiB"""
     grads = [p.grad for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     one, whole = room_for(model, 1), room_for(model, bs)
@@ -121,9 +114,8 @@ def cap_memory():
 
 class CapMemory(Callback):
     """Under DDP: caps the address space after the first training batch, once its step made what every step
-    keeps
-    (the gradients, DDP's buckets, the optimizer's state), between the room of one item and of this rank's
-    batch"""
+    keeps (the gradients, DDP's buckets, the optimizer's state), between the room of one item and of this
+    rank's batch"""
     order,rooms = Order.LAST,None
     def after_batch(self):
         if not self.training or self.learn.train_iter != 1: return

@@ -98,5 +98,6 @@ def test_the_recompile_limit_makes_the_fit_fall_back_saying_so():
     with torch._dynamo.config.patch(recompile_limit=1):
         with pytest.warns(UserWarning, match=r'recompile limit .*recompile_limit = 1.*runs the eager step'):
             learn.fit(2)
-    assert 'recompile limit' in learn.compiler.fell_back and torch._dynamo.config.fail_on_recompile_limit_hit is False
+    assert ('recompile limit' in learn.compiler.fell_back
+            and torch._dynamo.config.fail_on_recompile_limit_hit is False)
     for a, b in zip(eager.model.parameters(), learn.model.parameters()): assert (a - b).abs().max() < 1e-5

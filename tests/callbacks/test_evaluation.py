@@ -30,7 +30,8 @@ def test_sanity_check_fails_before_any_training_batch():
     assert learn.train_iter == 0 and counter.train == 0 and len(calls) == 1
     assert torch.equal(learn.model.weight, w) and learn.recorder.values == []
     notes = '\n'.join(err.value.__notes__)
-    assert 'sanity check' in notes and 'first 2 validation batches' in notes and 'training has not started' in notes
+    assert ('sanity check' in notes and 'first 2 validation batches' in notes and 'training has not started'
+            in notes)
 
 def test_sanity_check_catches_a_callback_that_breaks_on_validation():
     def breaks(self): raise ValueError('bad validation batch')
@@ -129,7 +130,8 @@ def test_evaluate_does_not_disturb_the_fit():
     plain.fit(3)
     rec = learn.recorder
     assert [v[:3] for v in rec.values] == plain.recorder.values
-    assert rec.losses == plain.recorder.losses and rec.iters == plain.recorder.iters and rec.lrs == plain.recorder.lrs
+    assert (rec.losses == plain.recorder.losses and rec.iters == plain.recorder.iters
+            and rec.lrs == plain.recorder.lrs)
     assert (learn.epoch, learn.train_iter, learn.pct_train) == (plain.epoch, plain.train_iter,
                                                                 plain.pct_train)
     assert rec.last_valid == plain.recorder.last_valid

@@ -1,8 +1,7 @@
 """`SpikeGuard` can be left on: no false alarm on clean fits (fresh and second fits, constant and one-cycle
-schedules,
-three problems, two seeds), a spike after the warm-up of a second fit still caught; every rollback and stop
-told, each
-time, in a fresh process with Python's default warning filters; a NaN stop says where and why."""
+schedules, three problems, two seeds), a spike after the warm-up of a second fit still caught; every rollback
+and stop told, each time, in a fresh process with Python's default warning filters; a NaN stop says where and
+why."""
 import os, subprocess, sys, textwrap
 import pytest, torch
 from learncb.all import *
@@ -51,7 +50,7 @@ def test_every_rollback_is_told_in_a_fresh_process_printed_or_warned():
         from learncb.all import *
         from guard_script import regression, regression_learner
         for quiet in (False, True):
-            for _ in range(2):                                 # two learners, one rollback each, from the same line
+            for _ in range(2):          # two learners, one rollback each, from the same line
                 learn = regression_learner(regression())
                 if quiet:
                     with learn.no_logging(): learn.fit(1, cbs=SpikeGuard())

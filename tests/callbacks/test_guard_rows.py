@@ -176,8 +176,7 @@ def test_the_compiled_step_finds_the_rows_and_stays_compiled():
 @pytest.mark.parametrize('strategy', ['ddp', 'fsdp'])
 def test_the_rows_one_rank_finds_are_skipped_by_every_rank(tmp_path, strategy):
     """Four rows with targets 1e4 times too large, shuffled over two ranks: each found by the rank that had
-    it,
-    and the fit the one-process fit of the same global batches"""
+    it, and the fit the one-process fit of the same global batches"""
     from conftest import run_script
     rows = [3, 77, 150, 290]
     args = ('--guard', '--strategy', strategy, '--rows', ','.join(map(str, rows)), '--global-batch', '16',

@@ -1,9 +1,7 @@
 """`SpikeGuard`: a poisoned batch rolled back and skipped, so that the run ends equal to the run on data that
-never
-held it (one process, and two under DDP and FSDP where one rank alone sees the bad batch); a run killed after
-a rollback and
-resumed skips the same batches; the snapshot reuses its memory; no step on a non-finite loss with a fused
-optimizer."""
+never held it (one process, and two under DDP and FSDP where one rank alone sees the bad batch); a run killed
+after a rollback and resumed skips the same batches; the snapshot reuses its memory; no step on a non-finite
+loss with a fused optimizer."""
 import contextlib, io, re, warnings
 from functools import partial
 from pathlib import Path
@@ -174,7 +172,8 @@ def test_terminate_on_nan_stops_at_the_bad_batch_with_the_weights_before_it(caps
     reason = (f'training loss is NaN or infinite at epoch 0, batch {BAD}: the fit stopped before it, so the '
               f'weights are '
               f'those from before batch {BAD}')
-    assert learn.stop_reason == reason and capsys.readouterr().out.splitlines()[-1] == f'fit stopped: {reason}'
+    assert (learn.stop_reason == reason and capsys.readouterr().out.splitlines()[-1] == f'fit stopped: '
+        f'{reason}')
     assert (learn.epoch, learn.train_iter) == (0, BAD)          # no step on it: batches 0..BAD-1 counted
     before = regression_learner(regression(poison='inf'))
     before.fit(3, cbs=StopAfter(BAD))

@@ -153,7 +153,11 @@ def test_plot_sched_draws_one_axis_per_hyper_parameter():
 def test_one_cycle_lr_and_momentum_follow_the_formula(opt_func):
     learn = synth_learner(opt_func=opt_func)
     probe = Probe()
-    n_epoch, lr_max, div, div_final, pct = 3, 0.02, 10., 1e4, 0.25
+    n_epoch = 3
+    lr_max = 0.02
+    div = 10.
+    div_final = 1e4
+    pct = 0.25
     learn.fit_one_cycle(n_epoch, lr_max=lr_max, div=div, div_final=div_final, pct_start=pct, cbs=probe)
     total = n_epoch * N_ITER
     assert probe.iters == list(range(total))
@@ -162,7 +166,8 @@ def test_one_cycle_lr_and_momentum_follow_the_formula(opt_func):
         assert probe.lrs[i] == approx(one_cycle_at(pos, pct, lr_max / div, lr_max, lr_max / div_final)), i
         assert probe.moms[i] == approx(one_cycle_at(pos, pct, 0.95, 0.85, 0.95)), i
         assert learn.recorder.lrs[i] == probe.lrs[i]
-    assert probe.lrs[0] == approx(lr_max / div) and probe.lrs[3] == approx(lr_max) and probe.moms[3] == approx(0.85)
+    assert (probe.lrs[0] == approx(lr_max / div) and probe.lrs[3] == approx(lr_max)
+            and probe.moms[3] == approx(0.85))
     assert max(probe.lrs) == probe.lrs[3] and min(probe.moms) == probe.moms[3]
     assert learn.param_scheduler.hps['mom'] == probe.moms
 

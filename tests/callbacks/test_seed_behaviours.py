@@ -1,12 +1,9 @@
 """The behaviours of pytorch-accelerated's and fastNLP's callbacks that learncb gives too, written from their
-tests and
-docs: acting on the optimizer steps that are taken (fastNLP's
-`on_before_optimizers_step`/`on_after_optimizers_step`
-under accumulation), an evaluation triggered by the main monitor (fastNLP's
-`MoreEvaluateCallback(watch_monitor=...)`,
-keeping its best weights), a warm-up given as a share of the fit's steps (fastNLP's
-`TorchWarmupCallback(0.1)`), and a
-table whose names and values agree after a fit with an extra evaluation."""
+tests and docs: acting on the optimizer steps that are taken (fastNLP's
+`on_before_optimizers_step`/`on_after_optimizers_step` under accumulation), an evaluation triggered by the
+main monitor (fastNLP's `MoreEvaluateCallback(watch_monitor=...)`, keeping its best weights), a warm-up given
+as a share of the fit's steps (fastNLP's `TorchWarmupCallback(0.1)`), and a table whose names and values agree
+after a fit with an extra evaluation."""
 import math
 import pytest, torch
 from torch import nn

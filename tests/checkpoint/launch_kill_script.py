@@ -1,7 +1,6 @@
 """Two processes started by `launch`, as from a notebook; rank 1 SIGKILLs itself in its third batch while rank
-0 trains
-on (with a CheckpointCallback that holds SIGTERM). tests/checkpoint/test_preemption.py checks that this ends,
-naming rank 1."""
+0 trains on (with a CheckpointCallback that holds SIGTERM). tests/checkpoint/test_preemption.py checks that
+this ends, naming rank 1."""
 import os, signal, tempfile
 from learncb.all import *
 from learncb.test_utils import synth_learner

@@ -1,6 +1,6 @@
 """A training run for the resume tests: shuffled data, dropout, one-cycle, gradient accumulation, a checkpoint
-after
-every batch. It can kill itself with SIGKILL at a chosen point, stall inside a checkpoint write, or resume.
+after every batch. It can kill itself with SIGKILL at a chosen point, stall inside a checkpoint write, or
+resume.
 
 python resume_script.py PATH [--kill EVENT,EPOCH,ITER,PHASE] [--term EPOCH,ITER] [--every N] [--stall-save N]
                              [--resume] [--out FILE] [--signal NAME] [--requeue]"""

@@ -1,8 +1,6 @@
 """What tests/checkpoint/test_submitit.py gives the recipe of the cluster page: a learner
-(transparent_script's) that counts its
-starts, holds a batch of its first starts until the job's time-limit signal has come, and saves its weights
-and history
-when its fit ends."""
+(transparent_script's) that counts its starts, holds a batch of its first starts until the job's time-limit
+signal has come, and saves its weights and history when its fit ends."""
 import os, signal, time
 from pathlib import Path
 import torch

@@ -1,7 +1,6 @@
 """Preemption: SIGTERM ends a fit with an exact checkpoint and exit code 143, `resume='auto'` goes on from
 it; the ranks of a distributed run stop at the same batch; torchrun's restarts resume by themselves; a lost
-rank
-does not leave the others waiting. Every process is bounded by a timeout."""
+rank does not leave the others waiting. Every process is bounded by a timeout."""
 import os, re, signal, subprocess, sys
 from pathlib import Path
 import pytest, torch
@@ -20,7 +19,8 @@ def test_sigterm_writes_one_checkpoint_exits_143_and_auto_resume_is_exact(refere
     # the end of epoch 0, and the stop
     assert names == ['checkpoint_00000010_epoch_end.pt', 'checkpoint_00000015_batch.pt'], names
     resumed = run_resume(tmp_path, '--every', '0', '--resume', '--out', str(tmp_path/'final.pt'))
-    assert "resume='auto': resuming the run from" in resumed.stdout and 'checkpoint_00000015_batch.pt' in resumed.stdout
+    assert ("resume='auto': resuming the run from" in resumed.stdout and 'checkpoint_00000015_batch.pt'
+            in resumed.stdout)
     assert_same_run(load_torch_file(tmp_path/'final.pt'), reference)
 
 @pytest.mark.parametrize('sig', ['SIGUSR1', 'SIGUSR2'])        # SLURM's --signal, submitit's

@@ -59,7 +59,8 @@ def kill_points(n=20, seed=2024):
 def kill_and_resume(point, path):
     spec = ','.join(map(str, point))
     killed = run_resume(path, '--kill', spec, check=False)
-    assert killed.returncode == -signal.SIGKILL, f'{spec}: expected SIGKILL, got {killed.returncode}\n{killed.stderr}'
+    assert killed.returncode == -signal.SIGKILL, (f'{spec}: expected SIGKILL, got {killed.returncode}\n'
+                                                  f'{killed.stderr}')
     run_resume(path, '--resume', '--out', str(path/'final.pt'))
     return load_torch_file(path/'final.pt')
 
@@ -264,18 +265,20 @@ from learncb.all import *
 def make_learner(path):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 4, generator=g); y = (x.sum(1) > 0).long()
-    dls = DataLoaders(DataLoader(TensorDataset(x[:192], y[:192]), batch_size=8, shuffle=True), DataLoader(TensorDataset(x[192:], y[192:]), batch_size=32))
+    dls = DataLoaders(DataLoader(TensorDataset(x[:192], y[:192]), batch_size=8, shuffle=True),
+                      DataLoader(TensorDataset(x[192:], y[192:]), batch_size=32))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 2))
     return Learner(dls, model, nn.CrossEntropyLoss(), path=path, device='cpu')
 class HoldForCtrlC(Callback):
-    "Holds training batch 10 until Ctrl-C has been caught (at most 300 s): the fit is interrupted mid-run on any machine"
-    def before_train(self):         # CheckpointCallback's handler, set in before_fit, holds Ctrl-C until it comes
+    "Holds training batch 10 until Ctrl-C has been caught (at most 300 s): the fit stops mid-run anywhere"
+    def before_train(self):     # CheckpointCallback's handler, set in before_fit, holds Ctrl-C till it comes
         if self.epoch == 0: self.holding = signal.getsignal(signal.SIGINT)
-    def after_batch(self):          # (read here, it would miss a Ctrl-C caught earlier in this batch, and wait 300 s)
+    def after_batch(self):      # (read here, it would miss a Ctrl-C caught earlier in this batch, wait 300 s)
         if self.train_iter != 10: return
         deadline = time.monotonic() + 300
-        while signal.getsignal(signal.SIGINT) is self.holding and time.monotonic() < deadline: time.sleep(0.01)
+        while signal.getsignal(signal.SIGINT) is self.holding and time.monotonic() < deadline:
+            time.sleep(0.01)
 '''
 
 @pytest.mark.slow
@@ -289,7 +292,8 @@ def test_ctrl_c_in_a_jupyter_kernel(tmp_path):
         return reply['content']
     try:
         assert run(JUPYTER_SETUP)['status'] == 'ok'
-        fit = f"learn = make_learner({str(tmp_path/'run')!r}); learn.fit_one_cycle(4, 1e-2, cbs=[CheckpointCallback(every_n_steps=5), HoldForCtrlC()])"
+        fit = (f"learn = make_learner({str(tmp_path/'run')!r}); learn.fit_one_cycle(4, 1e-2, "
+               f"cbs=[CheckpointCallback(every_n_steps=5), HoldForCtrlC()])")
         msg_id = kc.execute(fit)
         folder = tmp_path/'run'/'checkpoints'
         deadline = time.monotonic() + 300
@@ -352,16 +356,16 @@ def assert_close_run(a, b, rtol=1e-6):
 @pytest.mark.slow
 def test_a_compiled_fit_killed_and_resumed_equals_the_uninterrupted_one(tmp_path):
     """learn.compile(step=True), dropout, one-cycle and GradientAccumulation: SIGKILL, then resume='auto',
-    compiled again.
-    Within 1e-6, not bitwise: the resumed process compiles its graphs in another order, which may round
-    differently"""
+    compiled again. Within 1e-6, not bitwise: the resumed process compiles its graphs in another order, which
+    may round differently"""
     ref = tmp_path/'ref'
     run_resume(ref, '--compile-step', '--out', str(ref/'final.pt'))
     reference = load_torch_file(ref/'final.pt')
     for i, point in enumerate([('after_batch', 1, 3, 'train'), ('before_batch', 2, 1, 'valid')]):
         path, spec = tmp_path/f'run{i}', ','.join(map(str, point))
         killed = run_resume(path, '--compile-step', '--kill', spec, check=False)
-        assert killed.returncode == -signal.SIGKILL, f'{spec}: expected SIGKILL, got {killed.returncode}\n{killed.stderr}'
+        assert killed.returncode == -signal.SIGKILL, (f'{spec}: expected SIGKILL, got {killed.returncode}\n'
+                                                      f'{killed.stderr}')
         run_resume(path, '--compile-step', '--resume', '--out', str(path/'final.pt'))
         try: assert_close_run(reference, load_torch_file(path/'final.pt'))
         except AssertionError as e: raise AssertionError(f'kill at {point}: {e}') from None

@@ -1,9 +1,7 @@
 """Checkpoints on S3: `CheckpointCallback(path='s3://bucket/run')` against a real S3 endpoint on
 loopback (moto's server, started here on 127.0.0.1 and stopped after), not a mock of fsspec. A run killed and
-resumed
-with resume='auto' equals the run that never checkpointed, on one process and on two with FSDP (each rank
-uploads its
-shards); a checkpoint whose marker is missing is passed over. Bounded by timeouts."""
+resumed with resume='auto' equals the run that never checkpointed, on one process and on two with FSDP (each
+rank uploads its shards); a checkpoint whose marker is missing is passed over. Bounded by timeouts."""
 import os, socket, subprocess, sys, time
 from pathlib import Path
 import pytest

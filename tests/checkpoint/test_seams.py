@@ -1,8 +1,7 @@
 """The two seams of the docs, run as users would: the `SQLiteStore` of the store page and the `AveragedGrads`
-strategy
-of the distributed page (chosen by the name it registers), taken from the notebooks' own cells, each in a run
-killed by SIGKILL and resumed with
-`resume='auto'` in a new process, equal to the run that was never interrupted."""
+strategy of the distributed page (chosen by the name it registers), taken from the notebooks' own cells, each
+in a run killed by SIGKILL and resumed with `resume='auto'` in a new process, equal to the run that was never
+interrupted."""
 import json
 from pathlib import Path
 import pytest, torch
@@ -25,7 +24,8 @@ from pathlib import Path
 from torch import nn
 from learncb.all import *
 from learncb.test_utils import synth_dls
-out, kill_at, resume, use_store = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == 'resume', sys.argv[4] == 'store'
+out, kill_at = Path(sys.argv[1]), int(sys.argv[2])
+resume, use_store = sys.argv[3] == 'resume', sys.argv[4] == 'store'
 torch.set_num_threads(1); out.mkdir(parents=True, exist_ok=True)
 {docs}
 
@@ -44,7 +44,8 @@ store = SQLiteStore(out/'run.db') if use_store else None
 ckpt = CheckpointCallback(every_n_steps=3, store=store)
 with learn.distrib_ctx(strategy='ddp' if use_store else 'averaged-grads', timeout=60):
     learn.fit(3, cbs=[ckpt, Kill()], resume='auto' if resume else None)
-    if is_rank0(): torch.save({{'weights': learn.model.state_dict(), 'values': learn.recorder.values}}, out/'result.pt')
+    if is_rank0():
+        torch.save({{'weights': learn.model.state_dict(), 'values': learn.recorder.values}}, out/'result.pt')
 '''
 
 def script(tmp_path, docs):

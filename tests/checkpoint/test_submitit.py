@@ -2,11 +2,9 @@
 drift apart) run by `submitit.LocalExecutor` with a time limit that falls in the middle of the fit: the job
 (of one task, and of two forming a distributed run) is
 stopped with SIGUSR2, requeued by submitit and resumed by `resume='auto'`, more than once, and ends with the
-weights
-of the job that was never stopped. The job's first two starts hold a batch until the signal has come, so that
-the
-number of stops does not depend on the machine's speed. Bounded by submitit's time limits and the test's
-timeouts."""
+weights of the job that was never stopped. The job's first two starts hold a batch until the signal has come,
+so that the number of stops does not depend on the machine's speed. Bounded by submitit's time limits and the
+test's timeouts."""
 import os
 from functools import partial
 from pathlib import Path

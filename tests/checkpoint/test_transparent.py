@@ -1,11 +1,9 @@
 """Checkpointing changes nothing a run computes. The same seeded run (dropout, shuffle=True) trained with
 `CheckpointCallback(every_n_steps=5)` and without, killed by SIGKILL and resumed with resume='auto', fitted
-twice in a
-row, on one process and on two (DDP, gloo), and resumed on another number of processes: every run ends with
-the
-weights, the recorded losses and table, and the next `torch.rand(3)` of the run that never checkpointed.
-Runs tests/checkpoint/transparent_script.py (in this process, or in processes bounded by timeouts:
-conftest.run_script)."""
+twice in a row, on one process and on two (DDP, gloo), and resumed on another number of processes: every run
+ends with the weights, the recorded losses and table, and the next `torch.rand(3)` of the run that never
+checkpointed. Runs tests/checkpoint/transparent_script.py (in this process, or in processes bounded by
+timeouts: conftest.run_script)."""
 import shutil, warnings
 from pathlib import Path
 import pytest, torch
@@ -16,7 +14,8 @@ from transparent_script import make_learner, run_fits
 
 SCRIPT = Path(__file__).parent/'transparent_script.py'
 # pytest -n: the tests that share a module fixture's runs go to one worker, which makes them once
-shares_ddp, shares_killed_on_two = pytest.mark.xdist_group('transparent_ddp'), pytest.mark.xdist_group('transparent_killed_on_two')
+shares_ddp, shares_killed_on_two = (pytest.mark.xdist_group('transparent_ddp'),
+                                    pytest.mark.xdist_group('transparent_killed_on_two'))
 
 def run(out, *args, nproc=1, check=True):
     "The script in `nproc` processes (torchrun) or one (plain python), never longer than 240 s"

@@ -1,14 +1,12 @@
 """A seeded run for tests/checkpoint/test_transparent.py: the same training with checkpoints or without,
-killed and resumed, on
-one process or several (torchrun: `distrib_ctx`, gloo).
+killed and resumed, on one process or several (torchrun: `distrib_ctx`, gloo).
 
 python tests/checkpoint/transparent_script.py OUT [--ckpt] [--kill-at K] [--workers W] [--bs B] [--fits F]
 [--dropout P]
                                        [--strategy ddp|fsdp] [--global-batch N] [--ckpt-path P]
 With --ckpt the fit checkpoints every 5 steps and resumes with resume='auto' from OUT/checkpoints (or
---ckpt-path,
-a folder or a URL). Rank 0 saves
-OUT/result.pt: weights, each fit's recorded losses and table, and every rank's next torch.rand(3)."""
+--ckpt-path, a folder or a URL). Rank 0 saves OUT/result.pt: weights, each fit's recorded losses and table,
+and every rank's next torch.rand(3)."""
 import argparse, os, signal
 from pathlib import Path
 import torch

@@ -86,7 +86,8 @@ class Chaos(Callback):
         if args.kill_at is not None and self.train_iter == args.kill_at and rank_distrib() == min(1,
                 num_distrib() - 1):
             os.kill(os.getpid(), signal.SIGKILL)
-        if args.term_at is not None and self.train_iter == args.term_at and rank_distrib() == 1 and not args.auto:
+        at_term = args.term_at is not None and self.train_iter == args.term_at
+        if at_term and rank_distrib() == 1 and not args.auto:
             print(f'SIGTERM AT {time.time()}', flush=True)
             os.kill(os.getpid(), signal.SIGTERM)                 # as a scheduler would, to one process
         if (args.kill_once and self.train_iter == 5 and rank_distrib() == min(1, num_distrib() - 1)

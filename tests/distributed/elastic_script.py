@@ -1,14 +1,12 @@
 """The training script of tests/distributed/test_elastic.py, for torchrun's elastic agent:
-transparent_script's learner with a
-global batch and no dropout, checkpoints every 2 steps and resume='auto', so that one command runs on any
-number of nodes.
+transparent_script's learner with a global batch and no dropout, checkpoints every 2 steps and resume='auto',
+so that one command runs on any number of nodes.
 
 torchrun ... tests/distributed/elastic_script.py OUT [--secs S] [--hold]
 Rank 0 appends `world train_iter time` to OUT/progress.txt after each training batch (each batch lasts S
-seconds more),
-and saves OUT/result.pt (the weights) when the fit ends. With --hold, a process alone in its world waits after
-its 4th
-batch until a node joins (torchrun's SIGTERM), so that the run cannot end before the world grows again."""
+seconds more), and saves OUT/result.pt (the weights) when the fit ends. With --hold, a process alone in its
+world waits after its 4th batch until a node joins (torchrun's SIGTERM), so that the run cannot end before the
+world grows again."""
 import argparse, signal, time
 from pathlib import Path
 import torch

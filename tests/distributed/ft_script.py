@@ -11,16 +11,12 @@ Ray Train worker, Ray's context: `ray_replica_env`); under torchrun it is a repl
 SIGKILLs itself once (a marker file in OUT keeps a restart from doing it again) at committed step K, in the
 stage named; with --hold-when-killed it makes OUT/hold first (the others wait for its restart).
 With --wait-for N a replica in a quorum of fewer than N waits while OUT/hold exists (the test makes it before
-it starts
-a replica; that replica removes it), then sleeps --slow-alone seconds a batch: it cannot finish before the one
-started.
-With --spike-at the targets of that training batch are made 100 times larger, and a SpikeGuard rolls the run
-back
-over it (its snapshot at the start of each epoch).
-With --ckpt each replica writes checkpoints to OUT/ckpt{REPLICA_GROUP_ID} and resumes from them
-(resume='auto').
-Each replica saves OUT/result{REPLICA_GROUP_ID}.pt (each rank of a group of many:
-OUT/result{REPLICA_GROUP_ID}-{RANK}.pt): weights, optimizer state, counters, the Recorder's values."""
+it starts a replica; that replica removes it), then sleeps --slow-alone seconds a batch: it cannot finish
+before the one started. With --spike-at the targets of that training batch are made 100 times larger, and a
+SpikeGuard rolls the run back over it (its snapshot at the start of each epoch). With --ckpt each replica
+writes checkpoints to OUT/ckpt{REPLICA_GROUP_ID} and resumes from them (resume='auto'). Each replica saves
+OUT/result{REPLICA_GROUP_ID}.pt (each rank of a group of many: OUT/result{REPLICA_GROUP_ID}-{RANK}.pt):
+weights, optimizer state, counters, the Recorder's values."""
 import argparse, os, signal, time
 from functools import partial
 from pathlib import Path

@@ -4,8 +4,7 @@ fit.
 
 python tests/distributed/matrix_script.py OUT --strategy one|ddp|fsdp|plain|torchft|torchft_fsdp [--only A,B]
 'one': this process, `distrib_ctx(global_batch=64)` (the order the others are held against); 'ddp', 'fsdp':
-two
-processes (learncb's `launch`, gloo); 'plain': two processes under a strategy registered with no override;
+two processes (learncb's `launch`, gloo); 'plain': two processes under a strategy registered with no override;
 'torchft': two replica groups of one process under a lighthouse of their own (`launch_replicas`);
 'torchft_fsdp': two replica groups of two ranks each, FSDP within a group. Each process saves
 OUT/<strategy><rank>.pt: `{capability: {'weights', 'steps', 'refused', 'train_iter', 'skipped', 'losses',

@@ -1,10 +1,8 @@
 """torchrun's elastic agent: two agents on localhost, started with the torchrun command of the
 cluster page (`--nnodes=1:2`, c10d rendezvous, `last_call_timeout=1`), run one script with a global batch. One
-agent
-is SIGKILLed with its worker mid-run and started again: the world goes 2 -> 1 -> 2 and the run ends as the
-uninterrupted one did, within 1e-6. Each change's recovery time (from the kill, or the node's new start, to
-the first
-step in the new world) is printed. Bounded by timeouts."""
+agent is SIGKILLed with its worker mid-run and started again: the world goes 2 -> 1 -> 2 and the run ends as
+the uninterrupted one did, within 1e-6. Each change's recovery time (from the kill, or the node's new start,
+to the first step in the new world) is printed. Bounded by timeouts."""
 import os, signal, subprocess, sys, time
 from pathlib import Path
 from conftest import child_pythonpath
@@ -94,7 +92,8 @@ def test_elastic_world_shrinks_and_grows_and_the_run_ends_as_the_uninterrupted_o
             joined = time.time()
             p = wait_for(out, lambda p: any(w == 2 and t > joined for w,_,t in p), 'the run on both nodes '
                 'again')
-            assert a.wait(timeout=300) == 0 and b2.wait(timeout=60) == 0, (tmp_path/'a.log').read_text()[-4000:]
+            assert (a.wait(timeout=300) == 0
+                    and b2.wait(timeout=60) == 0), (tmp_path/'a.log').read_text()[-4000:]
         finally:
             for q in procs:
                 if q.poll() is None: kill_node(q)

@@ -1,7 +1,6 @@
 """FSDP2 and sharded checkpoints on the CPU with gloo: tests/distributed/ddp_script.py launched by torchrun,
-each run
-bounded by a timeout. An MLP of 3 blocks, each block an FSDP unit; AdamW, so the optimizer has state to
-shard."""
+each run bounded by a timeout. An MLP of 3 blocks, each block an FSDP unit; AdamW, so the optimizer has state
+to shard."""
 import shutil, subprocess, sys
 from pathlib import Path
 import pytest, torch
@@ -132,7 +131,8 @@ def test_another_global_batch_is_refused(killed, tmp_path):
     out = copy_of(killed['fsdp'], tmp_path, 'other_batch')
     res = run(out, *COMMON, '--bs', '8', '--resume', nproc=1, check=False)
     assert res.returncode != 0
-    assert 'global batch of 16 (8 per process x 2 processes), but this run\'s is 8 (8 x 1 process)' in res.stderr
+    assert ('global batch of 16 (8 per process x 2 processes), but this run\'s is 8 (8 x 1 process)'
+            in res.stderr)
     assert 'Resume with a batch size of 16 per process' in res.stderr
 
 @pytest.mark.slow

@@ -1,13 +1,10 @@
 """Fault tolerance per step on torchft (CPU, gloo, a lighthouse on loopback): replicas killed in the middle of
-a step,
-started again or for the first time while the others train; every replica that finishes ends as the
+a step, started again or for the first time while the others train; every replica that finishes ends as the
 undisturbed run.
 
 Each replica group is a process running `tests/distributed/ft_script.py`: forked from one that imported
-learncb (no
-2 to 3 s of imports each), or the plain `python ft_script.py` of a user (the new replica that joins a running
-one);
-every wait is bounded by a timeout."""
+learncb (no 2 to 3 s of imports each), or the plain `python ft_script.py` of a user (the new replica that
+joins a running one); every wait is bounded by a timeout."""
 import os, subprocess, sys, time
 from pathlib import Path
 import pytest, torch
@@ -22,8 +19,7 @@ WAIT = 240          # seconds any one wait may take, on a loaded 2-core machine
 
 def start(out, lighthouse, replica, n, *args, plain_python=False):
     """Replica group `replica` of `n` (its output in OUT/log{replica}-{k}): a process forked from one that
-    imported
-    learncb (`start_forked`), or with `plain_python` the `python ft_script.py` a user runs"""
+    imported learncb (`start_forked`), or with `plain_python` the `python ft_script.py` a user runs"""
     log = out/f'log{replica}-{len(list(out.glob(f"log{replica}-*")))}'
     env = {**os.environ, **replica_env(lighthouse, replica, n), 'RUST_LOG': 'warn'}
     if not plain_python: return start_forked(SCRIPT, out, *args, env=env, out=log)
@@ -83,8 +79,7 @@ def assert_close_to(a, plain, tol=1e-6):
 
 def kill_and_restart(out, lighthouse, n, kills, restart, slow_alone=0.4, args=()):
     """Start `n` replicas (with `args`); replica r of `kills` ({r: (step, stage)}) SIGKILLs itself once; those
-    in
-    `restart` start again"""
+    in `restart` start again"""
     common = ['--wait-for', str(n), '--slow-alone', str(slow_alone), *args]
     procs = {r: start(out, lighthouse, r, n, *common, *([] if r not in kills else
                                                         ['--kill-at', str(kills[r][0]), '--kill-in',
@@ -151,10 +146,9 @@ def test_a_kill_in_a_later_turn_or_a_closure_call_loses_nothing(tmp_path, lighth
 @pytest.mark.slow
 def test_a_spike_rolls_back_every_replica_one_that_healed_after_the_snapshot_too(tmp_path, lighthouse):
     """SpikeGuard under torchft: replica 1, killed early in epoch 1 and started again, heals after the guard's
-    snapshot
-    (the epoch's start) and before the scripted spike (its last batch); both roll back to that snapshot
-    together,
-    skip the batch, and end bitwise equal to each other and as the same guarded fit in one process"""
+    snapshot (the epoch's start) and before the scripted spike (its last batch); both roll back to that
+    snapshot together, skip the batch, and end bitwise equal to each other and as the same guarded fit in one
+    process"""
     spike = ['--spike-at', '1,11']
     res = run_forked(SCRIPT, tmp_path/'plain', '--plain', *spike, timeout=WAIT)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -348,6 +342,6 @@ def test_a_replica_alone_trains_and_nothing_callable_is_set_on_the_learner(monke
         opt_func = learn.opt_func
         with learn.distrib_ctx(strategy='torchft'): learn.fit(1, cbs=seen)
     assert seen.seen == ([], [], 'FaultTolerantStep') and learn.train_iter == 4
-    assert isinstance(learn.model,
-                      nn.Linear) and learn.opt_func is opt_func and type(learn.strategy).__name__ == 'SingleProcess'
+    assert isinstance(learn.model, nn.Linear) and learn.opt_func is opt_func
+    assert type(learn.strategy).__name__ == 'SingleProcess'
 

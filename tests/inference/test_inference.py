@@ -90,7 +90,9 @@ MODELS = '''
 import torch
 from torch import nn
 class TinyNet(nn.Module):
-    def __init__(self): super().__init__(); self.body = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 2))
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 2))
     def forward(self, x): return self.body(x)
 '''
 
@@ -106,7 +108,8 @@ x = torch.load(sys.argv[2], weights_only=True)
 preds,targs = learn.get_preds(dl=learn.test_dl(x))
 assert targs is None
 dec,probs = learn.predict(x[0])
-torch.save({'preds': preds, 'dec': dec, 'probs': probs, 'vocab': learn.vocab, 'model': type(learn.model).__name__},
+torch.save({'preds': preds, 'dec': dec, 'probs': probs, 'vocab': learn.vocab,
+            'model': type(learn.model).__name__},
            sys.argv[3])
 '''
 

@@ -52,7 +52,8 @@ def test_confusion_matrix_by_hand(learn, interp):
     for t,d in zip(targs.tolist(), dec.tolist()): hand[t][d] += 1
     cm = interp.confusion_matrix()
     assert torch.equal(cm, hand)
-    assert (cm - cm.diag().diag()).sum() > 0, 'the model should make some mistakes (a tenth of the labels are flipped)'
+    mistakes = (cm - cm.diag().diag()).sum()
+    assert mistakes > 0, 'the model should make some mistakes (a tenth of the labels are flipped)'
 
 def test_most_confused_by_hand(interp):
     counts = {}
@@ -91,7 +92,10 @@ def test_top_losses_k_checks(interp):
 
 def test_report_by_hand(interp):
     rep,t,d = interp.classification_report(),interp.targs,interp.decoded
-    ps,rs,fs,ns = [],[],[],[]
+    ps = []
+    rs = []
+    fs = []
+    ns = []
     for c in range(3):
         tp,pred_c,true_c = ((d == c) & (t == c)).sum().item(),(d == c).sum().item(),(t == c).sum().item()
         p,r = (tp / pred_c if pred_c else 0.),(tp / true_c if true_c else 0.)
@@ -273,7 +277,10 @@ def test_preds_not_one_per_class():
     assert len(interp.top_losses(3)[0]) == 3
 
 def test_targets_checked(interp):
-    p,y,d,l = interp.preds,interp.targs,interp.decoded,interp.losses
+    p = interp.preds
+    y = interp.targs
+    d = interp.decoded
+    l = interp.losses
     with pytest.raises(ValueError, match='class indices'):
         ClassificationInterpretation(None, None, p, y.float(), d, l)
     with pytest.raises(ValueError, match='class indices'):

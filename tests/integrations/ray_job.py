@@ -1,6 +1,6 @@
 """What tests/integrations/test_ray.py gives the Ray recipe of the cluster page: transparent_script's learner,
-whose rank 1 fails once
-after a given step, and whose rank 0 saves its weights and history when the fit ends."""
+whose rank 1 fails once after a given step, and whose rank 0 saves its weights and history when the fit
+ends."""
 import os
 from pathlib import Path
 import torch

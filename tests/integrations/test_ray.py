@@ -1,11 +1,8 @@
 """Ray Train: the recipe of the cluster page (taken from its cell) run by `TorchTrainer` on two
 CPU workers, on a local Ray started by the test. Rank 1 fails once in the middle of the run; Ray starts the
-workers
-again (`FailureConfig(max_failures=2)`) with the last checkpoint `RayTrainReportCallback` reported, and the
-run ends
-with the weights of a run where no worker failed, `torch.equal`. Each worker has a folder of its own: the
-restart
-finds its checkpoint through Ray only."""
+workers again (`FailureConfig(max_failures=2)`) with the last checkpoint `RayTrainReportCallback` reported,
+and the run ends with the weights of a run where no worker failed, `torch.equal`. Each worker has a folder of
+its own: the restart finds its checkpoint through Ray only."""
 import os, shutil, tempfile
 from functools import partial
 from pathlib import Path
@@ -74,8 +71,7 @@ def test_ray_train_restarts_a_failed_worker_and_the_run_ends_exactly(local_ray):
 @pytest.mark.slow
 def test_an_fsdp_run_restarts_a_failed_worker_and_ends_exactly_also_on_one_worker(local_ray):
     """Under FSDP the sharded checkpoint is read in `before_train`: the copy Ray restored must still be there.
-    The run
-    restarts on its two workers and ends as the unfailed run; its checkpoint of the middle of an epoch
+    The run restarts on its two workers and ends as the unfailed run; its checkpoint of the middle of an epoch
     continues on one"""
     from ray.train import Checkpoint
     tmp = local_ray
@@ -119,9 +115,12 @@ from ray_recipe import train_func
 from ray_job import job_learner
 out = Path(sys.argv[1])
 temp = tempfile.mkdtemp(prefix='ray')
-ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _temp_dir=temp)   # the older API: a CPU for its trainer
-trainer = TorchTrainer(train_func, train_loop_config={'make_learner': partial(job_learner, out), 'n_epoch': 2},
-                       scaling_config=ScalingConfig(num_workers=2), run_config=RunConfig(storage_path=str(out/'storage')))
+# the older API: a CPU for its trainer
+ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
+trainer = TorchTrainer(train_func,
+                       train_loop_config={'make_learner': partial(job_learner, out), 'n_epoch': 2},
+                       scaling_config=ScalingConfig(num_workers=2),
+                       run_config=RunConfig(storage_path=str(out/'storage')))
 result = trainer.fit()
 print('REPORTED', result.metrics['train_iter'], result.checkpoint is not None)
 """
@@ -145,10 +144,9 @@ def test_the_older_ray_train_api_reports_the_checkpoints_without_a_preemption_no
 @pytest.mark.slow
 def test_torchft_replica_groups_on_ray_a_killed_worker_heals_and_the_run_is_exact(local_ray):
     """Ray Train's `TorchftConfig`: 2 replica groups of one worker each run tests/distributed/ft_script.py;
-    the worker of
-    group 1 SIGKILLs itself in the middle of a step; Ray starts that group again, it heals from group 0, which
-    went on
-    without a restart; both end bitwise equal, and within 1e-6 of the same fit in one process"""
+    the worker of group 1 SIGKILLs itself in the middle of a step; Ray starts that group again, it heals from
+    group 0, which went on without a restart; both end bitwise equal, and within 1e-6 of the same fit in one
+    process"""
     import subprocess, sys
     from ray.train import ScalingConfig, RunConfig, FailureConfig
     from ray.train.torch import TorchTrainer

@@ -1,6 +1,6 @@
 """Experiment trackers (TensorBoard, MLflow, W&B offline): what they log, read back with each tracker's own
-reader;
-resumed fits continue the same run without writing a step twice; no host sync per batch; missing packages."""
+reader; resumed fits continue the same run without writing a step twice; no host sync per batch; missing
+packages."""
 import subprocess, sys, time
 from pathlib import Path
 import pytest, torch
@@ -51,7 +51,8 @@ def interrupted_then_resumed(path, make_tracker, how):
         fit(path, make_tracker(), cbs=[Boom(), raw], **RESUMES[how])
     assert max(raw.losses) == 8
     last = checkpoints_in(path/'checkpoints')[-1].name
-    want = 'checkpoint_00000008_epoch_end.pt' if how == 'from_the_epoch_end' else 'checkpoint_00000006_batch.pt'
+    want = ('checkpoint_00000008_epoch_end.pt' if how == 'from_the_epoch_end'
+            else 'checkpoint_00000006_batch.pt')
     assert last == want
     tracker = make_tracker()
     learn = fit(path, tracker, resume=True, **RESUMES[how])
