@@ -35,12 +35,10 @@ def check_loss_func(loss_func, allow_none=False):
     if loss_func is None and allow_none: return loss_func
     if isinstance(loss_func, type): raise TypeError(
         f"loss_func must be a loss function or an instance of a loss class, not the class "
-        f"{loss_func.__name__}: "
-        f"call it, loss_func={_call_of(loss_func)}")
+        f"{loss_func.__name__}: call it, loss_func={_call_of(loss_func)}")
     if not callable(loss_func): raise TypeError(
         f"loss_func must be a function loss_func(pred, *yb) returning a scalar tensor, like "
-        f"nn.CrossEntropyLoss() "
-        f"or F.cross_entropy, not {loss_func!r}")
+        f"nn.CrossEntropyLoss() or F.cross_entropy, not {loss_func!r}")
     return loss_func
 
 # %% ../nbs/01b_checks.ipynb #a6bddcd0
@@ -59,10 +57,9 @@ def check_opt_func(opt_func):
     if is_optimizer(opt_func):
         name = type(opt_func).__name__
         raise TypeError(f"opt_func must be a function that makes an optimizer from the model's parameters, "
-                        f"not the "
-                        f"optimizer {name} already made: pass opt_func=torch.optim.{name} (options in a "
-                        f"partial: "
-                        f"partial(torch.optim.{name}, momentum=0.9)), or set learn.opt = <your optimizer>")
+                        f"not the optimizer {name} already made: pass opt_func=torch.optim.{name} (options "
+                        f"in a partial: partial(torch.optim.{name}, momentum=0.9)), or set learn.opt = <your "
+                        f"optimizer>")
     if not callable(opt_func): raise TypeError(
         f"opt_func must be a function that makes an optimizer, like torch.optim.AdamW, not {opt_func!r}")
     return opt_func
@@ -73,15 +70,14 @@ def _check_metric(m):
         fix = (f"from learncb.metrics import {m}; metrics={m}" if known else "from learncb.metrics import "
             "accuracy")
         raise TypeError(f"metrics must be functions f(pred, *yb) or metric objects, not the string {m!r}: "
-                        f"pass the "
-                        f"function itself ({fix})")
+                        f"pass the function itself ({fix})")
     if isinstance(m, type): raise TypeError(f"metrics must be functions or metric objects, not the class "
                                             f"{m.__name__}: pass an instance, {m.__name__}(...)")
     protocols = (('update', 'compute', 'reset'), ('reset', 'accumulate'))     # torchmetrics', fastai's
     if not (callable(m) or any(all(callable(getattr(m, a, None)) for a in p) for p in protocols)):
         raise TypeError(f"metrics must be functions f(pred, *yb) -> scalar, objects with "
-                        f"update/compute/reset (like "
-                        f"torchmetrics) or with reset/accumulate/value (like fastai's), not {m!r}")
+                        f"update/compute/reset (like torchmetrics) or with reset/accumulate/value (like "
+                        f"fastai's), not {m!r}")
 
 def check_metrics(metrics):
     """`metrics` as a list (`None`: none), each a function `f(pred, *yb)` or an object with
@@ -101,8 +97,7 @@ def default_lr(opt_func, lr=None):
     if given is None: return 1e-3 if lr is None else lr
     if lr is not None and lr != given:
         warn_user(f"Learner(lr={lr!r}) and the opt_func's lr={given!r}: the opt_func's is used, as in "
-                  f"fastai; "
-                      f"give the lr in one place (fit(lr=...) still overrides both)")
+                  f"fastai; give the lr in one place (fit(lr=...) still overrides both)")
     return given
 
 def check_splitter(splitter):
@@ -126,8 +121,7 @@ _fixes = {
     'data': "DataLoaders(train, valid) takes dataloaders, not tensors: wrap them, e.g. "
             "DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)",
     'once': "it is an iterator, which can be read only once, so the second epoch would have no batch: pass "
-            "what can be "
-            "read again every epoch, such as a torch DataLoader or a list of batches",
+            "what can be read again every epoch, such as a torch DataLoader or a list of batches",
     'items': "a dataset gives single items, not batches: wrap it, DataLoader(dataset, batch_size=64, "
              "shuffle=True)"}
 
@@ -151,12 +145,10 @@ def check_computes_loss(model, label_key='labels', n_inp=1):
     if n_inp > 1 and (len(positional) >= n_inp or any(p.kind is p.VAR_POSITIONAL for p in positional)): return
     raise ValueError(f"this Learner has no loss_func, and {type(model).__name__}.forward takes no "
                      f"{label_key!r} argument and n_inp={n_inp}, so the model gets no targets to compute a "
-                     f"loss "
-                     f"itself (as transformers models do from a dict batch with {label_key!r}): pass one, "
-                     f"e.g. "
-                     f"Learner(dls, model, loss_func=nn.CrossEntropyLoss()); or, for a model that takes its "
-                     f"targets "
-                     f"as inputs (forward(x, targets)) and returns its loss, count them in n_inp (n_inp=2)")
+                     f"loss itself (as transformers models do from a dict batch with {label_key!r}): pass "
+                     f"one, e.g. Learner(dls, model, loss_func=nn.CrossEntropyLoss()); or, for a model that "
+                     f"takes its targets as inputs (forward(x, targets)) and returns its loss, count them in "
+                     f"n_inp (n_inp=2)")
 
 def meta_tensors(model):
     """The names of `model`'s parameters and buffers on the `meta` device: shapes without data (lazy layers
@@ -170,11 +162,9 @@ def check_materialized(model):
     meta = meta_tensors(model)
     if not meta: return model
     raise ValueError(f"the model's tensors {short_list(meta, 6)} are on the meta device: they have shapes "
-                     f"but no data, so training "
-                     f"them would compute nothing. Give them storage and values before fitting: "
-                     f"model.to_empty(device='cpu') (or 'cuda'), then load the weights "
-                     f"(model.load_state_dict(...)) "
-                     f"or initialise each layer (reset_parameters())")
+                     f"but no data, so training them would compute nothing. Give them storage and values "
+                     f"before fitting: model.to_empty(device='cpu') (or 'cuda'), then load the weights "
+                     f"(model.load_state_dict(...)) or initialise each layer (reset_parameters())")
 
 # %% ../nbs/01b_checks.ipynb #0891d66e
 def check_has_len(dl, who):
@@ -182,8 +172,6 @@ def check_has_len(dl, who):
     naming `who`"""
     if n_batches(dl) is not None: return dl
     raise ValueError(f"{who}: the training dataloader ({type(dl).__name__}) has no len(), so the fraction of "
-                     f"training "
-                     f"done (learn.pct_train) is unknown and the schedule would stay at its start: give it a "
-                     f"length "
-                     f"(a dataset with __len__, an IterableDataset too), or schedule by optimizer steps with "
-                     f"LRSchedulerCallback or WarmupCallback, which need none")
+                     f"training done (learn.pct_train) is unknown and the schedule would stay at its start: "
+                     f"give it a length (a dataset with __len__, an IterableDataset too), or schedule by "
+                     f"optimizer steps with LRSchedulerCallback or WarmupCallback, which need none")

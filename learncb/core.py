@@ -261,8 +261,7 @@ def check_order(cb, order):
     except TypeError: pass
     raise TypeError(f"{cb!r}: order must be an int, not {order!r} (callbacks run in increasing order: "
                     f"TrainEvalCallback is -10, Recorder 50, trackers 60; the default is 0; Order names "
-                    f"them, "
-                    f"e.g. order = Order.RECORDER + 1)")
+                    f"them, e.g. order = Order.RECORDER + 1)")
 
 # %% ../nbs/00_core.ipynb #958cccb6
 class Order:
@@ -331,9 +330,8 @@ class Callback:
         for k,fn in handlers.items():
             if k in _dispatch_attrs or k == 'name': setattr(self, '_name' if k == 'name' else k, fn)
             elif k in event: setattr(self, k, MethodType(fn, self))
-            else: raise TypeError(f"Callback() got an unknown keyword {k!r}{did_you_mean(k)} "
-                                  f"(keywords are event names, 'order', 'run', 'run_train', 'run_valid' or "
-                                  f"'name')")
+            else: raise TypeError(f"Callback() got an unknown keyword {k!r}{did_you_mean(k)} (keywords are "
+                                  f"event names, 'order', 'run', 'run_train', 'run_valid' or 'name')")
 
     def __call__(self, event_name):
         """Call the handler of `event_name` if this callback has one, honouring `run`, `run_train` and

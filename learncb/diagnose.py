@@ -68,19 +68,14 @@ def _batch_kind_note(b, n_inp):
     if isinstance(b, Mapping): return (
         f"learncb: the batch is {describe_value(b)}. A dict batch goes to the model as keyword arguments, "
         f"model(**batch), with batch['labels'] (learn.label_key) as the target, as Hugging Face models take "
-        f"them. "
-        f"For a model that takes its inputs by position, give the DataLoader a collate_fn that returns a "
-        f"tuple "
-        f"(inputs first, then targets), e.g. collate_fn=lambda items: tuple(default_collate(items).values()) "
-        f"with "
-        f"torch.utils.data.default_collate")
-    return (f"learncb: the batch is {describe_value(b)}, not a tuple or list. learncb splits a batch into "
-            f"xb = batch[:n_inp], the model's inputs, and yb = batch[n_inp:], the targets passed to the loss "
+        f"them. For a model that takes its inputs by position, give the DataLoader a collate_fn that returns "
+        f"a tuple (inputs first, then targets), e.g. collate_fn=lambda items: "
+        f"tuple(default_collate(items).values()) with torch.utils.data.default_collate")
+    return (f"learncb: the batch is {describe_value(b)}, not a tuple or list. learncb splits a batch into xb "
+            f"= batch[:n_inp], the model's inputs, and yb = batch[n_inp:], the targets passed to the loss "
             f"(n_inp={n_inp}); any other batch is passed whole to the model as its one input, with no "
-            f"target, so no "
-            f"loss can be computed. To use it, make the dataset return (x, y) pairs, or give the DataLoader "
-            f"a "
-            f"collate_fn that returns a tuple")
+            f"target, so no loss can be computed. To use it, make the dataset return (x, y) pairs, or give "
+            f"the DataLoader a collate_fn that returns a tuple")
 
 def _n_inp_note(b, n_inp):
     k,m = len(b[:n_inp]),len(b[n_inp:])
@@ -110,12 +105,9 @@ def _missing_state(e):
 def _state_note(missing):
     args = ', '.join(map(repr, missing))
     return (f"learncb: the model's forward also takes {args}, which is not in the batch: a state carried "
-            f"from one "
-            f"batch to the next (output, hidden = model(data, hidden))? HiddenStateCallback(init) passes "
-            f"each batch "
-            f"the state the last one returned; for a value the data holds, return it in the batch, before "
-            f"the targets, "
-            f"and count it in n_inp")
+            f"from one batch to the next (output, hidden = model(data, hidden))? HiddenStateCallback(init) "
+            f"passes each batch the state the last one returned; for a value the data holds, return it in "
+            f"the batch, before the targets, and count it in n_inp")
 
 def check_target_shape(pred, yb):
     """Warn when the model's output is a column, `(N, 1)`, and its one target flat, `(N,)`: a loss that
@@ -169,10 +161,8 @@ def _loss_inputs_note(learn, b):
 def _loss_value_note(value):
     alone = ' alone' if isinstance(value, (tuple, list, dict)) else ''
     return (f"learncb: loss_func returned {describe_value(value)}, not a tensor. learncb calls "
-            f"loss.backward() to "
-            f"compute the gradients, so the loss must be the tensor computed from pred: return it{alone} as "
-            f"it is, "
-            f"without .item(), float() or numpy")
+            f"loss.backward() to compute the gradients, so the loss must be the tensor computed from pred: "
+            f"return it{alone} as it is, without .item(), float() or numpy")
 
 def _batchnorm_note(f):
     n_iter,dl = n_batches(f.dl),f.dl
@@ -180,10 +170,8 @@ def _batchnorm_note(f):
     where = f"batch {f.iter + 1} of {n_iter}" + (f": {n} items in batches of {bs} leave 1 for the last one"
                                                if bs and n % bs == 1 else '')
     return (f"learncb: this training batch has 1 item ({where}), and BatchNorm cannot normalise a single "
-            f"item in "
-            f"training mode; pass drop_last=True to the training DataLoader, or pick a batch size that does "
-            f"not "
-            f"leave one item")
+            f"item in training mode; pass drop_last=True to the training DataLoader, or pick a batch size "
+            f"that does not leave one item")
 
 # %% ../nbs/02d_diagnose.ipynb #0c28b82f
 def explain_batch_error(learn, e):
@@ -222,18 +210,16 @@ def batch_notes(learn, e):
 def _oom_note(f):
     "What to do about a training batch that ran out of memory"
     return (f"learncb: training batch {f.iter} ran out of memory ({describe_value(f.batch)}). "
-            f"AutoMicrobatch() splits "
-            f"a batch that does not fit into micro-batches whose gradients add up to the whole batch's, so "
-            f"the fit "
-            f"takes the same steps: learn.fit(..., cbs=AutoMicrobatch()). Or lower the batch size")
+            f"AutoMicrobatch() splits a batch that does not fit into micro-batches whose gradients add up to "
+            f"the whole batch's, so the fit takes the same steps: learn.fit(..., cbs=AutoMicrobatch()). Or "
+            f"lower the batch size")
 
 # %% ../nbs/02d_diagnose.ipynb #a540eb3e
 def why_no_grad(learn):
     "Why the loss of `learn` has no gradient, and what to do"
     if not torch.is_grad_enabled():
         return ("the loss has no gradient because gradients are turned off: fit was called inside "
-                "torch.no_grad() "
-                "or after torch.set_grad_enabled(False); call it outside")
+                "torch.no_grad() or after torch.set_grad_enabled(False); call it outside")
     params = list(learn.model.parameters())
     if not any(p.requires_grad for p in params):
         frozen = (f"all its {len(params)} parameter tensors have requires_grad=False (the model is frozen); "
@@ -242,15 +228,11 @@ def why_no_grad(learn):
         return f"the loss has no gradient because nothing in the model can be trained: {frozen}"
     if not any(t.requires_grad for t in tensors_of(learn.pred)):
         return ("the loss has no gradient because the model's output has none: its forward detaches its "
-                "result "
-                "(.detach(), .item(), .numpy(), torch.tensor(...)) or runs under torch.no_grad(); return the "
-                "output "
-                "of its layers as it is")
+                "result (.detach(), .item(), .numpy(), torch.tensor(...)) or runs under torch.no_grad(); "
+                "return the output of its layers as it is")
     return ("the loss has no gradient: loss_func returned a tensor cut off from pred (by .detach(), .item() "
-            "then "
-            "torch.tensor(...), numpy, or torch.no_grad()); compute it from pred with torch operations and "
-            "return it "
-            "as it is")
+            "then torch.tensor(...), numpy, or torch.no_grad()); compute it from pred with torch operations "
+            "and return it as it is")
 
 def device_note(learn, where):
     "The note for a device error of `where` (the model, the loss function): where the batch and the model are"
@@ -260,8 +242,7 @@ def device_note(learn, where):
     split = on_one if len(model_devs) < 2 else \
             f"the model is split over {', '.join(model_devs)}: put all of it on one device"
     return (f"learncb: {where} failed with the batch on {', '.join(batch_devs)}; learncb moves batches to "
-            f"the "
-            f"device of the model's first parameter, decided when fit starts, and {split} "
+            f"the device of the model's first parameter, decided when fit starts, and {split} "
             f"(Learner(device=...) moves the whole model).")
 
 _what = {'model': 'the model', 'loss': 'the loss function'}
@@ -299,11 +280,9 @@ def no_targets_message(b, n_inp, label_key='labels'):
     fix = (f"the last elements are the targets, pass Learner(..., n_inp={n - 1})" if n and n > 1 else
            "the batch holds the targets, make it a tuple (inputs, targets)")
     return (f"this training batch has no targets for loss_func: {got}, and loss_func(pred, *targets) gets "
-            f"none. If "
-            f"{fix}; if the model takes its targets as inputs and computes its "
-            f"own loss, leave loss_func out (Learner(dls, model, n_inp={n_inp}) without loss_func): learncb "
-            f"then "
-            f"reads the loss from the model's output")
+            f"none. If {fix}; if the model takes its targets as inputs and computes its own loss, leave "
+            f"loss_func out (Learner(dls, model, n_inp={n_inp}) without loss_func): learncb then reads the "
+            f"loss from the model's output")
 
 def no_model_loss_message(out, loss_key='loss', b=None, label_key='labels'):
     "Why a learner without `loss_func` has no loss for this training batch: the model's output holds none"
@@ -311,11 +290,7 @@ def no_model_loss_message(out, loss_key='loss', b=None, label_key='labels'):
         return "this Learner has no loss_func, and the model computed no loss for this training batch: " + \
                missing
     return (f"this Learner has no loss_func, so the loss must come from the model's output, and the model's "
-            f"output "
-            f"(its prediction: {describe_value(out)}) holds no loss (learncb reads a dict's {loss_key!r} "
-            f"entry, an object's "
-            f".{loss_key}, or the one 0-dim tensor of a tuple such as (logits, loss)). Pass a loss_func, "
-            f"e.g. "
-            f"Learner(dls, model, loss_func=nn.CrossEntropyLoss()), or give the model its targets (n_inp "
-            f"counts them "
-            f"among its inputs) so that it returns its loss")
+            f"output (its prediction: {describe_value(out)}) holds no loss (learncb reads a dict's "
+            f"{loss_key!r} entry, an object's .{loss_key}, or the one 0-dim tensor of a tuple such as "
+            f"(logits, loss)). Pass a loss_func, e.g. Learner(dls, model, loss_func=nn.CrossEntropyLoss()), "
+            f"or give the model its targets (n_inp counts them among its inputs) so that it returns its loss")

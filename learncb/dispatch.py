@@ -62,8 +62,7 @@ def _not_a_callback(cb):
     else: what = repr(cb)
     ev = cb.__name__ if callable(cb) and getattr(cb, '__name__', None) in event else 'after_batch'
     return TypeError(f"{what} is not a Callback: pass a Callback instance or subclass; for a function, wrap "
-                     f"it: "
-                     f"Callback({ev}=fn) (fn(cb) reads the learner through cb), or register it: "
+                     f"it: Callback({ev}=fn) (fn(cb) reads the learner through cb), or register it: "
                      f"learn.on(event.{ev})(fn) (fn(learn)); or subclass Callback")
 
 def as_callback(cb):
@@ -73,8 +72,7 @@ def as_callback(cb):
         try: cb = cb()
         except TypeError as e:
             add_note(e, f"learncb: the class {cb.__name__} was given as a callback, and {cb.__name__}() "
-                        f"failed: pass "
-                        f"an instance, {cb.__name__}(...), with its arguments")
+                        f"failed: pass an instance, {cb.__name__}(...), with its arguments")
             raise
     if not isinstance(cb, Callback): raise _not_a_callback(cb)
     check_order(cb, cb.order)
@@ -181,12 +179,10 @@ class CallbackHost:
         by = f"{who!r} removed it in {name!r}" if who is not None else "it was removed"
         return RuntimeError(
             f"{type(cb).__name__} cannot be removed during a fit: {by} (epoch {self.epoch}, iter "
-            f"{self.iter}), and the "
-            f"loop and other callbacks read learn.{cb.name} until the fit ends. Remove it before the fit or "
-            f"after it "
-            f"(learn.remove_cb), make the learner without it (default_cbs=False), or set it aside for a "
-            f"while inside "
-            f"the fit with `with learn.removed_cbs(cb): ...`, which puts it back")
+            f"{self.iter}), and the loop and other callbacks read learn.{cb.name} until the fit ends. Remove "
+            f"it before the fit or after it (learn.remove_cb), make the learner without it "
+            f"(default_cbs=False), or set it aside for a while inside the fit with `with "
+            f"learn.removed_cbs(cb): ...`, which puts it back")
 
     @contextmanager
     def added_cbs(self, cbs):
@@ -232,13 +228,11 @@ class CallbackHost:
         `filter_fn`"""
         if event_name not in event: raise ValueError(
             f"learn.on: {event_name!r} is not an event{did_you_mean(str(event_name), cutoff=0.6)}; pass one "
-            f"of "
-            f"`event` (event.after_batch, event.before_epoch, ...). For an event of your own, fired with "
+            f"of `event` (event.after_batch, event.before_epoch, ...). For an event of your own, fired with "
             f"learn({event_name!r}), give a Callback a method of that name")
         if sum(o is not None for o in (every, once, filter_fn)) > 1:
             raise ValueError(f"learn.on: every={every!r}, once={once!r} and filter_fn={filter_fn!r} are "
-                             f"exclusive; "
-                             f"pass one")
+                             f"exclusive; pass one")
         for k,v in (('every', every), ('once', once)): check_int(v, k, ge=1, allow_none=True, who='learn.on')
         def register(fn):
             _check_takes_learner(fn, event_name)
@@ -267,8 +261,7 @@ def _check_takes_learner(fn, event_name):
     try: sig.bind(None)
     except TypeError: raise TypeError(
         f"learn.on({event_name!r}): {name}{sig} cannot be called as {name}(learn), which is how it is called "
-        f"at each "
-        f"{event_name}: give it one argument, the learner (def {name}(learn): ...)") from None
+        f"at each {event_name}: give it one argument, the learner (def {name}(learn): ...)") from None
 
 class EventFilter(Callback):
     "Callback made by `learn.on`: calls `fn(learn)` at one event, filtered by `every`, `once` or `filter_fn`"

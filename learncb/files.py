@@ -66,13 +66,11 @@ def _write_error(e, path, size):
     if e.errno == errno.ENOSPC:
         free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
         return add_note(err, f"learncb: {path} was not written (any file there is unchanged): the disk is "
-                             f"full; it "
-                             f"needs {size:,} bytes and {free:,} are free there. Free space, or write "
-                             f"elsewhere")
+                             f"full; it needs {size:,} bytes and {free:,} are free there. Free space, or "
+                             f"write elsewhere")
     return add_note(err, f"learncb: {path} was not written (any file there is unchanged): check that its "
-                         f"folder "
-                         f"exists and can be written, that no folder has that name, and that the disk has "
-                         f"space")
+                         f"folder exists and can be written, that no folder has that name, and that the disk "
+                         f"has space")
 
 def _fsync_dir(d):
     try: fd = os.open(d, os.O_RDONLY)
@@ -125,10 +123,8 @@ def check_checksum(state, path, required=False):
 
 def _damaged(path):
     return CorruptFileError(f"{path} is damaged: its content does not match the checksum written with it "
-                            f"(its bytes "
-                            f"changed after it was saved: a disk, copy or transfer error). Use another copy "
-                            f"of it, or "
-                            f"an older file")
+                            f"(its bytes changed after it was saved: a disk, copy or transfer error). Use "
+                            f"another copy of it, or an older file")
 
 # %% ../nbs/01a_files.ipynb #032935f3
 import collections, math, pickle, sys
@@ -161,10 +157,9 @@ class _SnapshotPickler(pickle.Pickler):
         if type(o).__module__ == 'numpy' and getattr(o, 'ndim', None) == 0:
             return self.reducer_override(o.item())
         raise TypeError(f"a checkpoint holds tensors, numbers, strings, None, and lists, tuples, dicts and "
-                        f"sets of them; "
-                        f"this state also holds a {type(o).__module__}.{type(o).__qualname__} "
-                        f"({_short_repr(o)}). Have "
-                        f"the `state_dict` that returns it give plain values instead")
+                        f"sets of them; this state also holds a {type(o).__module__}.{type(o).__qualname__} "
+                        f"({_short_repr(o)}). Have the `state_dict` that returns it give plain values "
+                        f"instead")
 
     def _store(self, t):
         if type(t) not in (torch.Tensor,
@@ -269,8 +264,7 @@ def read_snapshot(obj, path='the file'):
     try: return _SnapshotUnpickler(io.BytesIO(obj['meta']), obj['data']).load()
     except pickle.UnpicklingError as e:
         raise ValueError(f"refused to load {path}: it contains objects that would run code when unpickled "
-                         f"({e}); only "
-                         f"load files you trust") from None
+                         f"({e}); only load files you trust") from None
 
 # %% ../nbs/01a_files.ipynb #5c31b34c
 def load_torch_file(path, map_location=None, unpack=True):
@@ -288,17 +282,14 @@ def load_torch_file(path, map_location=None, unpack=True):
     try: f = open(path, 'rb')
     except PermissionError: raise PermissionError(
         f"permission denied: cannot read {path}: this user may not read it. Give it read access (chmod u+r, "
-        f"or "
-        f"ask the file's owner), or read a copy") from None
+        f"or ask the file's owner), or read a copy") from None
     try:
         with f: obj = torch.load(f, map_location=map_location, weights_only=True)
     except Exception as e:
         if 'GLOBAL' in str(e) or 'Unsupported global' in str(e):
             raise ValueError(f"refused to load {path}: it contains objects that would run code when "
-                             f"unpickled "
-                             f"(weights_only=True allows tensors, dicts, lists and numbers only); only load "
-                             f"files "
-                             f"you trust, and write them with Learner.save") from None
+                             f"unpickled (weights_only=True allows tensors, dicts, lists and numbers only); "
+                             f"only load files you trust, and write them with Learner.save") from None
         raise CorruptFileError(f"cannot read {path}: it is truncated, corrupt or not a torch file "
                                f"({type(e).__name__}: {e})") from e
     return read_snapshot(obj, path) if unpack and is_snapshot(obj) else obj
@@ -352,13 +343,11 @@ def check_model_state(model, state, path='the file', strict=True):
     if own and len(missing) == len(own):
         raise ValueError(f"{path} has no key in common with the model, even with strict=False: the file has "
                          f"{short_list(state)}, the model {short_list(own)}. It holds another model's "
-                         f"weights: load it into "
-                         f"that model, or rename its keys to the model's")
+                         f"weights: load it into that model, or rename its keys to the model's")
     if missing or unexpected:
         warn_user(f"{path}: strict=False loaded {len(own) - len(missing)} of the model's {len(own)} entries; "
                       f"left as they were (not in the file): {short_list(missing)}; ignored (not in the "
-                      f"model): "
-                      f"{short_list(unexpected)}", UserWarning)
+                      f"model): {short_list(unexpected)}", UserWarning)
     return state
 
 def load_model_state(model, state, path='the checkpoint', strict=True):

@@ -48,8 +48,7 @@ def to_dls(dls):
     if isinstance(dls, (tuple, list)) and len(dls) in (1, 2): return DataLoaders(*dls)
     if hasattr(dls, 'train'): return DataLoaders(dls.train, getattr(dls, 'valid', None))
     raise TypeError(f"dls must be DataLoaders(train, valid), a (train, valid) tuple or an object with .train "
-                    f"and "
-                    f".valid, not {type(dls).__name__}; wrap your dataloaders: DataLoaders(train_dl, "
+                    f"and .valid, not {type(dls).__name__}; wrap your dataloaders: DataLoaders(train_dl, "
                     f"valid_dl)")
 
 def print_row(row):
@@ -104,17 +103,13 @@ def _busy_error(what, running, me):
     "The error for `what`, called in thread `me` while `running` runs on the learner"
     if running.thread == me.ident: return RuntimeError(
         f"{what} was called during {running.what} of this learner (from a callback?): it cannot run inside "
-        f"it, and "
-        f"{running.what} goes on if this error is caught. To look at the model during a fit use "
-        f"learn.validate() or "
-        f"learn.get_preds(), which can run inside it; to train more, call {what} after {running.what} "
-        f"returns")
+        f"it, and {running.what} goes on if this error is caught. To look at the model during a fit use "
+        f"learn.validate() or learn.get_preds(), which can run inside it; to train more, call {what} after "
+        f"{running.what} returns")
     return RuntimeError(
         f"{what} was called in thread {me.name!r} while thread {running.name!r} runs {running.what} on this "
-        f"learner: "
-        f"a learner runs one fit at a time. Wait for that thread to end (thread.join()), or give this thread "
-        f"a "
-        f"Learner and a model of its own")
+        f"learner: a learner runs one fit at a time. Wait for that thread to end (thread.join()), or give "
+        f"this thread a Learner and a model of its own")
 
 _phase_names = {'train': 'training', 'validate': 'validation'}
 # batches moved as `one_batch` by hand needs; looked at on the first batch
@@ -283,8 +278,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
                      "batch"
                      if isinstance(e, RollbackException) else "the stage it cancels")
             add_note(e, f"learncb: {type(e).__name__} reached fit without a stage of its kind around it "
-                        f"(epoch "
-                        f"{self.epoch}, iter {self.iter}); raise it only inside {where}")
+                        f"(epoch {self.epoch}, iter {self.iter}); raise it only inside {where}")
         elif isinstance(e, Exception): explain_batch_error(self, e)
         after_fit_failed = self._raised_in == 'after_fit'
         for name in ('after_exception',) if after_fit_failed else ('after_exception', 'after_fit'):
@@ -409,8 +403,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         made = [(cb, step) for cb in self.cbs if (step := cb.make_step()) is not None]
         if len(made) > 1: raise ValueError(
             f"{', '.join(type(cb).__name__ for cb,_ in made)} each make the step of this fit: one callback "
-            f"at most may "
-            f"(make_step); fit with one of them")
+            f"at most may (make_step); fit with one of them")
         step = made[0][1] if made else self.step_class(self)
         step.check_fit()
         if made and self.step_class.turns is not None and not isinstance(step, self.step_class):

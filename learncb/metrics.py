@@ -103,8 +103,7 @@ def check_metric_value(v, name, where):
     if isinstance(v, torch.Tensor):
         if v.numel() == 1: return
         raise ValueError(f"{name} gave a tensor of shape {tuple(v.shape)} on {where}, but losses and metrics "
-                         f"must "
-                         f"be scalars: reduce it (e.g. .mean()) or use a loss with reduction='mean'")
+                         f"must be scalars: reduce it (e.g. .mean()) or use a loss with reduction='mean'")
     if is_number(v) or isinstance(v, bool) or _is_numpy_scalar(v): return
     hint = ('does the function end with a return?' if v is None else
             'return the number, not its text' if isinstance(v, (str, bytes)) else 'return a float or a '

@@ -34,10 +34,8 @@ def group_values(value, opt, name='lr'):
     if not isinstance(value, (list, tuple)): return [value] * n
     if len(value) == n: return list(value)
     raise ValueError(f"{name}={value!r} gives {len(value)} values, but {type(opt).__name__} has {n} param "
-                     f"group"
-                     f"{'s' if n > 1 else ''}: pass one {name}, or one per param group (the splitter makes "
-                     f"the "
-                     f"groups)")
+                     f"group{'s' if n > 1 else ''}: pass one {name}, or one per param group (the splitter "
+                     f"makes the groups)")
 
 def opt_names(opt):
     "The names of `opt`'s optimizers when it holds several (`NamedOptimizers`), else `[]`"
@@ -313,8 +311,7 @@ class OptimizerHost:
         flat = [p for gs in named.values() for g in gs for p in g]
         if len({id(p) for p in flat}) < len(flat):
             raise ValueError(f"splitter {self.splitter!r} puts a parameter in more than one group: each "
-                             f"parameter "
-                             f"must be in one group only")
+                             f"parameter must be in one group only")
         return named
 
     def lr_range(self, lr):
@@ -358,8 +355,8 @@ class OptimizerHost:
         idx = n if n >= 0 else max(len(groups) + n, 0)
         if idx >= len(groups): warn_user(
             f"freeze_to({n}): the model has {len(groups)} param group{'s' if len(groups) > 1 else ''}, so "
-            f"all of it "
-            f"is frozen and nothing will train; pass a splitter to Learner to make groups", UserWarning)
+            f"all of it is frozen and nothing will train; pass a splitter to Learner to make "
+            f"groups", UserWarning)
         keep = norm_params(self.model) if train_bn else set()
         for i,g in enumerate(groups):
             for p in g:
@@ -401,16 +398,11 @@ class OptimizerHost:
             name = type(self.opt).__name__
             if not self.owns_opt:
                 raise ValueError(f"learn.opt ({name}, set by hand) updates tensors that are not parameters "
-                                 f"of "
-                                 f"learn.model (was the model replaced?), so the model would not train: set "
-                                 f"learn.opt "
-                                 f"to an optimizer of learn.model.parameters(), or pass reset_opt=True to "
-                                 f"make one "
-                                 f"with opt_func")
+                                 f"of learn.model (was the model replaced?), so the model would not train: "
+                                 f"set learn.opt to an optimizer of learn.model.parameters(), or pass "
+                                 f"reset_opt=True to make one with opt_func")
             warn_user(f"learn.model (or some of its parameters) changed since the optimizer was made: a new "
-                      f"{name} "
-                          f"is made for this fit, with a fresh state (momentum, running averages); pass "
-                          f"reset_opt=True "
-                          f"to do this without a warning", UserWarning)
+                      f"{name} is made for this fit, with a fresh state (momentum, running averages); pass "
+                      f"reset_opt=True to do this without a warning", UserWarning)
             self.create_opt()
         return self.opt

@@ -46,10 +46,8 @@ def model_loss(out, loss_key='loss', pred_key='logits'):
         where = [i for i,t in enumerate(out) if _is_loss(t)]
         if len(where) > 1: raise ValueError(
             f"the model returned {len(out)} values, {len(where)} of them 0-dim tensors (at {where}): learncb "
-            f"cannot "
-            f"tell which is the loss. Return one loss, or pass loss_func=lambda out, *yb: out[{where[0]}] "
-            f"(the one "
-            f"that is the loss)")
+            f"cannot tell which is the loss. Return one loss, or pass loss_func=lambda out, *yb: "
+            f"out[{where[0]}] (the one that is the loss)")
         rest = [t for i,t in enumerate(out) if i not in where and t is not None]
         return (rest[0] if len(rest) == 1 else type(out)(rest)),(out[where[0]] if where else None)
     if _is_loss(out): return out,out                                   # the model returns its loss alone
@@ -217,17 +215,15 @@ class GatherPredsCallback(Callback):
         learn,notes = self.learn,[]
         if self.with_preds and not isinstance(learn.pred, (torch.Tensor, tuple, list)):
             notes.append(f"learncb: get_preds gathers the model's output of each batch, a tensor or a tuple "
-                         f"of tensors, "
-                         f"but the model returned {describe_value(learn.pred)}: make it return a tensor (or "
-                         f"a tuple), or "
-                         f"pass with_preds=False and collect its outputs in a callback")
+                         f"of tensors, but the model returned {describe_value(learn.pred)}: make it return a "
+                         f"tensor (or a tuple), or pass with_preds=False and collect its outputs in a "
+                         f"callback")
         loss,bs = learn.loss,(find_bs(learn.yb) if learn.yb else None)
         if self.with_loss and isinstance(loss, torch.Tensor) and bs and loss.numel() % bs:
             notes.append(f"learncb: with_loss=True gathers one loss per item, so get_preds asks loss_func "
-                         f"for unreduced "
-                         f"losses (reduction='none'), but it returned {describe_value(loss)} for a batch of "
-                         f"{bs} items: "
-                         f"make loss_func honour a reduction argument or attribute, or leave with_loss out")
+                         f"for unreduced losses (reduction='none'), but it returned {describe_value(loss)} "
+                         f"for a batch of {bs} items: make loss_func honour a reduction argument or "
+                         f"attribute, or leave with_loss out")
         return notes
 
 def _own_losses(learn):
@@ -420,8 +416,8 @@ def _noting_reduction():
     except TypeError as e:
         if 'reduction' in str(e):
             add_note(e, "learncb: get_preds(with_loss=True) calls loss_func(pred, *yb, reduction='none') to "
-                        "get one "
-                        "loss per item: give the loss function a reduction argument, or leave with_loss out")
+                        "get one loss per item: give the loss function a reduction argument, or leave "
+                        "with_loss out")
         raise
 
 def _apply_to_preds(f, preds, arg, what):

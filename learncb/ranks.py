@@ -209,11 +209,9 @@ def check_shardable(dl, what):
     if isinstance(dl, DataLoader) and not isinstance(dl.dataset,
                                                      IterableDataset) and dl.batch_size is not None: return
     raise TypeError(f"distributed training shards the {what} dataloader by giving each rank its own sampler, "
-                    f"so it "
-                    f"must be a torch DataLoader with a batch_size over a dataset with __len__, not {dl!r}; "
-                    f"give it "
-                    f"one, or shard an IterableDataset yourself (torch.utils.data.get_worker_info and "
-                    f"rank_distrib())")
+                    f"so it must be a torch DataLoader with a batch_size over a dataset with __len__, not "
+                    f"{dl!r}; give it one, or shard an IterableDataset yourself "
+                    f"(torch.utils.data.get_worker_info and rank_distrib())")
 
 def shard_in_order(dl, rank=None, world=None):
     "`dl` for this rank, to validate or predict: the items `rank, rank + world, ...` in order"
@@ -221,8 +219,7 @@ def shard_in_order(dl, rank=None, world=None):
     rank,world = rank_distrib() if rank is None else rank,num_distrib() if world is None else world
     if len(dl.dataset) < world: raise ValueError(
         f"the dataloader has {len(dl.dataset)} items for {world} processes: each needs at least one to "
-        f"validate or "
-        f"predict on; use more items, or validate in one process")
+        f"validate or predict on; use more items, or validate in one process")
     return rebuild_dataloader(dl, ShardSampler(len(dl.dataset), rank, world))
 
 def gather_in_order(o, n):

@@ -112,8 +112,8 @@ class Recorder(Callback):
         runs)"""
         if name not in self.extra_columns:
             raise ValueError(f"{name!r} is not a column of the table; columns added by callbacks: "
-                             f"{self.extra_columns} "
-                             f"(a callback adds columns with a `recorder_columns` attribute)")
+                             f"{self.extra_columns} (a callback adds columns with a `recorder_columns` "
+                             f"attribute)")
         if not self.learn.validating_aside: self._extra[name] = value
 
     @property
@@ -292,8 +292,7 @@ class Recorder(Callback):
             except Exception as e:
                 _explain_metric_error(e, name, learn)
                 raise add_note(e, f"learncb: metrics are tried on the first training batch, so that one that "
-                                  f"fails "
-                                  f"does so before an epoch is spent (this batch has not updated the "
+                                  f"fails does so before an epoch is spent (this batch has not updated the "
                                   f"weights)")
 
     def after_validate(self):
@@ -435,11 +434,9 @@ class Recorder(Callback):
         epoch_lrs = self.lrs[self.iters[-1] if self.iters else 0:]
         lr = f" (it went up to {max(epoch_lrs):g} in this epoch)" if epoch_lrs else ''
         warn_user(f"the training loss of epoch {self.learn.epoch} is {train}: the training diverged, or the "
-                  f"data or "
-                      f"the loss gives NaN. Try a lower learning rate{lr}, check the data, and add "
-                      f"TerminateOnNaNCallback() to stop a fit at the first batch whose loss is not finite "
-                      f"(this warning "
-                      f"is given once per fit)", RuntimeWarning)
+                  f"data or the loss gives NaN. Try a lower learning rate{lr}, check the data, and add "
+                  f"TerminateOnNaNCallback() to stop a fit at the first batch whose loss is not finite (this "
+                  f"warning is given once per fit)", RuntimeWarning)
 
 # %% ../nbs/04_recorder.ipynb #bc55d3be
 def tell(learn, line, warn=True):
@@ -472,10 +469,8 @@ def skipped_summary(skipped, items):
 def _fmt(v): return '' if v is None else f'{v:.6f}'
 
 _no_targets = ("the validation batches have no targets (the dataloader yields inputs only, as "
-               "learn.test_dl's do), "
-               "so there is no loss or metric to compute: use learn.get_preds(dl=...) for predictions, or "
-               "validate on "
-               "a dataloader of (inputs, targets)")
+               "learn.test_dl's do), so there is no loss or metric to compute: use learn.get_preds(dl=...) "
+               "for predictions, or validate on a dataloader of (inputs, targets)")
 
 def _phase_values(metrics, cols, bss):
     """Each `(name, metric)`'s value: batch-weighted means of the per-batch columns in one host sync, else the
@@ -505,8 +500,7 @@ def batch_losses(pending, items=None):
         if all(l.numel() == 1 for l in pending): raise
     bad = next(l for l in pending if l.numel() != 1)
     raise ValueError(f"the loss must be a scalar, but loss_func returned a tensor of shape "
-                     f"{tuple(bad.shape)}: "
-                     f"reduce it (e.g. .mean()) or use a loss with reduction='mean'")
+                     f"{tuple(bad.shape)}: reduce it (e.g. .mean()) or use a loss with reduction='mean'")
 
 def _explain_metric_error(e, name, learn):
     """Add notes to the error `e` of metric `name`: where it failed, and what to do about a `pred` that is not
@@ -517,7 +511,5 @@ def _explain_metric_error(e, name, learn):
     if isinstance(pred, (tuple, list, dict)):
         pick = f"pred[{next(iter(pred))!r}]" if isinstance(pred, dict) and pred else 'pred[0]'
         add_note(e, f"learncb: the model returns {describe_value(pred)}, not a tensor, and metric {name!r} "
-                    f"takes the "
-                    f"tensor of predictions: make the model return it, or give the metric the part it needs, "
-                    f"e.g. "
-                    f"def my_{name}(pred, *yb): return {name}({pick}, *yb)")
+                    f"takes the tensor of predictions: make the model return it, or give the metric the part "
+                    f"it needs, e.g. def my_{name}(pred, *yb): return {name}({pick}, *yb)")

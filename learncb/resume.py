@@ -58,12 +58,10 @@ class ResumeCallback(Callback):
         else:
             if epoch_rng is None: warn_user(
                 f"the training dataloader cannot skip batches ({cannot_resume_reason(dl)}), and this "
-                f"checkpoint does not "
-                f"hold the random state its epoch started with (an older learncb wrote it): the first "
-                f"{start} batches "
-                f"are read again from the random state at hand and dropped, so the order is the same only if "
-                f"it does "
-                f"not depend on the random state. Checkpoints written now resume exactly")
+                f"checkpoint does not hold the random state its epoch started with (an older learncb wrote "
+                f"it): the first {start} batches are read again from the random state at hand and dropped, "
+                f"so the order is the same only if it does not depend on the random state. Checkpoints "
+                f"written now resume exactly")
             learn.dl = replayed_from(dl, start, epoch_rng, rng)
 
 # %% ../nbs/16f_resume.ipynb #6b9f7b89
@@ -96,8 +94,7 @@ class _CheckedStart:
             self.sampler.start = 0
             warn_user(f"{type(self.dl).__name__} does not take its order from its batch sampler: the first "
                           f"{self.n} batches of the epoch are read again and dropped, and its order is the "
-                          f"same only "
-                          f"if it does not depend on the random state")
+                          f"same only if it does not depend on the random state")
             it,first = itertools.islice(itertools.chain(first, it), self.n, None),[]
         yield from itertools.chain(first, it)
 
@@ -125,12 +122,10 @@ def _check_global_batch(bs, world, now_bs, path):
     fix = (f"a batch size of {bs * world // now_world} per process" if bs * world % now_world == 0 else
            f"{_processes(world)}")
     raise ValueError(f"{path} was taken with a global batch of {bs * world} ({bs} per process x "
-                     f"{_processes(world)}), "
-                     f"but this run's is {now_bs * now_world} ({now_bs} x {_processes(now_world)}): a run "
-                     f"goes on over "
-                     f"another number of processes only with the same global batch, so that it sees the same "
-                     f"batches "
-                     f"in the same order. Resume with {fix}")
+                     f"{_processes(world)}), but this run's is {now_bs * now_world} ({now_bs} x "
+                     f"{_processes(now_world)}): a run goes on over another number of processes only with "
+                     f"the same global batch, so that it sees the same batches in the same order. Resume "
+                     f"with {fix}")
 
 def check_same_run(learn, state, path):
     """Refuse checkpoint `state` if it is of another run: another number of epochs, another global batch,
@@ -138,8 +133,7 @@ def check_same_run(learn, state, path):
     n_epoch = state['loop']['n_epoch']
     if n_epoch != learn.n_epoch:
         raise ValueError(f"{path} was taken in a fit of {n_epoch} epochs, but this fit has {learn.n_epoch}: "
-                         f"resume "
-                         f"the same run with learn.fit({n_epoch}, resume=...)")
+                         f"resume the same run with learn.fit({n_epoch}, resume=...)")
     saved,now = state.get('data_shape') or {},data_shape(user_train_dl(learn))
     # each process has its own batches: the global batch counts
     if state.get('world_size', 1) != num_distrib():
@@ -147,12 +141,9 @@ def check_same_run(learn, state, path):
         saved,now = {'n_items': saved.get('n_items')},{'n_items': now['n_items']}
     if any(saved.get(k) is not None and v is not None and saved[k] != v for k,v in now.items()):
         raise ValueError(f"{path} was taken with training data of {_describe(saved)}, but the training data "
-                         f"now has "
-                         f"{_describe(now)}: resume with the data the run was trained on (the same dataset, "
-                         f"batch_size "
-                         f"and drop_last). To train on this data from the checkpoint's weights, start a new "
-                         f"fit: "
-                         f"learn.load_checkpoint(path), then learn.fit(n)")
+                         f"now has {_describe(now)}: resume with the data the run was trained on (the same "
+                         f"dataset, batch_size and drop_last). To train on this data from the checkpoint's "
+                         f"weights, start a new fit: learn.load_checkpoint(path), then learn.fit(n)")
 
 # %% ../nbs/16f_resume.ipynb #37dd00c1
 def _newest_intact(store):
@@ -160,8 +151,7 @@ def _newest_intact(store):
     found,damaged = store.list(),[]
     if not found:
         raise FileNotFoundError(f"resume=True but there is no checkpoint in {store_place(store)}: start the "
-                                f"run "
-                                          f"without resume, or pass the checkpoint's path")
+                                f"run without resume, or pass the checkpoint's path")
     for ref in found:
         try: state = read_checkpoint(store, ref)
         except CorruptFileError:
@@ -169,18 +159,13 @@ def _newest_intact(store):
             continue
         if damaged:
             warn_user(f"resume=True: the newest checkpoints in {store_place(store)} are damaged or "
-                      f"incomplete "
-                                  f"(truncated, corrupt, changed since written, or a sharded one whose "
-                                  f"shards were not "
-                                  f"all written): {damaged}; resuming from {ref_name(ref)}, the newest "
-                                  f"intact one. The "
-                                  f"damaged ones are left as they are")
+                      f"incomplete (truncated, corrupt, changed since written, or a sharded one whose shards "
+                      f"were not all written): {damaged}; resuming from {ref_name(ref)}, the newest intact "
+                      f"one. The damaged ones are left as they are")
         return ref,state
     raise CorruptFileError(f"resume=True but every checkpoint in {store_place(store)} is damaged or "
-                           f"incomplete (truncated, "
-                           f"corrupt, changed since written, or not all of its shards written): {damaged}; "
-                           f"start the "
-                           f"run again without resume")
+                           f"incomplete (truncated, corrupt, changed since written, or not all of its shards "
+                           f"written): {damaged}; start the run again without resume")
 
 def resumed_from(cbs):
     """The checkpoint a fit with callbacks `cbs` (from `resume_cbs`) resumes from, or `None`: what
@@ -214,8 +199,7 @@ def resume_cbs(learn, resume):
                       f"learner gets that run's final state. To train more, start a new fit without resume")
     if not state.get('exact', True):
         warn_user(f"{path} was written after an error in the middle of a batch: the run continues from the "
-                  f"last "
-                      f"complete batch, but may not end exactly as an uninterrupted run would")
+                  f"last complete batch, but may not end exactly as an uninterrupted run would")
     if resume is not True: _warn_newer(store, path)
     if auto and is_rank0(): print(f"resume='auto': resuming the run from {path}", flush=True)
     saving = [] if any(isinstance(cb, CheckpointCallback) for cb in learn.cbs) else \
@@ -229,6 +213,5 @@ def _warn_newer(store, ref):
     newer = [ref_name(r) for r in store.list()[::-1] if checkpoint_key(r) > checkpoint_key(ref)]
     if newer:
         warn_user(f"resuming from {ref_name(ref)}, but {store_place(store)} holds newer checkpoints of the "
-                  f"run that "
-                            f"went on from it: {newer}. This run removes them as it passes them; until then, "
-                            f"resume=True would take the newest of them")
+                  f"run that went on from it: {newer}. This run removes them as it passes them; until then, "
+                  f"resume=True would take the newest of them")

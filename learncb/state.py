@@ -161,8 +161,7 @@ class StateHost:
             and g.shape != params[n].shape)]
         if bad:
             raise ValueError(f"{where} has gradients that do not fit the model's parameters: {bad}; load it "
-                             f"into "
-                                 f"the model it was saved from")
+                             f"into the model it was saved from")
         if with_opt and state['opt'] is not None and not tensors_pending(state):
             # tried, then undone (pending ones are read when loaded)
             self._load_opt_state(state['opt'], where)()

@@ -23,8 +23,7 @@ def _hook(learn, name):
     cbs = [cb for cb in learn.cbs if hasattr(type(cb), name)]
     if len(cbs) > 1: raise ValueError(
         f"{', '.join(type(cb).__name__ for cb in cbs)} each define {name}, the step's hook: one callback at "
-        f"most may run "
-        f"the step's {name.removeprefix('step_')} in a fit; fit with one of them")
+        f"most may run the step's {name.removeprefix('step_')} in a fit; fit with one of them")
     return cbs[0] if cbs else None
 
 @contextmanager
@@ -224,8 +223,8 @@ class Step:
             if not isinstance(e, RuntimeError): raise
             if learn.loss_grad.ndim: raise ValueError(
                 f"the loss must be a scalar, but loss_func returned a tensor of shape "
-                f"{tuple(learn.loss_grad.shape)}: "
-                f"reduce it (e.g. .mean()) or use a loss with reduction='mean'") from e
+                f"{tuple(learn.loss_grad.shape)}: reduce it (e.g. .mean()) or use a loss with "
+                f"reduction='mean'") from e
             if not learn.loss_grad.requires_grad: add_note(e, f"learncb: {why_no_grad(learn)}")
             raise
 

@@ -75,10 +75,7 @@ class WeightsHost:
             saved = sorted({k for g in groups for k in g if k != 'params'}) if isinstance(groups,
                 list) else '?'
             raise ValueError(f"{path}: its optimizer state does not fit this learner's {type(opt).__name__} "
-                             f"({e}); it "
-                             f"was saved by another optimizer (its hyper-parameters: {saved}) or with other "
-                             f"parameter "
-                             f"groups. Nothing was changed: load it into a learner with the same opt_func "
-                             f"and "
-                             f"parameter groups" + (f", {hint}" if hint else '')) from e
+                             f"({e}); it was saved by another optimizer (its hyper-parameters: {saved}) or "
+                             f"with other parameter groups. Nothing was changed: load it into a learner with "
+                             f"the same opt_func and parameter groups" + (f", {hint}" if hint else '')) from e
         return undo

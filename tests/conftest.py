@@ -27,10 +27,9 @@ def _run_as_main(argv, env, cwd, out, err):
     """In the forked process: `python *argv` (a script and its arguments, or `-m module ...`), its output to
     `out`, `err`"""
     import atexit, multiprocessing, runpy
-    # the platform's default, as in a new process (not forkserver:
+    # the platform's default, as in a new process (not forkserver: a DataLoader worker started from there
+    # outlives a SIGKILL)
     multiprocessing.set_start_method(None, force=True)
-                                                         # a DataLoader worker started from there outlives a
-                                                         # SIGKILL)
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC); os.dup2(fd, 1); os.close(fd)
     if err == out: os.dup2(1, 2)
     else: fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC); os.dup2(fd, 2); os.close(fd)

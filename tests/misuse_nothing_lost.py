@@ -476,8 +476,7 @@ def test_resume_on_training_data_of_another_shape_raises_naming_both(tmp_path, d
     with pytest.raises(ValueError) as info: learn.fit(3, cbs=counter, resume=True)
     msg = messages(info)
     assert ('checkpoint_00000005_batch.pt was taken with training data of 4 batches per epoch, batch size '
-            '16, '
-            '64 items') in msg
+            '16, 64 items') in msg
     assert f'the training data now has {now}' in msg and 'resume with the data the run was trained on' in msg
     assert counter.n == 0
     assert_untouched(learn, before)

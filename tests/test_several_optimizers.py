@@ -189,8 +189,7 @@ def test_a_callback_of_the_one_step_of_a_batch_is_refused_with_turns_before_the_
     learn = gan_port.port()
     before = {k: v.clone() for k, v in learn.model.state_dict().items()}
     with pytest.raises(ValueError, match=f"^{type(cb).__name__}: acts on the one optimizer step of a batch, "
-                                         f"and "
-                                         f"DCGANStep steps 2 optimizers in turn"): learn.fit(1, cbs=cb)
+                                         f"and DCGANStep steps 2 optimizers in turn"): learn.fit(1, cbs=cb)
     assert learn.train_iter == 0 and all(torch.equal(v, learn.model.state_dict()[k]) for k,
                                          v in before.items())
 

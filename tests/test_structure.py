@@ -1,5 +1,5 @@
 """The package's shape: its layers and what may import what, no import cycle, `Learner` readable as classes
-(no `@patch` onto a class of the same module, no reading of frame locals), no module over 700 lines, and a
+(no `@patch` onto a class of the same module, no reading of frame locals), no module over 450 lines, and a
 learner that needs no other import than its own module."""
 import ast, re, subprocess, sys, textwrap
 import pytest, torch
@@ -159,9 +159,47 @@ def test_no_patch_onto_a_class_of_the_same_module():
              if (hits := patched_onto_own_class(p.read_text()))}
     assert not found, f'@patch onto a class defined in the same module (put the method in the class): {found}'
 
+def private_patches(src):
+    "`[(name, class)]` of the private functions `src` adds to a class with `@patch`"
+    return [(f.name, f.args.args[0].annotation.id) for f in ast.walk(ast.parse(src))
+            if isinstance(f, ast.FunctionDef) and f.name.startswith('_') and not f.name.startswith('__')
+            and any(getattr(d, 'id', None) == 'patch' for d in f.decorator_list)
+            and f.args.args and isinstance(f.args.args[0].annotation, ast.Name)]
+
+def test_private_patches_are_found():
+    src = "@patch\ndef _a(self:Learner): pass\n@patch\ndef b(self:Learner): pass\ndef _c(learn): pass"
+    assert private_patches(src) == [('_a', 'Learner')]
+
+def test_no_private_patch():
+    "What a module adds to `Learner` is public; its private helpers are functions that take the learner"
+    found = {module_name(p): hits for p in PKG.rglob('*.py') if (hits := private_patches(p.read_text()))}
+    assert not found, f'private methods patched onto a class (make them functions of the module): {found}'
+
 def test_no_frame_locals():
     "Error notes come from what the loop records, not from reading the variables of traceback frames"
     assert not [p.name for p in PKG.rglob('*.py') if 'f_locals' in p.read_text()]
+
+WIDTH = 110
+
+def nbdev_all_lines(text):
+    "The line numbers of the `__all__ = [...]` statement nbdev-export writes (it wraps it at 120 characters)"
+    return {n for node in ast.parse(text).body if isinstance(node, ast.Assign)
+            and any(getattr(t, 'id', None) == '__all__' for t in node.targets)
+            for n in range(node.lineno, node.end_lineno + 1)}
+
+def long_lines(text):
+    skip = nbdev_all_lines(text)
+    return [i for i,line in enumerate(text.splitlines(), 1) if len(line) > WIDTH and i not in skip]
+
+def test_long_lines_are_found():
+    text = f"__all__ = ['a',\n           '{'b' * 120}']\nx = 1\ny = '{'c' * 110}'\n"
+    assert long_lines(text) == [4]
+
+def test_lines_fit_a_screen():
+    "No line of learncb/ or tests/ over 110 characters, code or docstring (`tools/wrap_lines.py` wraps them)"
+    files = [p for d in (PKG, PKG.parent/'tests') for p in d.rglob('*.py') if p.name != '_modidx.py']
+    found = [f'{p.relative_to(PKG.parent)}:{i}' for p in files for i in long_lines(p.read_text())]
+    assert len(files) > 100 and not found, found
 
 def test_module_sizes():
     "One idea a file: no module over 450 lines (the index nbdev writes aside)"
@@ -207,10 +245,8 @@ def _run(folder, imports='', fit='learn.fit(3, resume="auto")'):
 def test_learner_module_alone_gives_the_whole_learner(tmp_path):
     """`from learncb.learner import Learner` in a fresh process: the default callbacks, and `resume='auto'`
     resumes"""
-    crash = ('from learncb.all import CheckpointCallback, Callback\n'
-             'class Crash(Callback):\n'
-             '    def after_batch(self):\n'
-             '        if self.train_iter == 6: raise RuntimeError("crash")')
+    crash = ('from learncb.all import CheckpointCallback, Callback\nclass Crash(Callback):\n    def '
+             'after_batch(self):\n        if self.train_iter == 6: raise RuntimeError("crash")')
     res = _run(tmp_path/'run', crash, 'learn.fit(3, cbs=[CheckpointCallback(every_n_steps=2, '
                                       'on_exception=False), Crash()])')
     # stopped at batch 6: checkpoints kept

@@ -1,4 +1,5 @@
-"""`python tools/long_lines.py [PATH...]`: the lines of learncb/ and tests/ over 110 characters, as `file:line: text`.
+"""`python tools/long_lines.py [PATH...]`: the lines of learncb/ and tests/ over 110 characters, as
+`file:line: text`.
 
 The one exception is nbdev's own `__all__` statement, which nbdev-export wraps at 120 characters."""
 import ast, sys

@@ -17,7 +17,13 @@ OPEN,CLOSE = '([{', ')]}'
 BEFORE = {'and', 'or', 'if', 'else', 'for', 'in'}  # an expression may break before these (inside brackets)
 COMPOUND = ('def ', 'async def ', 'if ', 'elif ', 'for ', 'while ', 'with ', 'class ')
 
-def is_long(line): return len(line) > WIDTH and '__all__ =' not in line
+def all_lines(text):
+    "The line numbers of the `__all__ = [...]` statement nbdev writes (nbdev wraps it, at 120 characters)"
+    return {n for node in ast.parse(text).body if isinstance(node, ast.Assign)
+            and any(getattr(t, 'id', None) == '__all__' for t in node.targets)
+            for n in range(node.lineno, node.end_lineno + 1)}
+
+def is_long(line): return len(line) > WIDTH
 
 def tokens_of(text): return list(tokenize.generate_tokens(io.StringIO(text).readline))
 
@@ -205,11 +211,91 @@ def fix_line(text, i):
 def same_tree(a, b):
     return ast.dump(ast.parse(a)) == ast.dump(ast.parse(b))
 
+def string_runs(toks):
+    "Runs of string literals that Python joins, one a line: `[(first index, last index)]`"
+    runs,k = [],0
+    while k < len(toks):
+        j = k
+        while toks[j].type == tokenize.STRING and j + 2 < len(toks) and toks[j+1].type == tokenize.NL \
+                and toks[j+2].type == tokenize.STRING: j += 2
+        if j > k: runs.append((k, j))
+        k = j + 1
+    return runs
+
+def split_body(body, is_f):
+    "The places after which `body` may be cut: after a space outside `{}`"
+    places,braces = [],0
+    for j,c in enumerate(body):
+        if is_f and c == '{': braces += 1
+        elif is_f and c == '}': braces -= 1
+        elif c == ' ' and braces == 0 and (j == 0 or body[j-1] != '\\'): places.append(j + 1)
+    return places
+
+def fill(body, places, widths):
+    "Cut `body` greedily at `places` into pieces of at most `widths[i]` characters (the last width repeats)"
+    pieces,start = [],0
+    while start < len(body):
+        w = widths[min(len(pieces), len(widths) - 1)]
+        if len(body) - start <= w: pieces.append(body[start:]); break
+        fits = [p for p in places if start < p <= start + w]
+        cut = fits[-1] if fits else next((p for p in places if p > start), len(body))
+        pieces.append(body[start:cut]); start = cut
+    return pieces
+
+def reflow_run(lines, toks, k, j):
+    "The lines of the run of strings `toks[k..j]` filled again, or `None` when they cannot be or need not be"
+    parts = [toks[n] for n in range(k, j + 1, 2)]
+    if any(t.start[0] != t.end[0] for t in parts): return None
+    if any(lines[t.start[0] - 1][:t.start[1]].strip() for t in parts[1:]): return None
+    heads = []
+    for t in parts:
+        q = next(i for i,c in enumerate(t.string) if c in '\'"')
+        if t.string[q:q+3] in ('"""', "'''"): return None
+        heads.append((t.string[:q].lower(), t.string[q], t.string[q+1:-1]))
+    if len({h[1] for h in heads}) != 1 or {h[0] for h in heads} - {'', 'f'}: return None
+    is_f = any(h[0] == 'f' for h in heads)
+    if is_f and any(h[0] == '' and ('{' in h[2] or '}' in h[2]) for h in heads): return None
+    prefix,quote,body = 'f' if is_f else '', heads[0][1], ''.join(h[2] for h in heads)
+    col,last = parts[1].start[1], parts[-1]
+    tail = lines[last.start[0] - 1][last.end[1]:]
+    room = len(prefix) + 2
+    widths = [WIDTH - parts[0].start[1] - room, WIDTH - col - room]
+    pieces = fill(body, split_body(body, is_f), widths)
+    if len(pieces) > 1 and len(pieces[-1]) + len(tail) > widths[1]:
+        pieces = fill(body, split_body(body, is_f), widths[:1] + [widths[1] - len(tail)])
+    ragged = any(len(h[2]) < 0.4 * widths[1] for h in heads[:-1])
+    if len(pieces) > len(parts) or len(pieces) == len(parts) and not ragged: return None
+    if [h[2] for h in heads] == pieces: return None
+    first = lines[parts[0].start[0] - 1][:parts[0].start[1]]
+    new = [(first if n == 0 else ' ' * col) + f'{prefix}{quote}{piece}{quote}' for n,piece
+           in enumerate(pieces)]
+    new[-1] += tail
+    return parts[0].start[0] - 1, last.start[0] - 1, new
+
+def reflow_strings(text):
+    "Fill again the runs of joined strings that wrapping left ragged (a piece of a few words on its own line)"
+    skipped = set()
+    for _ in range(2000):
+        lines,toks = text.split('\n'), tokens_of(text)
+        for k,j in string_runs(toks):
+            if toks[k].start in skipped: continue
+            found = reflow_run(lines, toks, k, j)
+            if found is None: skipped.add(toks[k].start); continue
+            a,b,new = found
+            candidate = '\n'.join(lines[:a] + new + lines[b+1:])
+            if any(is_long(l) for l in new) or not same_tree(text, candidate):
+                skipped.add(toks[k].start); continue
+            text = candidate
+            break
+        else: return text
+    return text
+
 def wrap_file(path):
     text,left,tried = Path(path).read_text(), [], []
     for _ in range(5000):
         lines = text.split('\n')
-        todo = [i for i,l in enumerate(lines) if is_long(l) and l not in left]
+        todo = [i for i,l in enumerate(lines) if is_long(l) and l not in left and i + 1 not
+                in all_lines(text)]
         if not todo: break
         i = todo[0]
         new,is_doc = fix_line(text, i)
@@ -221,7 +307,7 @@ def wrap_file(path):
             text = candidate
             if wrapped: tried.append(new[0])
         else: left.append(lines[i])
-    Path(path).write_text(text)
+    Path(path).write_text(reflow_strings(text))
     return left
 
 if __name__ == '__main__':

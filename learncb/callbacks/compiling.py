@@ -211,8 +211,7 @@ class CompiledStep(Step):
         elif (hook := self.forward_hook or self.backward_hook) is not None and not callable(getattr(hook,
                 'runs_plain', None)):
             self._fall_back(f"{type(hook).__name__} runs the step's forward or backward itself "
-                            f"(step_forward, "
-                            f"step_backward), which is not compiled")
+                            f"(step_forward, step_backward), which is not compiled")
         elif blocked: self._fall_back(_blocked_reason(blocked))
         if self.fell_back is None: self._go_compiled()
 
@@ -403,8 +402,8 @@ class CompileCallback(Callback):
 
 def _blocked_reason(blocked):
     return (f"{', '.join(blocked)} cannot run in a compiled step (a handler inside the step runs compiled "
-            f"only if its "
-            f"callback lists the event in compiled_events, or after the step if in deferred_events)")
+            f"only if its callback lists the event in compiled_events, or after the step if in "
+            f"deferred_events)")
 
 
 @patch

@@ -72,11 +72,9 @@ class SanityCheckCallback(Callback):
         except CancelException: raise
         except Exception as e:
             add_note(e, f"learncb: this error comes from the sanity check (SanityCheckCallback) that "
-                        f"validates the "
-                         f"first {self.n_batches} validation batches before training: the validation step "
-                         f"fails, and "
-                         f"training has not started; fix the model, loss, metrics or callbacks for "
-                         f"validation")
+                        f"validates the first {self.n_batches} validation batches before training: the "
+                        f"validation step fails, and training has not started; fix the model, loss, metrics "
+                        f"or callbacks for validation")
             raise
 
 # %% ../../nbs/15_evaluation.ipynb #e1913278
@@ -95,8 +93,7 @@ class EvaluateCallback(Callback):
         if not (watch_monitor is None or isinstance(watch_monitor, str) or callable(watch_monitor)):
             raise TypeError(
             f"EvaluateCallback: watch_monitor must be a column of the validation (e.g. 'valid_loss') or a "
-            f"function "
-            f"f(learn) -> float, not {watch_monitor!r}")
+            f"function f(learn) -> float, not {watch_monitor!r}")
         self.watch_monitor,self.watch_greater_is_better = watch_monitor,watch_greater_is_better
         self.keep_best,self.best_monitor,self.kept = keep_best,best_monitor,[]
         if not (isinstance(name, str) and name.isidentifier()):
@@ -122,9 +119,8 @@ class EvaluateCallback(Callback):
         if self.watch_monitor is not None and not callable(self.watch_monitor) and not isinstance(rec,
                 Recorder):
             raise ValueError(f"EvaluateCallback(watch_monitor={self.watch_monitor!r}) reads the Recorder's "
-                             f"validation "
-                             f"values, but the learner has no Recorder: add one, or pass a function f(learn) "
-                             f"-> float")
+                             f"validation values, but the learner has no Recorder: add one, or pass a "
+                             f"function f(learn) -> float")
         if not isinstance(rec, Recorder): return
         names = rec.metric_names
         if (clash := [c for c in self.recorder_columns if names.count(c) > 1]): raise ValueError(

@@ -65,8 +65,7 @@ class SpikeGuard(Callback):
         self.warmup = check_int(warmup, 'warmup', ge=0, who=who, hint=f'at most n_history={n_history}')
         if self.warmup > self.n_history: raise ValueError(
             f"SpikeGuard: warmup={warmup} is more than n_history={n_history}, the batches it remembers: make "
-            f"warmup at "
-            f"most n_history")
+            f"warmup at most n_history")
         self.grad_norm = bool(grad_norm)
         self.history = {'loss': [],
             'grad_norm': []}
@@ -119,10 +118,8 @@ class SpikeGuard(Callback):
         """What to do when the training dataloader cannot replay part of an epoch (`reason` says why): refuse
         it"""
         raise ValueError(f"SpikeGuard replays the batches after a rollback, so it needs a training "
-                         f"dataloader it can "
-                         f"restart part-way, but {reason}: use a torch DataLoader (shuffle=True or False) on "
-                         f"a "
-                         f"map-style dataset")
+                         f"dataloader it can restart part-way, but {reason}: use a torch DataLoader "
+                         f"(shuffle=True or False) on a map-style dataset")
 
     def before_train(self):
         """A snapshot where the epoch starts (or where a resumed fit goes on); the batches skipped before,
@@ -273,13 +270,11 @@ class SpikeGuard(Callback):
             named = rows_text(sorted({*learn.skipped_items, *(rows or ())}))
             raise RuntimeError(
                 f"SpikeGuard: the training loss spiked at {where}, after {self.rollbacks} rollbacks in this "
-                f"fit "
-                f"(max_rollbacks={self.max_rollbacks}); the batches (epoch, batch) that spiked: "
-                f"{list(skipped)}; their "
-                f"rows in the dataset: {named or 'unknown (no sampler learncb orders)'} "
-                f"(learn.skipped_items holds those found). The learner holds the run as it was before batch "
-                f"{start} of epoch {learn.epoch}, before the spike. Drop those rows from the data, lower the "
-                f"lr, or raise max_rollbacks")
+                f"fit (max_rollbacks={self.max_rollbacks}); the batches (epoch, batch) that spiked: "
+                f"{list(skipped)}; their rows in the dataset: "
+                f"{named or 'unknown (no sampler learncb orders)'} (learn.skipped_items holds those found). "
+                f"The learner holds the run as it was before batch {start} of epoch {learn.epoch}, before "
+                f"the spike. Drop those rows from the data, lower the lr, or raise max_rollbacks")
         self.rollbacks += 1
         if rows and self._finds_rows(): self._look_again(spikes or [(spiked, math.inf, why)])
         else:
@@ -443,8 +438,7 @@ class TerminateOnNaNCallback(SpikeGuard):
         where = f"training loss is NaN or infinite at epoch {learn.epoch}, batch {bad}"
         if not self.replayable:
             self.found = (f"{where}: the fit stopped at batch {learn.iter}, so the weights have taken the "
-                          f"steps of the "
-                          f"batches up to it (the dataloader cannot replay: {self._reason})")
+                          f"steps of the batches up to it (the dataloader cannot replay: {self._reason})")
             self._stop()
         self._restore_snapshot()
         self.found = f"{where}: the fit stopped before it, so the weights are those from before batch {bad}"
@@ -469,8 +463,7 @@ class TerminateOnNaNCallback(SpikeGuard):
         where = (f"batch {int((~finite).nonzero()[0])}" if not bool(finite.all()) else "a batch of another "
             "rank")
         self.found = (f"validation loss is NaN or infinite at epoch {self.learn.epoch}, {where}: the fit "
-                      f"stopped after "
-                      f"that validation, with the weights of the epoch's last step")
+                      f"stopped after that validation, with the weights of the epoch's last step")
         self._stop()
 
     def _stop(self):

@@ -146,8 +146,7 @@ def _suggest_funcs(funcs):
     for f,name in zip(funcs, names):
         if not callable(f) or not isinstance(name, str) or not name.isidentifier() or name.startswith('_'):
             raise ValueError(f"lr_find: each suggestion function must be a function f(lrs, losses) -> lr "
-                             f"defined with "
-                             f"a name (its name becomes the field of the result), not {f!r}")
+                             f"defined with a name (its name becomes the field of the result), not {f!r}")
     if len(set(names)) != len(names):
         raise ValueError(f"lr_find: the suggestion functions have repeated names {names}")
     if not funcs: raise ValueError("lr_find: suggest_funcs is empty; pass at least one, e.g. (valley,)")
@@ -169,10 +168,8 @@ def lr_find(self:Learner, start_lr=1e-7, end_lr=10, num_it=100, stop_div=True, s
                 self.fit(n_epoch, cbs=finder)
         except Exception as e:
             add_note(e, "learncb: raised during lr_find, which runs without the Recorder and skips "
-                        "validation; a "
-                        "callback that needs them should set remove_on_lr_find = True, or be removed around "
-                        "it: "
-                        "with learn.removed_cbs(cb): learn.lr_find()")
+                        "validation; a callback that needs them should set remove_on_lr_find = True, or be "
+                        "removed around it: with learn.removed_cbs(cb): learn.lr_find()")
             raise
         finally:
             snapshot.restore()

@@ -49,10 +49,8 @@ def _free_memory():
 
 def _too_big(n, sizes):
     return (f"learncb: AutoMicrobatch split this batch of {n} items into micro-batches of "
-            f"{', '.join(map(str, sizes))} "
-            f"items and each ran out of memory: one item does not fit. Free memory (a smaller model, "
-            f"MixedPrecision, "
-            f"fewer activations kept) and fit again")
+            f"{', '.join(map(str, sizes))} items and each ran out of memory: one item does not fit. Free "
+            f"memory (a smaller model, MixedPrecision, fewer activations kept) and fit again")
 
 def _sum_grads(total, grads):
     if total is None: return list(grads)
@@ -316,9 +314,8 @@ class AutoMicrobatch(Callback):
         self.history.append((learn.epoch, learn.iter, self._size(n, self.halvings)))
         if self.halvings > self._start and is_rank0(): warn_user(
             f"AutoMicrobatch: batch {learn.iter} of epoch {learn.epoch} ({n} items) ran out of memory: "
-            f"micro-batches of "
-            f"{self._size(n, self.halvings)} items from here (the whole batch is tried again every "
-            f"{self.grow_every} steps)")
+            f"micro-batches of {self._size(n, self.halvings)} items from here (the whole batch is tried "
+            f"again every {self.grow_every} steps)")
 
     def _split_backward(self, params, grad_outs):
         "The gradients of `params`, summed over the micro-batches, each computed again with its graph"

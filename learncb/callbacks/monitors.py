@@ -40,8 +40,7 @@ def resolve_monitor(monitor, names):
     if len(close) == 1: return close[0]
     hint = f"; it could mean any of {close}" if close else ''
     raise ValueError(f"monitor {monitor!r} is not a column of the recorder's table {names}{hint}: pass one "
-                     f"of those "
-                     f"names, or a function f(learn) -> float")
+                     f"of those names, or a function f(learn) -> float")
 
 # %% ../../nbs/10_monitors.ipynb #7e1b23be
 class TrackerCallback(Callback):
@@ -78,16 +77,14 @@ class TrackerCallback(Callback):
         rec = getattr(self.learn, 'recorder', None)
         if rec is None:
             raise ValueError(f"{type(self).__name__} monitors {self.monitor!r}, a column of the Recorder, "
-                             f"but "
-                             f"the learner has no Recorder: add one, or monitor a function f(learn) -> float")
+                             f"but the learner has no Recorder: add one, or monitor a function f(learn) -> "
+                             f"float")
         names = rec.value_names
         self.monitor = resolve_monitor(self.monitor, names)
         if self.monitor in rec.valid_names and self.learn.dls.valid is None: raise ValueError(
             f"{type(self).__name__} monitors {self.monitor!r}, a value of the validation, but this learner "
-            f"has no "
-            f"validation dataloader, so it would never get a value: pass DataLoaders(train, valid), or "
-            f"monitor "
-            f"'train_loss'")
+            f"has no validation dataloader, so it would never get a value: pass DataLoaders(train, valid), "
+            f"or monitor 'train_loss'")
         idx = names.index(self.monitor)
         return lambda: rec.values[-1][idx]
 
@@ -145,8 +142,7 @@ class SaveModelCallback(TrackerCallback):
         if self.every_epoch is not False or self.best_epoch is None: return
         if self.learn.exception is not None:
             warn_user(f"the fit ended with {type(self.learn.exception).__name__}: the model keeps its "
-                      f"current "
-                          f"weights; the best ones (epoch {self.best_epoch}) are in {self.saved}")
+                      f"current weights; the best ones (epoch {self.best_epoch}) are in {self.saved}")
         else: self.learn.load(self.fname, with_opt=self.with_opt)
 
 SaveBestModelCallback = SaveModelCallback
@@ -194,8 +190,7 @@ class EarlyStoppingCallback(PatienceCallback):
         epoch,value = self.learn.epoch,self.value
         if self.check_finite and value is not None and not math.isfinite(value):
             reason = (f'{self.monitor_name} is {value} at epoch {epoch}, which is not finite (the best was '
-                      f'{self.best}): '
-                      f'early stopping (check_finite=True)')
+                      f'{self.best}): early stopping (check_finite=True)')
         elif self.out_of_patience:
             reason = f'No improvement of {self.monitor_name} since epoch {epoch - self.wait}: early stopping'
         else: return

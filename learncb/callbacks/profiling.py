@@ -21,11 +21,9 @@ from ..recorder import *
 
 # %% ../../nbs/30_profiling.ipynb #4fe4ed30
 _data_fix = ("give the DataLoader workers (num_workers=4 or more: the batches are then made in other "
-             "processes while "
-             "the model trains), persistent_workers=True (workers are not started again every epoch) and, on "
-             "a GPU, "
-             "pin_memory=True; or make the dataset's __getitem__ cheaper (decode or resize once, ahead of "
-             "training)")
+             "processes while the model trains), persistent_workers=True (workers are not started again "
+             "every epoch) and, on a GPU, pin_memory=True; or make the dataset's __getitem__ cheaper (decode "
+             "or resize once, ahead of training)")
 
 class ThroughputCallback(Callback):
     """Per epoch: training samples/s, items/s (what the loss counts: a language model's tokens), batches/s
@@ -64,8 +62,7 @@ class ThroughputCallback(Callback):
             self._warned = True
             warn_user(f"the training loop waited for data {row['data_wait']:.0%} of the time in epoch "
                           f"{row['epoch']} (more than warn_at={self.warn_at:.0%}): the dataloader is the "
-                          f"bottleneck, "
-                          f"not the model. To feed it faster, {_data_fix}", UserWarning)
+                          f"bottleneck, not the model. To feed it faster, {_data_fix}", UserWarning)
 
     @property
     def recorder_columns(self): return ['samples_per_s', 'data_wait'] if self.columns else []

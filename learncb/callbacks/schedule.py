@@ -51,8 +51,7 @@ class SchedExp(_Annealer):
         super().__init__(start, end)
         if start <= 0 or end <= 0:
             raise ValueError(f"SchedExp({start!r}, {end!r}): start and end must both be > 0, since the value "
-                             f"moves by "
-                             f"equal ratios; use SchedLin or SchedCos to reach 0 or to cross it")
+                             f"moves by equal ratios; use SchedLin or SchedCos to reach 0 or to cross it")
     def __call__(self, pos): return self.start * (self.end / self.start) ** pos
 
 class SchedPoly(_Annealer):
@@ -139,23 +138,19 @@ class ParamScheduler(Callback):
             return [(*loc, [i for i,l in enumerate(locs) if l == loc]) for loc in dict.fromkeys(locs)]
         hint = f" ({_hp_hints[name]})" if name in _hp_hints else ''
         raise ValueError(f"ParamScheduler cannot schedule {name!r}{hint} on {type(opt).__name__}: its param "
-                         f"groups "
-                         f"have the keys {_opt_keys(opt)}. Schedule one of those, or use an optimizer that "
-                         f"has "
-                         f"{name!r}")
+                         f"groups have the keys {_opt_keys(opt)}. Schedule one of those, or use an optimizer "
+                         f"that has {name!r}")
 
     def _check_value(self, name, value, opt):
         n = len(opt.param_groups)
         if isinstance(value, (list, tuple)):
             if len(value) != n: raise ValueError(
                 f"ParamScheduler: the schedule for {name!r} returns {len(value)} values, but "
-                f"{type(opt).__name__} has "
-                f"{n} param group{'s' if n > 1 else ''}: return one value, or a list with one value per "
-                f"group")
+                f"{type(opt).__name__} has {n} param group{'s' if n > 1 else ''}: return one value, or a "
+                f"list with one value per group")
         elif not isinstance(value, (Real, torch.Tensor)) or isinstance(value, bool):
             raise TypeError(f"ParamScheduler: the schedule for {name!r} must return a number (or a list of "
-                            f"one per "
-                            f"param group), but returned {value!r} at pos=0")
+                            f"one per param group), but returned {value!r} at pos=0")
 
     def before_batch(self):
         learn = self.learn
@@ -210,18 +205,16 @@ def has_momentum(opt):
     "Whether `opt` has a momentum that `'mom'` can schedule (`momentum`, or `betas` for Adam-like optimizers)"
     return all(hp_location('mom', pg) is not None for pg in opt.param_groups)
 
-@patch
-def _spread_for_fit(self:Learner, lr, reset_opt):
+def _spread_for_fit(learn, lr, reset_opt):
     """`(lr, reset_opt)`: a slice, or a dict by optimizer name, as one lr per param group (the optimizer is
     made now, to count them), else as it is"""
     if not isinstance(lr, (slice, dict)): return lr,reset_opt
-    return group_values(lr, self._opt_for_fit(reset_opt), 'lr'),False
+    return group_values(lr, learn._opt_for_fit(reset_opt), 'lr'),False
 
-@patch
-def _fit_scheduled(self:Learner, n_epoch, scheds, wd, cbs, reset_opt, resume):
+def _fit_scheduled(learn, n_epoch, scheds, wd, cbs, reset_opt, resume):
     sched = ParamScheduler(scheds)
-    try: self.fit(n_epoch, wd=wd, cbs=[sched, *listify(cbs)], reset_opt=reset_opt, resume=resume)
-    finally: self.param_scheduler = sched
+    try: learn.fit(n_epoch, wd=wd, cbs=[sched, *listify(cbs)], reset_opt=reset_opt, resume=resume)
+    finally: learn.param_scheduler = sched
 
 # %% ../../nbs/11_schedule.ipynb #50bccc94
 @patch
@@ -236,11 +229,10 @@ def fit_one_cycle(self:Learner, n_epoch, lr_max=None, div=25., div_final=1e5, pc
         check_fraction(pct_start, 'pct_start', who='fit_one_cycle', what=_of_training)
         if moms is not None and (not isinstance(moms, (list, tuple)) or len(moms) != 3):
             raise ValueError(f"fit_one_cycle: moms must be (start, middle, end) momentums, like (0.95, 0.85, "
-                             f"0.95), "
-                             f"not {moms!r}")
+                             f"0.95), not {moms!r}")
         self._check_fit(n_epoch, None, wd, 'fit_one_cycle')
         check_has_len(self.dls.train, 'fit_one_cycle')
-        lr_max,reset_opt = self._spread_for_fit(lr_max, reset_opt)
+        lr_max,reset_opt = _spread_for_fit(self, lr_max, reset_opt)
         scheds = {'lr': _per_group(lambda lr: combined_cos(pct_start, lr / div, lr, lr / div_final), lr_max)}
         if moms is not None:
             opt = self._opt_for_fit(reset_opt)
@@ -248,9 +240,9 @@ def fit_one_cycle(self:Learner, n_epoch, lr_max=None, div=25., div_final=1e5, pc
             if has_momentum(opt): scheds['mom'] = combined_cos(pct_start, *moms)
             else: warn_user(
                 f"fit_one_cycle: {type(opt).__name__} has no momentum (neither 'momentum' nor 'betas' in its "
-                f"param "
-                f"groups), so moms={moms} is not scheduled; pass moms=None to silence this", UserWarning)
-        self._fit_scheduled(n_epoch, scheds, wd, cbs, reset_opt, resume)
+                f"param groups), so moms={moms} is not scheduled; pass moms=None to silence "
+                f"this", UserWarning)
+        _fit_scheduled(self, n_epoch, scheds, wd, cbs, reset_opt, resume)
 
 @patch
 def fit_flat_cos(self:Learner, n_epoch, lr=None, div_final=1e5, pct_start=0.75, wd=None, cbs=None,
@@ -264,10 +256,10 @@ def fit_flat_cos(self:Learner, n_epoch, lr=None, div_final=1e5, pct_start=0.75, 
         check_fraction(pct_start, 'pct_start', who='fit_flat_cos', what=_of_training)
         self._check_fit(n_epoch, None, wd, 'fit_flat_cos')
         check_has_len(self.dls.train, 'fit_flat_cos')
-        lr,reset_opt = self._spread_for_fit(lr, reset_opt)
+        lr,reset_opt = _spread_for_fit(self, lr, reset_opt)
         make = lambda v: combine_scheds([pct_start, 1 - pct_start], [SchedNo(v, v), SchedCos(v,
             v / div_final)])
-        self._fit_scheduled(n_epoch, {'lr': _per_group(make, lr)}, wd, cbs, reset_opt, resume)
+        _fit_scheduled(self, n_epoch, {'lr': _per_group(make, lr)}, wd, cbs, reset_opt, resume)
 
 # %% ../../nbs/11_schedule.ipynb #ff5fc374
 @patch
@@ -281,8 +273,7 @@ def fine_tune(self:Learner, epochs, base_lr=2e-3, freeze_epochs=1, lr_mult=100, 
         check_number(lr_mult, 'lr_mult', ge=1, who='fine_tune', hint='how much lower the first group lr is')
         if 'resume' in kwargs: raise TypeError(
             "fine_tune is two fits and cannot resume as one: to continue its second fit, call "
-            "learn.unfreeze() then "
-            "learn.fit_one_cycle(..., resume=True)")
+            "learn.unfreeze() then learn.fit_one_cycle(..., resume=True)")
         self._check_fit(epochs, None, kwargs.get('wd'), 'fine_tune')
         self.freeze()
         self.fit_one_cycle(freeze_epochs, slice(base_lr), pct_start=0.99, **kwargs)
@@ -304,9 +295,9 @@ def fit_sgdr(self:Learner, n_cycles, cycle_len, lr_max=None, cycle_mult=2, cbs=N
         lens = [cycle_len * cycle_mult ** i for i in range(n_cycles)]
         self._check_fit(sum(lens), None, wd, 'fit_sgdr')
         check_has_len(self.dls.train, 'fit_sgdr')
-        lr_max,reset_opt = self._spread_for_fit(lr_max, reset_opt)
+        lr_max,reset_opt = _spread_for_fit(self, lr_max, reset_opt)
         make = lambda v: combine_scheds([n / sum(lens) for n in lens], [SchedCos(v, 0) for _ in lens])
-        self._fit_scheduled(sum(lens), {'lr': _per_group(make, lr_max)}, wd, cbs, reset_opt, None)
+        _fit_scheduled(self, sum(lens), {'lr': _per_group(make, lr_max)}, wd, cbs, reset_opt, None)
 
 # %% ../../nbs/11_schedule.ipynb #daa72417
 def _is_scheduler(o): return callable(getattr(o, 'step', None)) and hasattr(o, 'optimizer')
@@ -322,9 +313,8 @@ class LRSchedulerCallback(Callback):
                      hint="'batch': after each optimizer step, 'epoch': after each epoch")
         if not _is_scheduler(scheduler) and not callable(scheduler):
             raise TypeError(f"LRSchedulerCallback takes a torch.optim.lr_scheduler scheduler built on "
-                            f"learn.opt, or a "
-                            f"function opt -> scheduler (e.g. lambda opt: StepLR(opt, step_size=10)), "
-                            f"not {scheduler!r}")
+                            f"learn.opt, or a function opt -> scheduler (e.g. lambda opt: StepLR(opt, "
+                            f"step_size=10)), not {scheduler!r}")
         self.make_scheduler = None if _is_scheduler(scheduler) else scheduler
         self.scheduler = scheduler if _is_scheduler(scheduler) else None
         self.step_on = step_on
@@ -356,8 +346,8 @@ class LRSchedulerCallback(Callback):
             self.scheduler = self.make_scheduler(opt)
             if not _is_scheduler(self.scheduler) or self.scheduler.optimizer is not opt:
                 raise ValueError(f"LRSchedulerCallback: the function {self.make_scheduler!r} must return a "
-                                 f"scheduler "
-                                 f"built on the optimizer it is given, but returned {self.scheduler!r}")
+                                 f"scheduler built on the optimizer it is given, but returned "
+                                 f"{self.scheduler!r}")
         else:
             self._check_own_opt(opt)
             self._resume_lrs(opt)
@@ -370,12 +360,10 @@ class LRSchedulerCallback(Callback):
         raise ValueError(
             f"LRSchedulerCallback: {type(self.scheduler).__name__} was built on another optimizer "
             f"({type(self.scheduler.optimizer).__name__} at {id(self.scheduler.optimizer):#x}), not on "
-            f"learn.opt "
-            f"({type(opt).__name__} at {id(opt):#x}); the learner makes its optimizer at the first fit and "
-            f"again with "
-            f"reset_opt=True. Pass a function instead, "
-            f"LRSchedulerCallback(lambda opt: {type(self.scheduler).__name__}(opt, ...)), "
-            f"or call learn.create_opt() and build the scheduler on learn.opt")
+            f"learn.opt ({type(opt).__name__} at {id(opt):#x}); the learner makes its optimizer at the first "
+            f"fit and again with reset_opt=True. Pass a function instead, LRSchedulerCallback(lambda opt: "
+            f"{type(self.scheduler).__name__}(opt, ...)), or call learn.create_opt() and build the scheduler "
+            f"on learn.opt")
 
     def _resume_lrs(self, opt):
         "`fit` set each group's lr to the fit's lr: give the scheduler back the lrs it had set"
@@ -388,13 +376,11 @@ class LRSchedulerCallback(Callback):
         learn,rec = self.learn,getattr(self.learn, 'recorder', None)
         if learn.dls.valid is None or not isinstance(rec, Recorder): raise ValueError(
             "LRSchedulerCallback: ReduceLROnPlateau needs a validation dataloader and the Recorder to read "
-            "its value "
-            "from")
+            "its value from")
         names = rec.valid_names
         if self.monitor not in names: raise ValueError(
             f"LRSchedulerCallback: ReduceLROnPlateau monitors {self.monitor!r}, which is not one of the "
-            f"validation "
-            f"values {names}")
+            f"validation values {names}")
         return names.index(self.monitor)
 
     def after_cancel_step(self):
@@ -440,8 +426,7 @@ def fit_steps(learn):
     n = n_batches(dl)
     if n is None: raise ValueError(
         "a share of the fit's optimizer steps needs their number, but the training dataloader has no length: "
-        "give a "
-        "number of steps instead (e.g. WarmupCallback(100))")
+        "give a number of steps instead (e.g. WarmupCallback(100))")
     per_epoch = next((cb.steps_in(dl) for cb in learn.cbs if name_is_own(cb, 'steps_in')), n)
     return n_epoch * per_epoch
 

@@ -117,8 +117,7 @@ def _check_amp_dtype(dtype):
     try: return _amp_dtypes[dtype]
     except (KeyError, TypeError): pass
     raise ValueError(f"MixedPrecision: dtype must be torch.bfloat16, torch.float16 (or 'bf16', 'fp16'), or "
-                     f"None to let "
-                     f"the device choose, not {dtype!r}")
+                     f"None to let the device choose, not {dtype!r}")
 
 # %% ../../nbs/13_training.ipynb #83d7a1ec
 def autocast_for(device_type, dtype):
@@ -126,8 +125,7 @@ def autocast_for(device_type, dtype):
     `dtype`"""
     if not torch.amp.is_autocast_available(device_type):
         raise ValueError(f"MixedPrecision: torch.autocast does not support the device type {device_type!r} "
-                         f"of the "
-                         f"model; train without MixedPrecision, or on CUDA or the CPU")
+                         f"of the model; train without MixedPrecision, or on CUDA or the CPU")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         ctx = torch.autocast(device_type, dtype=dtype)
@@ -136,8 +134,7 @@ def autocast_for(device_type, dtype):
         other = 'torch.bfloat16' if dtype == torch.float16 else 'torch.float16'
         reason = refused or 'autocast turned itself off'
         raise ValueError(f"MixedPrecision: autocast on {device_type!r} does not support {dtype} ({reason}); "
-                         f"pass "
-                         f"dtype={other}, or dtype=None to let the device choose")
+                         f"pass dtype={other}, or dtype=None to let the device choose")
     return ctx
 
 # %% ../../nbs/13_training.ipynb #a90f5094
@@ -292,8 +289,7 @@ class HiddenStateCallback(Callback):
     def __init__(self, init):
         if not callable(init): raise TypeError(
             f"HiddenStateCallback(init): init must be a function learn -> the first state of a pass, e.g. "
-            f"lambda learn: "
-            f"learn.model.init_hidden(learn.x.shape[1]), not {init!r}")
+            f"lambda learn: learn.model.init_hidden(learn.x.shape[1]), not {init!r}")
         self.init,self.hidden,self.valid_hidden = init,None,None
 
     def before_train(self): self.hidden = None
@@ -310,8 +306,8 @@ class HiddenStateCallback(Callback):
         learn,out = self.learn,self.learn.pred
         if not (isinstance(out, (tuple, list)) and len(out) == 2): raise TypeError(
             f"HiddenStateCallback: the model returned {describe_value(out)}, not (output, state): its "
-            f"forward must "
-            f"return the output and the state the next batch takes, as output, hidden = model(data, hidden)")
+            f"forward must return the output and the state the next batch takes, as output, hidden = "
+            f"model(data, hidden)")
         learn.pred,state = out
         if learn.training: self.hidden = state
         else: self.valid_hidden = state

@@ -40,10 +40,9 @@ class MixHandler(Callback):
     def before_fit(self):
         if self.learn.loss_func is None:
             raise ValueError(f"{type(self).__name__} mixes the losses of two sets of targets, so it needs "
-                             f"the "
-                             f"learner's loss_func, but this learner's model computes its own loss "
-                             f"(loss_func=None). "
-                             f"Pass a loss_func to the Learner, or remove {type(self).__name__}")
+                             f"the learner's loss_func, but this learner's model computes its own loss "
+                             f"(loss_func=None). Pass a loss_func to the Learner, or remove "
+                             f"{type(self).__name__}")
 
     def draw_lambda(self):
         """λ drawn from Beta(`alpha`, `alpha`); with `fold`, taken as max(λ, 1-λ): the batch's own targets
@@ -82,8 +81,7 @@ def _floats(xb, who):
     idx = [i for i,x in enumerate(xb) if isinstance(x, torch.Tensor) and x.is_floating_point()]
     if not idx: raise TypeError(f"{who} mixes floating-point inputs, but this batch's inputs are "
                                 f"{[getattr(x, 'dtype', type(x).__name__) for x in xb]}: use it on images, "
-                                f"audio or "
-                                f"features, not on token ids or labels")
+                                f"audio or features, not on token ids or labels")
     return idx
 
 class MixUp(MixHandler):
@@ -104,9 +102,8 @@ class CutMix(MixHandler):
         x = xb[0]
         if not isinstance(x, torch.Tensor) or x.ndim < 3 or not x.is_floating_point():
             raise TypeError(f"CutMix cuts boxes out of images: its first input must be a floating-point "
-                            f"batch of "
-                            f"images (batch, ..., height, width), not {describe_value(x)}; use MixUp for "
-                            f"other data")
+                            f"batch of images (batch, ..., height, width), not {describe_value(x)}; use "
+                            f"MixUp for other data")
         h,w = x.shape[-2:]
         y1,y2,x1,x2 = self.last_box = self.box(h, w, self.lam)
         x = x.clone()                                   # the dataloader's tensor may be the user's data
@@ -303,10 +300,8 @@ class SWACallback(WeightAveraging):
         self._first = int(start * learn.n_epoch) if isinstance(start, float) else start
         if self._first >= learn.n_epoch:
             raise ValueError(f"SWACallback(start_epoch={start}) starts averaging at epoch {self._first}, "
-                             f"after the "
-                             f"last epoch of this fit of {learn.n_epoch}: give a start_epoch below "
-                             f"{learn.n_epoch}, or "
-                             f"a share of the fit below 1")
+                             f"after the last epoch of this fit of {learn.n_epoch}: give a start_epoch below "
+                             f"{learn.n_epoch}, or a share of the fit below 1")
         self._start(use_buffers=False)
         self.swalr,self._lrs,self._saved_swalr = None,None,None
 
@@ -386,10 +381,8 @@ class ShortEpochCallback(Callback):
     def _check_length(self, what):
         if self.n_batches is None and self.learn.n_iter is None: raise ValueError(
             f"ShortEpochCallback(pct={self.pct}) ends an epoch after a share of its batches, but the {what} "
-            f"dataloader "
-            f"has no length (an IterableDataset?), so it has no share to take: give a number of batches "
-            f"instead, "
-            f"ShortEpochCallback(n_batches=...)")
+            f"dataloader has no length (an IterableDataset?), so it has no share to take: give a number of "
+            f"batches instead, ShortEpochCallback(n_batches=...)")
 
     def after_batch(self):
         learn,done = self.learn,self.learn.iter + 1

@@ -116,11 +116,9 @@ class CheckpointCallback(Callback):
         if not (earlier := self._store.list()): return
         n = f"{len(earlier)} checkpoint{'s' if len(earlier) > 1 else ''}"
         warn_user(f"{store_place(self._store)} already holds {n} of an earlier run (the newest: "
-                  f"{ref_name(earlier[0])}): this run "
-                      f"removes them as it passes them, but until then resume=True takes the newest there. "
-                      f"Give each "
-                      f"run its own folder (CheckpointCallback(path=...)), or pass resume=True to continue "
-                      f"that run")
+                  f"{ref_name(earlier[0])}): this run removes them as it passes them, but until then "
+                  f"resume=True takes the newest there. Give each run its own folder "
+                  f"(CheckpointCallback(path=...)), or pass resume=True to continue that run")
 
     def _take_order(self):
         """Order the training dataloader by a `ResumableSampler` for this fit, as its own sampler would (if it

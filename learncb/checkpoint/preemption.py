@@ -23,8 +23,7 @@ class SignalStop(SystemExit):
         self.signum,self.path = signum,path
     def __str__(self):
         return (f"stopped by {signal.Signals(self.signum).name}, with the run saved in {self.path}: start "
-                f"the same "
-                f"command again with learn.fit(..., resume='auto') to go on (exit code {self.code})")
+                f"the same command again with learn.fit(..., resume='auto') to go on (exit code {self.code})")
 
 # %% ../../nbs/16b_preemption.ipynb #f9fb2395
 _uncatchable = {'SIGKILL', 'SIGSTOP'}
@@ -41,8 +40,8 @@ def check_signals(signals, who='CheckpointCallback'):
         if sig is None or sig.name in _uncatchable:
             why = 'cannot be caught' if sig is not None else 'is not a signal'
             raise ValueError(f"{who}: signals={signals!r}: {name or s!r} {why}; name signals a process can "
-                             f"catch, "
-                             f"e.g. 'SIGTERM' (Kubernetes, docker stop) or 'SIGUSR1' (SLURM's --signal)")
+                             f"catch, e.g. 'SIGTERM' (Kubernetes, docker stop) or 'SIGUSR1' (SLURM's "
+                             f"--signal)")
         if sig not in out: out.append(sig)
     return out
 
@@ -58,8 +57,7 @@ def requeue_slurm_job():
     job = slurm_job_id()
     if job is None:
         warn_user("CheckpointCallback(requeue=True): this is not a SLURM job (no SLURM_JOB_ID), so nothing "
-                  "was "
-                      "requeued: start the same command again to go on")
+                  "was requeued: start the same command again to go on")
         return False
     try: res = subprocess.run(['scontrol', 'requeue', job], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e: res = e
@@ -163,12 +161,9 @@ class SignalGuard:
         names = ', '.join(signal.Signals(s).name for s in self.signums)
         warn_user(f"{self.who}: this fit runs off the main thread ({threading.current_thread().name}; Ray "
                       f"Train runs the training function so), where Python cannot catch signals: {names} "
-                      f"will not stop "
-                      f"it at the end of a batch with an exact checkpoint. Its checkpoints every_n_steps and "
-                      f"at each "
-                      f"epoch are still written; run the fit on the main thread to stop exactly on a signal, "
-                      f"or pass "
-                      f"signals=() to silence this")
+                      f"will not stop it at the end of a batch with an exact checkpoint. Its checkpoints "
+                      f"every_n_steps and at each epoch are still written; run the fit on the main thread to "
+                      f"stop exactly on a signal, or pass signals=() to silence this")
 
     def stop_asked(self, wait=False):
         """Whether a signal caught on this rank (or, in a distributed run, on any rank: every rank at once)

@@ -106,8 +106,7 @@ def finish_sharded(save):
     parts = gather_objects((error, own))  # every rank learns whether every rank's shards are written
     if (errors := [f"rank {r}: {e}" for r,(e,_) in enumerate(parts) if e is not None]):
         raise OSError(f"the checkpoint {folder} was not written ({'; '.join(errors)}); the checkpoints "
-                      f"before it are "
-                      f"kept. Free space or fix the folder's permissions, then resume")
+                      f"before it are kept. Free space or fix the folder's permissions, then resume")
     sums = {k: v for _,d in parts for k,v in d.items()}
     state = save.rest
     if is_rank0():
@@ -129,8 +128,7 @@ def _check_files(folder, sums):
     bad = sorted(n for part in gather_objects(bad) for n in part)
     if bad:
         raise _incomplete(folder, f"{short_list(bad)} {'is' if len(bad) == 1 else 'are'} missing or changed "
-                                  f"since "
-                                      f"written (a kill or a disk error while it was written, or an edit)")
+                                  f"since written (a kill or a disk error while it was written, or an edit)")
 
 def read_sharded(folder):
     """The state in checkpoint folder `folder` without its tensors, if it is complete and intact; else
@@ -190,8 +188,7 @@ def _opt_by_index(opt, tensors, names, folder):
     index = {n: i for i,n in enumerate(names)}
     if (unknown := [n for g in opt['param_groups'] for n in g['params'] if n not in index]): raise ValueError(
         f"{folder} has optimizer state for parameters the model does not have: {short_list(unknown)}; resume "
-        f"it "
-        f"with the model it was trained with")
+        f"it with the model it was trained with")
     state = {index[n]: dict(s) for n,s in opt['state'].items()}       # the values that are not tensors
     for k,v in tensors.items():
         n,_,key = k.rpartition('/')

@@ -12,10 +12,9 @@ import datetime, gc, os, time, uuid
 from contextlib import contextmanager
 import torch
 import torch.distributed as dist
-# noqa: F401  its functions take the default group as a default argument when imported:
-import torch.distributed.nn
-                             # imported now, before any group, they hold none, and an ended group is freed at
-                             # once
+# its functions take the default group as a default argument when imported: imported now, before any
+# group, they hold none, and an ended group is freed at once
+import torch.distributed.nn  # noqa: F401
 from fastcore.basics import patch
 from ..core import *
 from ..utils import *
@@ -43,14 +42,11 @@ def global_batch_dl(dl, n, world, seed=0):
     check_int(n, 'global_batch', ge=1, who='distrib_ctx', hint='the items of a step over all processes')
     if n % world: raise ValueError(
         f"distrib_ctx(global_batch={n}) over {world} processes: {n} items cannot be shared equally; give a "
-        f"global "
-        f"batch that {world} divides ({n - n % world or world} or {n + world - n % world}), or run on a "
-        f"number of "
-        f"processes that divides {n}")
+        f"global batch that {world} divides ({n - n % world or world} or {n + world - n % world}), or run on "
+        f"a number of processes that divides {n}")
     if type(dl) is not DataLoader: raise TypeError(
         f"distrib_ctx(global_batch=...) sets the batch size of the training dataloader, which must be a "
-        f"torch "
-        f"DataLoader, not a {type(dl).__name__}: set its batch size yourself, {n} // num_distrib()")
+        f"torch DataLoader, not a {type(dl).__name__}: set its batch size yourself, {n} // num_distrib()")
     torchs = isinstance(dl.sampler, (RandomSampler, SequentialSampler, DistributedSampler))
     order = resumable_sampler(dl, seed) if torchs else dl.sampler  # a sampler of the user's own: as it is
     return rebuild_dataloader(dl, order, dl.generator, batch_size=n // world)
@@ -62,9 +58,8 @@ def _as_strategy(strategy, shard, device_ids, find_unused_parameters):
     one of yours"""
     if isinstance(strategy, Strategy):
         if shard is not None:
-            raise ValueError(f"distrib_ctx: shard={shard!r} says how FSDP cuts the model, but the "
-                                               f"strategy is {strategy!r}: give it to the strategy, "
-                                               f"FSDP(shard=...)")
+            raise ValueError(f"distrib_ctx: shard={shard!r} says how FSDP cuts the model, but the strategy "
+                                               f"is {strategy!r}: give it to the strategy, FSDP(shard=...)")
         return strategy
     if isinstance(strategy, type) and issubclass(strategy, Strategy): raise TypeError(
         f"distrib_ctx: strategy={strategy.__name__} is a class: pass an instance, "
@@ -80,13 +75,13 @@ def distrib_ctx(self:Learner, strategy='ddp', shard=None, backend=None, timeout=
     process"""
     strategy = _as_strategy(strategy, shard, device_ids, find_unused_parameters)
     world = num_distrib() if dist.is_initialized() else launched_world()
-    with self._global_batch(global_batch, 1 if strategy.reads_whole_batch else world, strategy.seed):
-        started = (self._start_group(backend, timeout) if strategy.needs_group and launched_world() > 1
+    with _global_batch(self, global_batch, 1 if strategy.reads_whole_batch else world, strategy.seed):
+        started = (_start_group(self, backend, timeout) if strategy.needs_group and launched_world() > 1
                    and not dist.is_initialized() else False)
         if num_distrib() == 1 and strategy.needs_group:
             yield self
             return
-        if getattr(strategy, 'device_ids', 'auto') == 'auto': self._to_rank_device(move=not strategy.sharded)
+        if getattr(strategy, 'device_ids', 'auto') == 'auto': _to_rank_device(self, move=not strategy.sharded)
         before,self.strategy = self.strategy,strategy
         try:
             with strategy.session(self), self.added_cbs([DistributedCallback(strategy),
@@ -98,19 +93,18 @@ def distrib_ctx(self:Learner, strategy='ddp', shard=None, backend=None, timeout=
             self.strategy = before
             if started: _end_group()
 
-@patch
 @contextmanager
-def _global_batch(self:Learner, n, world, seed):
+def _global_batch(learn, n, world, seed):
     """For a `distrib_ctx`: the training dataloader of `global_batch_dl` (none when `n` is `None`), the user's
     back after"""
     if n is None:
         yield
         return
-    dl = self.dls.train
-    self.dls.train = made = global_batch_dl(dl, n, world, seed)
+    dl = learn.dls.train
+    learn.dls.train = made = global_batch_dl(dl, n, world, seed)
     try: yield
     finally:
-        if self.dls.train is made: self.dls.train = dl
+        if learn.dls.train is made: learn.dls.train = dl
 
 def _end_group():
     """End the process group now, with its threads: what still refers to it (DDP's reducer, in reference
@@ -120,12 +114,11 @@ def _end_group():
     free_dtensor_caches()
     gc.collect()  # else gloo's threads may outlive the interpreter's teardown and abort the process at exit
 
-@patch
-def _start_group(self:Learner, backend, timeout):
+def _start_group(learn, backend, timeout):
     """Start the process group torchrun's environment describes: NCCL for a learner on GPUs, one per rank,
     else gloo"""
     local_world = int(os.environ.get('LOCAL_WORLD_SIZE', launched_world()))
-    on_gpus = self.device.type == 'cuda' and torch.cuda.device_count() >= local_world
+    on_gpus = learn.device.type == 'cuda' and torch.cuda.device_count() >= local_world
     wait = datetime.timedelta(seconds=timeout)
     store,rank,world = next(dist.rendezvous('env://', timeout=wait))
     # torchrun's store outlives a round: it holds the
@@ -174,21 +167,19 @@ def _elastic_hint(e):
     "A store timeout when the group starts, with what to try under torchrun's elastic agent"
     if 'TORCHELASTIC_RUN_ID' not in os.environ: return e
     return dist.DistStoreError(f"{e}\nthe process group could not start in this rendezvous round. If a node "
-                               f"was "
-        f"joining an elastic run (torchrun --nnodes=MIN:MAX), start every torchrun with the environment "
-        f"variable "
-        f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torch's shared rendezvous store times out a node that joins "
-        f"a running job")
+                               f"was joining an elastic run (torchrun --nnodes=MIN:MAX), start every "
+                               f"torchrun with the environment variable "
+                               f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torch's shared rendezvous store times "
+                               f"out a node that joins a running job")
 
-@patch
-def _to_rank_device(self:Learner, move=True):
+def _to_rank_device(learn, move=True):
     """Put a learner on CUDA on this rank's GPU (`LOCAL_RANK`), its model too if `move`; the ids DDP takes
     (`None` on CPU)"""
-    if self.device.type != 'cuda': return None
+    if learn.device.type != 'cuda': return None
     local = int(os.environ.get('LOCAL_RANK', rank_distrib())) % torch.cuda.device_count()
     torch.cuda.set_device(local)
-    self.device = torch.device('cuda', local)
-    if move: self.model.to(self.device)
+    learn.device = torch.device('cuda', local)
+    if move: learn.model.to(learn.device)
     return [local]
 
 # %% ../../nbs/23c_distributed.ipynb #91d82938

@@ -98,9 +98,8 @@ class FSDP(Strategy):
         optimizer had"""
         if not learn.owns_opt: raise ValueError(
             "under FSDP the learner makes the optimizer for the sharded parameters from learn.opt_func, so "
-            "an "
-            "optimizer set by hand (learn.opt = ...) cannot be used: set learn.opt_func (e.g. partial(SGD, "
-            "momentum=0.9)) and learn.opt = None")
+            "an optimizer set by hand (learn.opt = ...) cannot be used: set learn.opt_func (e.g. "
+            "partial(SGD, momentum=0.9)) and learn.opt = None")
         self._plain,self._plain_opt,self._mp = learn.model,learn.opt,self._precision(learn)
         self._plain_opt_state = map_tensors(torch.Tensor.cpu, self._plain_opt.state_dict())    # on an error
         learn.model = fsdp_model(self._plain, self.shard, learn.device, self._policy())
@@ -179,8 +178,8 @@ class FSDP(Strategy):
         if mp is None: return None
         if mp.dtype == torch.float16: raise ValueError(
             "MixedPrecision('fp16') under FSDP: learncb maps MixedPrecision to FSDP's MixedPrecisionPolicy, "
-            "which has no "
-            "gradient scaler here; use MixedPrecision('bf16') (MixedPrecision() is bf16 under FSDP)")
+            "which has no gradient scaler here; use MixedPrecision('bf16') (MixedPrecision() is bf16 under "
+            "FSDP)")
         return mp
 
     def casts_model(self, dtype):
@@ -213,9 +212,8 @@ class FSDP(Strategy):
         else:
             self._plain_opt.load_state_dict(self._plain_opt_state)
             add_note(learn.exception, "learncb: the FSDP fit ended with an error, so its weights were not "
-                                      "gathered: "
-                     "learn.model has the weights it had before the fit; the run's progress is in its last "
-                     "checkpoint")
+                                      "gathered: learn.model has the weights it had before the fit; the "
+                                      "run's progress is in its last checkpoint")
         learn.model,learn.opt = self._plain,self._plain_opt     # `create_opt` made it: `learn.owns_opt` again
         self._plain = None
 

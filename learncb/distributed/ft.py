@@ -195,21 +195,16 @@ class TorchFT(Strategy):
         except Exception as e:
             if not isinstance(e, TimeoutError) and 'timeout' not in str(e).lower(): raise
             raise TimeoutError(f"strategy='torchft': no quorum formed within "
-                               f"quorum_timeout={self.quorum_timeout} s "
-                               f"(lighthouse {self.settings[0]}): check that the lighthouse runs and that as "
-                               f"many "
-                               f"replicas as its --min_replicas are started, or raise "
-                               f"TorchFT(quorum_timeout=...)") from e
+                               f"quorum_timeout={self.quorum_timeout} s (lighthouse {self.settings[0]}): "
+                               f"check that the lighthouse runs and that as many replicas as its "
+                               f"--min_replicas are started, or raise TorchFT(quorum_timeout=...)") from e
         self.rank,self._quorum_due = self.manager.participating_rank(),False
         self._last_quorum = time.monotonic()
         if self._received is not None and not heal: raise RuntimeError(
             "strategy='torchft': this replica fell behind the run in the middle of its fit (its quorum said "
-            "to heal "
-            "from a peer ahead of it, as when the lighthouse formed a quorum without the others for longer "
-            "than its "
-            "join_timeout_ms): start the replica again, and it heals at its first step; give the lighthouse "
-            "a "
-            "join_timeout_ms longer than a validation")
+            "to heal from a peer ahead of it, as when the lighthouse formed a quorum without the others for "
+            "longer than its join_timeout_ms): start the replica again, and it heals at its first step; give "
+            "the lighthouse a join_timeout_ms longer than a validation")
 
     def quorum_share(self, n, joins=True, again=False):
         """`(lo, hi)`: the items of this step's batch of `n` this replica computes, after the step's quorum.
@@ -448,8 +443,7 @@ class ReplicaCallback(Callback):
         learn = self.learn
         if getattr(learn.recorder, 'train_metrics', False): raise ValueError(
             "strategy='torchft': Recorder(train_metrics=True) is not supported yet (each replica predicts "
-            "its share of "
-            "a batch): validate with the metrics instead")
+            "its share of a batch): validate with the metrics instead")
         state = self.strategy.join(learn)
         self.heal = None if state is None else self._healing(state)
 

@@ -52,8 +52,7 @@ def strategy_named(name, **options):
         if takes is not None and k not in takes:
             why = " says how FSDP cuts the model: pass strategy='fsdp'" if k == 'shard' else ''
             raise ValueError(f"distrib_ctx: strategy={name!r} ({getattr(make, '__name__', make)}) takes no "
-                             f"{k}= "
-                             f"(given {k}={v!r}){why}; it takes {', '.join(takes) or 'no options'}")
+                             f"{k}= (given {k}={v!r}){why}; it takes {', '.join(takes) or 'no options'}")
     out = make(**options)
     if not isinstance(out, Strategy): raise TypeError(
         f"the strategy registered as {name!r} made {type(out).__name__}, not a Strategy: register a Strategy "

@@ -34,8 +34,7 @@ def _inputs_of(item, n_inp, where='the item'):
     if isinstance(item, (tuple, list)) and len(item) >= n_inp: return tuple(item[:n_inp])
     if not isinstance(item, (tuple, list)) and n_inp == 1: return (item,)
     raise ValueError(f"{where} is {describe_value(item)}, but the model takes n_inp={n_inp} inputs: each "
-                     f"item must be "
-                     f"a tuple of (at least) {n_inp} tensors, its inputs first")
+                     f"item must be a tuple of (at least) {n_inp} tensors, its inputs first")
 
 class _Inputs(Dataset):
     """The items of `items` (a dataset or a list), each as it is (a tuple of at least `n_inp`, a tensor, a
@@ -64,8 +63,7 @@ def _test_ds(items, n_inp):
     if isinstance(items, torch.Tensor):
         if items.ndim == 0 or n_inp != 1: raise ValueError(
             f"test_dl got {describe_value(items)}: a tensor gives one item per row, of one input (the model "
-            f"takes "
-            f"n_inp={n_inp}); for several inputs pass a list of tuples, or TensorDataset(x1, x2, ...)")
+            f"takes n_inp={n_inp}); for several inputs pass a list of tuples, or TensorDataset(x1, x2, ...)")
         return TensorDataset(items)
     if isinstance(items, (list, tuple)):
         if not items: raise ValueError("test_dl got no items: pass a tensor, a list of items or a dataset")
@@ -92,55 +90,50 @@ def test_dl(self:Learner, items, bs=None, collate_fn=None, **kwargs):
                       collate_fn=InputsCollate(collate_fn, self.n_inp, self.label_key), **kwargs)
 
 # %% ../../nbs/19_inference.ipynb #af18a872
-@patch
-def _indexed_datasets(self:Learner, with_collate=False):
+def _indexed_datasets(learn, with_collate=False):
     """The datasets of the learner's data that can be indexed, the validation set first (`with_collate`: and
     its collate)"""
-    dls = self.dls
+    dls = learn.dls
     for dl in (getattr(dls, 'valid', None), getattr(dls, 'train', None)):
         ds = getattr(dl, 'dataset', None)
         if ds is None or isinstance(ds, IterableDataset): continue
         yield (ds, getattr(dl, 'collate_fn', None) or default_collate) if with_collate else ds
 
-@patch
-def _item_shapes(self:Learner):
-    """The shapes of one item's inputs in the learner's data (validation set, else training set); `None` if
-    unknown"""
-    for ds in self._indexed_datasets():
-        try: xs = _inputs_of(ds[0], self.n_inp)
+def _item_shapes(learn):
+    """The shapes of one item's inputs: those exported with an `InferenceLearner`, else those of the learner's
+    data (validation set, else training set); `None` if unknown"""
+    if isinstance(learn, InferenceLearner): return learn.item_shapes
+    for ds in _indexed_datasets(learn):
+        try: xs = _inputs_of(ds[0], learn.n_inp)
         except Exception: continue
         if all(isinstance(x, torch.Tensor) for x in xs): return [list(x.shape) for x in xs]
     return None
 
-@patch
-def _one_item(self:Learner, item):
+def _one_item(learn, item):
     """`item` as a tuple of `n_inp` tensors (a dict of them, without its labels), checked to be one item, not
     a batch"""
-    if isinstance(item, Mapping): return self._one_dict_item(item)
+    if isinstance(item, Mapping): return _one_dict_item(learn, item)
     xs = tuple(item) if isinstance(item, (tuple, list)) else (item,)
-    if len(xs) != self.n_inp: raise ValueError(
-        f"predict takes one item: the model's n_inp={self.n_inp} input tensor(s), but got "
-        f"{describe_value(item)}; "
-        f"pass its inputs alone, without a target" + (", as a tuple" if self.n_inp > 1 else ''))
+    if len(xs) != learn.n_inp: raise ValueError(
+        f"predict takes one item: the model's n_inp={learn.n_inp} input tensor(s), but got "
+        f"{describe_value(item)}; pass its inputs alone, "
+        f"without a target" + (", as a tuple" if learn.n_inp > 1 else ''))
     if not all(isinstance(x, torch.Tensor) for x in xs): raise TypeError(
         f"predict takes tensors, not {describe_value(item)}: convert the item with torch.as_tensor")
-    shapes = self._item_shapes()
+    shapes = _item_shapes(learn)
     if shapes and all(x.ndim == len(s) + 1 and list(x.shape[1:]) == list(s) for x,s in zip(xs, shapes)):
         raise ValueError(f"predict takes one item, without a batch dimension, but got "
-                         f"{describe_value(xs[0])}: a "
-                         f"batch of {xs[0].shape[0]} items of shape {tuple(shapes[0])}, the shape of an item "
-                         f"in the "
-                         f"data. For many items use learn.get_preds(dl=learn.test_dl(x)); for one, "
-                         f"learn.predict(x[0])")
+                         f"{describe_value(xs[0])}: a batch of {xs[0].shape[0]} items of shape "
+                         f"{tuple(shapes[0])}, the shape of an item in the data. For many items use "
+                         f"learn.get_preds(dl=learn.test_dl(x)); for one, learn.predict(x[0])")
     return xs
 
-@patch
-def _one_dict_item(self:Learner, item):
+def _one_dict_item(learn, item):
     "A dict item (`model(**item)`, a transformers model's), its values tensors, without `label_key`"
     if not all(isinstance(v, torch.Tensor) for v in item.values()): raise TypeError(
         f"predict takes a dict of tensors, not {describe_value(item)}: convert its values with "
         f"torch.as_tensor")
-    return batch_inputs(item, self.n_inp, self.label_key)
+    return batch_inputs(item, learn.n_inp, learn.label_key)
 
 def _row(o, i):
     "Row `i` of `o` (a tensor, or a tuple of them), as a tensor made outside inference mode"
@@ -152,7 +145,7 @@ def predict(self:Learner, item):
     """Prediction of one `item` (a tensor, or a tuple of `n_inp`, without batch dimension): `(decoded,
     activated)`"""
     with rng_kept():
-        xs = self._one_item(item)
+        xs = _one_item(self, item)
         with self.no_bar(), torch.inference_mode():
             preds,_,dec = self.get_preds(dl=self.test_dl([xs], bs=1), with_decoded=True)
     return _row(dec, 0),_row(preds, 0)
@@ -202,15 +195,14 @@ def _as_sample(sample, n_inp):
         f"not {describe_value(sample)}")
     return to_device(xb, 'cpu')
 
-@patch
-def _data_sample(self:Learner):
+def _data_sample(learn):
     """`(inputs, None)`: the inputs of two items of the data (validation set, else training set), batched by
     its dataloader's `collate_fn`, on the CPU; or `(None, why not)`"""
-    for ds,collate in self._indexed_datasets(with_collate=True):
+    for ds,collate in _indexed_datasets(learn, with_collate=True):
         try:
             n = len(ds)
             batch = collate([ds[i] for i in (0, min(1, n - 1))]) if n else None
-            if n: return _as_sample(batch_inputs(batch, self.n_inp, self.label_key), self.n_inp),None
+            if n: return _as_sample(batch_inputs(batch, learn.n_inp, learn.label_key), learn.n_inp),None
         except Exception as e:
             return None,f"no sample batch could be made of the data ({_reason(e)}): pass sample="
     return None,"there is no dataset to take a sample batch from: pass sample=, the inputs of a batch"
@@ -250,9 +242,8 @@ def _export_program(m, xb):
     except Exception as e: why = _reason(e)
     ep = torch.export.export(m, one)
     if not _agrees(m, ep, one):
-        raise ValueError("the captured program gives other outputs than the model on a sample "
-                                                 "item (its forward depends on something fixed when it was "
-                                                 "traced)")
+        raise ValueError("the captured program gives other outputs than the model on a sample item (its "
+                                                 "forward depends on something fixed when it was traced)")
     warn_user(f"export: the model's code depends on the batch size ({why}), so its program is captured for "
                   f"batches of one item: a learner loaded from the file predicts one item at a time",
                   UserWarning)
@@ -272,15 +263,14 @@ def _capture(model, xb, n_inp):
     return blob,batch,None
 
 # %% ../../nbs/19_inference.ipynb #cb968d7b
-@patch
-def _program(self:Learner, sample):
+def _program(learn, sample):
     "`(program bytes, batch, item shapes, reason)` for `export`"
-    xb,why = (_as_sample(sample, self.n_inp),None) if sample is not None else self._data_sample()
+    xb,why = (_as_sample(sample, learn.n_inp),None) if sample is not None else _data_sample(learn)
     if xb is None: return None,None,None,why
     if isinstance(xb, dict): return None,None,None,(
         "the model takes dict batches (model(**batch)), which learncb does not capture as a program")
     shapes = [list(x.shape[1:]) for x in xb]
-    blob,batch,why = _capture(self.model, xb, self.n_inp)
+    blob,batch,why = _capture(learn.model, xb, learn.n_inp)
     return blob,batch,shapes,why
 
 def _vocab_list(vocab):
@@ -295,9 +285,8 @@ def _vocab_list(vocab):
         elif is_number(v): out.append(float(v))
         else:
             raise TypeError(f"export: learn.vocab[{i}] is {describe_value(v)}: class names must be strings "
-                            f"or "
-                              f"numbers to be written to a file that loads without code; e.g. learn.vocab = "
-                              f"[str(c) for c in learn.vocab]")
+                            f"or numbers to be written to a file that loads without code; e.g. learn.vocab = "
+                            f"[str(c) for c in learn.vocab]")
     return out
 
 # %% ../../nbs/19_inference.ipynb #37206605
@@ -308,11 +297,9 @@ def _head_for_file(loss_func):
                                       (activations, decodings)):
         if name is None:
             warn_user(f"export: the loss function's {what} is a function of its own, which a file cannot "
-                      f"name "
-                          f"(it knows {', '.join(registry)}): the file says 'identity', so a learner loaded "
-                          f"from it "
-                          f"gives the model's raw outputs there; give the function back when loading: "
-                          f"load_learner(path, {arg}=...)", UserWarning)
+                      f"name (it knows {', '.join(registry)}): the file says 'identity', so a learner loaded "
+                      f"from it gives the model's raw outputs there; give the function back when loading: "
+                      f"load_learner(path, {arg}=...)", UserWarning)
             name = 'identity'
         names.append(name)
     return names
@@ -327,16 +314,15 @@ def export(self:Learner, fname='export.pt', with_program=True, sample=None):
     weights = self.model.state_dict()
     for k,v in weights.items(): weights[k] = v.detach().cpu()
     with rng_kept():
-        if with_program: program,batch,shapes,why = self._program(sample)
+        if with_program: program,batch,shapes,why = _program(self, sample)
         else:
             program = None
             batch = None
-            shapes = self._item_shapes()
+            shapes = _item_shapes(self)
             why = "it was exported with with_program=False"
     if program is None and with_program:
         warn_user(f"export: torch.export could not capture the model ({why}), so {path} holds its weights "
-                  f"only: "
-                      f"load it with load_learner(path, model=MyModel(...)), a model of its class",
+                  f"only: load it with load_learner(path, model=MyModel(...)), a model of its class",
                       UserWarning)
     state = {'learncb_export': 1, 'model': weights, 'n_inp': self.n_inp, 'act': act, 'decodes': dec,
              'vocab': vocab,
@@ -366,10 +352,8 @@ class _NoLoss:
     def __init__(self, activation, decodes): self.activation,self.decodes = activation,decodes
     def __call__(self, pred, *yb):
         raise ValueError("a learner from load_learner has no loss function (an exported file holds none), so "
-                         "it "
-                         "takes batches of inputs only: learn.get_preds(dl=learn.test_dl(items)) drops the "
-                         "targets; "
-                         "or set learn.loss_func (e.g. nn.CrossEntropyLoss()) to compute losses")
+                         "it takes batches of inputs only: learn.get_preds(dl=learn.test_dl(items)) drops "
+                         "the targets; or set learn.loss_func (e.g. nn.CrossEntropyLoss()) to compute losses")
     def __repr__(self): return f'no loss (activation {self.activation!r}, decodes {self.decodes!r})'
 
 class InferenceLearner(Learner):
@@ -389,8 +373,6 @@ class InferenceLearner(Learner):
     @vocab.setter
     def vocab(self, v): self._exported_vocab = None if v is None else list(v)
 
-    def _item_shapes(self): return self.item_shapes
-
     def _batch_loss_func(self):
         "No loss: a learner from `load_learner` predicts, and the targets of a batch are gathered, not scored"
         return None
@@ -399,17 +381,15 @@ class InferenceLearner(Learner):
         "`Learner.test_dl`; batches of one item when the program was captured for one (`batch_size=1`)"
         if self.batch_size is not None and bs not in (None, self.batch_size): raise ValueError(
             f"test_dl: bs={bs}, but the model's program was captured for batches of {self.batch_size} (its "
-            f"code "
-            f"depends on the batch size): leave bs out, or load the file with model=MyModel(...)")
+            f"code depends on the batch size): leave bs out, or load the file with model=MyModel(...)")
         return super().test_dl(items, bs=bs if self.batch_size is None else self.batch_size, **kwargs)
 
     def fit(self, *args, **kwargs):
         "Not for a learner from `load_learner`: it has no data and no loss; it can predict, not train"
         raise TypeError("a learner from load_learner predicts; it cannot train (no data, no loss function, "
-                        "and a "
-                        "program captured in eval mode). To train more, make a Learner(dls, model, "
-                        "loss_func) with a "
-                        "model of the class (load_learner(path, model=MyModel(...)).model has the weights)")
+                        "and a program captured in eval mode). To train more, make a Learner(dls, model, "
+                        "loss_func) with a model of the class (load_learner(path, model=MyModel(...)).model "
+                        "has the weights)")
 
 # %% ../../nbs/19_inference.ipynb #a43f4228
 _checks = {
@@ -455,16 +435,13 @@ def _program_model(state, path, device):
     "The model of the file's program, checked then loaded, on `device`"
     if state['program'] is None: raise ValueError(
         f"{path} holds the model's weights only, not a program that runs without the model's code (when it "
-        f"was "
-        f"exported: {state['program_error']}). Pass a model of its class and load_learner loads the weights "
-        f"into "
-        f"it: load_learner(path, model=MyModel(...))")
+        f"was exported: {state['program_error']}). Pass a model of its class and load_learner loads the "
+        f"weights into it: load_learner(path, model=MyModel(...))")
     blob = check_program(state['program'].numpy().tobytes(), state['n_inp'], path)
     try: ep = torch.export.load(io.BytesIO(blob))
     except Exception as e: raise RuntimeError(
         f"{path}: torch {torch.__version__} cannot read the program that torch {state['torch_version']} "
-        f"wrote "
-        f"({_reason(e)}); load the weights into a model of its class instead: load_learner(path, "
+        f"wrote ({_reason(e)}); load the weights into a model of its class instead: load_learner(path, "
         f"model=MyModel(...))") from e
     if device.type != 'cpu':
         from torch.export.passes import move_to_device_pass

@@ -30,10 +30,9 @@ def _gathered(cls, learn, dl, act):
                                act=act or _default_act(learn.loss_func))
     except Exception as e:
         raise add_note(e, f"learncb: {cls.__name__}.from_learner gathers the inputs, predictions, decoded "
-                          f"predictions "
-                          f"and one loss per item in one pass of learn.get_preds(with_input=True, "
-                          f"with_loss=True, "
-                          f"with_decoded=True), and that pass failed")
+                          f"predictions and one loss per item in one pass of "
+                          f"learn.get_preds(with_input=True, with_loss=True, with_decoded=True), and that "
+                          f"pass failed")
 
 def _index(o, idxs):
     "`o[idxs]`, for each tensor when `o` is a tuple of them; `None` stays `None`"
@@ -47,10 +46,9 @@ class Interpretation:
     def __init__(self, dl, inputs, preds, targs, decoded, losses, learn=None):
         if not isinstance(losses, torch.Tensor) or losses.ndim != 1:
             raise ValueError(f"{type(self).__name__} needs one loss per item (a tensor of shape (n_items,)), "
-                             f"not "
-                             f"{describe_value(losses)}: gather them with learn.get_preds(with_loss=True), "
-                             f"whose "
-                             f"loss function must give one loss per item when called with reduction='none'")
+                             f"not {describe_value(losses)}: gather them with "
+                             f"learn.get_preds(with_loss=True), whose loss function must give one loss per "
+                             f"item when called with reduction='none'")
         self.dl = dl
         self.inputs = inputs
         self.preds = preds
@@ -108,8 +106,8 @@ class Interpretation:
         x = self.inputs[0] if isinstance(self.inputs, (tuple, list)) else self.inputs
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"plot_top_losses shows the inputs, but this {type(self).__name__} has "
-                             f"{describe_value(x)}: "
-                             f"build it with from_learner, which keeps them, or pass the inputs as a tensor")
+                             f"{describe_value(x)}: build it with from_learner, which keeps them, or pass "
+                             f"the inputs as a tensor")
         return x
 
     def _loss_rows(self, losses, idxs):
@@ -162,8 +160,7 @@ def _grid(n, nrows=None, ncols=None, figsize=None, title=None):
     if nrows is None: nrows = math.ceil(n / ncols)
     if nrows * ncols < n:
         raise ValueError(f"plot_top_losses: {nrows} rows of {ncols} cannot hold {n} items: pass more rows or "
-                         f"columns, "
-                         f"or leave nrows or ncols out")
+                         f"columns, or leave nrows or ncols out")
     fig,axs = plt.subplots(nrows, ncols, figsize=figsize or (2.2 * ncols, 2.2 * nrows + 0.5), squeeze=False)
     for ax in axs.flat: ax.axis('off')
     if title: fig.suptitle(title)
@@ -197,8 +194,7 @@ def _check_classes(preds, targs, losses, who):
     if not isinstance(preds, torch.Tensor) or preds.ndim != 2:
         raise ValueError(f"{who} needs predictions of shape (n_items, n_classes), one score per class, not "
                          f"{describe_value(preds)}: make the model return one output per class (and train it "
-                         f"with "
-                         f"nn.CrossEntropyLoss), or use Interpretation for the top losses alone")
+                         f"with nn.CrossEntropyLoss), or use Interpretation for the top losses alone")
     n,c = preds.shape
     if not isinstance(targs,
                       torch.Tensor) or targs.shape != (n,) or targs.is_floating_point() or targs.is_complex():

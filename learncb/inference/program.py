@@ -14,10 +14,9 @@ import torch
 # %% ../../nbs/19a_program.ipynb #06de0900
 def _refused(path, why):
     return ValueError(f"{path}: refused to load its torch.export program: {why}. learn.export never writes "
-                      f"this: the "
-                      f"file was altered or crafted, and loading it could run code. Only load files you "
-                      f"trust; to use "
-                      f"the weights alone, pass the model: load_learner(path, model=MyModel(...))")
+                      f"this: the file was altered or crafted, and loading it could run code. Only load "
+                      f"files you trust; to use the weights alone, pass the model: load_learner(path, "
+                      f"model=MyModel(...))")
 
 _archive_files = {'archive_format', 'archive_version', 'byteorder', '.data/version', '.data/serialization_id',
                   'models/model.json', 'data/sample_inputs/model.pt',

@@ -204,8 +204,8 @@ def _xb_of(b, n_inp, label_key='labels'):
     return tuple(b[:n_inp]) if isinstance(b, (tuple, list)) else (b,)
 
 _forward_note = ("learncb: learn.summary() ran the model once, in eval mode, on the first batch of the "
-                 "training "
-                 "dataloader (its first n_inp items, moved to the model's device), without callbacks")
+                 "training dataloader (its first n_inp items, moved to the model's device), without "
+                 "callbacks")
 
 def _has_forward(model):
     "Whether `model` has a forward of its own (a GAN's module holding two nets may not: its step calls them)"

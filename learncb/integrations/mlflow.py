@@ -105,8 +105,7 @@ class MLflowCallback(ExperimentTrackerCallback):
         try: run = self.client.get_run(ref)
         except _mlflow('exceptions').MlflowException as e:
             raise ValueError(f"the checkpoint's MLflow run {ref} is not in {self._uri}: resume with the "
-                             f"tracking_uri of "
-                             f"the fit that made it") from e
+                             f"tracking_uri of the fit that made it") from e
         self.client.update_run(ref, status='RUNNING')
         self.experiment_id = run.info.experiment_id
         return ref

@@ -53,21 +53,17 @@ class RayTrainReportCallback(Callback):
             "and this fit has none: learn.fit(n, cbs=[CheckpointCallback(every_n_steps=...), "
             "RayTrainReportCallback()])")
         if is_url(str(self.ckpt.folder)):
-            raise ValueError(f"RayTrainReportCallback reports checkpoint files on this "
-            f"worker's disk, and this CheckpointCallback writes to {self.ckpt.folder}: give it a local path "
-            f"(Ray copies "
-            f"each reported checkpoint to its own storage_path, a bucket too), or keep the URL and "
-            f"resume='auto' without "
-            f"RayTrainReportCallback")
+            raise ValueError(f"RayTrainReportCallback reports checkpoint files on this worker's disk, and "
+            f"this CheckpointCallback writes to {self.ckpt.folder}: give it a local path (Ray copies each "
+            f"reported checkpoint to its own storage_path, a bucket too), or keep the URL and resume='auto' "
+            f"without RayTrainReportCallback")
         self.train = import_optional('ray.train', 'ray', 'ray', 'RayTrainReportCallback')
         self._notice = getattr(self.train, 'get_preemption_info', None)  # Ray Train's current API (V2) only
         if self._notice is None and self.check_every: warn_user(
             "RayTrainReportCallback: this Ray Train (its older API, RAY_TRAIN_V2_ENABLED=0) gives no "
-            "preemption "
-            "notice: the fit reports its checkpoints to Ray, but does not save one when a node is about to "
-            "be taken. "
-            "Set RAY_TRAIN_V2_ENABLED=1 (Ray Train's current API) for both, or pass check_every=0 to silence "
-            "this")
+            "preemption notice: the fit reports its checkpoints to Ray, but does not save one when a node is "
+            "about to be taken. Set RAY_TRAIN_V2_ENABLED=1 (Ray Train's current API) for both, or pass "
+            "check_every=0 to silence this")
         self.reported,self.preempted = self.ckpt.last,None  # a resumed run's checkpoint: Ray has it already
 
     def after_fit(self):                                       # (a fit resumed at its end trains no batch)

@@ -65,8 +65,7 @@ class WandbCallback(ExperimentTrackerCallback):
             try: rows = read_offline_run(folder)['history']
             except Exception as e:       # W&B's file format changed: rely on the checkpoint's steps alone
                 warn_user(f"WandbCallback cannot read the earlier offline folder {folder} of run {run.id} "
-                          f"({e}): "
-                              f"values written after the checkpoint may be written twice")
+                          f"({e}): values written after the checkpoint may be written twice")
                 continue
             for row in rows:
                 for k in row:

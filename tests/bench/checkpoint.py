@@ -77,8 +77,7 @@ def main(short=False):
     mb = 16 if short else 256
     fresh, reused = big_snapshot_ms(mb, 3 if short else 6)
     print(f"the snapshot of a {mb} MB state: {fresh:.0f} ms into new memory, {reused:.0f} ms into the memory "
-          f"of the one before "
-          f"(as CheckpointCallback does)")
+          f"of the one before (as CheckpointCallback does)")
     train, valid = make_data(n_batches)
     n_epoch = 2 if n_batches > 100 else 1
     n_steps = n_epoch * (len(train) + len(valid))
@@ -89,18 +88,14 @@ def main(short=False):
                         'snap': lambda: fit_with(train, valid, SnapshotOnly(), d)}, rounds)
     plain, ckpt, io_only, snap = (t[k] / n_steps * 1e6 for k in ('plain', 'ckpt', 'io', 'snap'))
     print(f"loop benchmark, default cbs: {plain:.1f} us/step; with CheckpointCallback(every_n_steps=100): "
-          f"{ckpt:.1f} us/step "
-          f"({ckpt - plain:+.1f} us/step, {ckpt / plain:.3f}x)")
+          f"{ckpt:.1f} us/step ({ckpt - plain:+.1f} us/step, {ckpt / plain:.3f}x)")
     print(f"the file writes alone (same size and times, same writer thread, no state copied): {io_only:.1f} "
-          f"us/step "
-          f"({io_only - plain:+.1f} us/step, {io_only / plain:.3f}x)")
+          f"us/step ({io_only - plain:+.1f} us/step, {io_only / plain:.3f}x)")
     print(f"the snapshot alone (state_dict + StateSnapshot at the same batches, nothing written): {snap:.1f} "
-          f"us/step "
-          f"({snap - plain:+.1f} us/step, {snap / plain:.3f}x)")
+          f"us/step ({snap - plain:+.1f} us/step, {snap / plain:.3f}x)")
     n_saves = n_epoch * (len(train) // 100 + 1)          # every 100 training batches, and at each epoch's end
     print(f"the 1.02x budget: {0.02 * plain:.1f} us/step, {0.02 * plain * n_steps / n_saves / 1e3:.2f} ms "
-          f"per checkpoint "
-          f"({n_saves} checkpoints in {n_steps} steps); spent: "
+          f"per checkpoint ({n_saves} checkpoints in {n_steps} steps); spent: "
           f"{(ckpt - plain) * n_steps / n_saves / 1e3:.2f} ms per checkpoint")
 
 if __name__ == '__main__':

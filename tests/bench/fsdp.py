@@ -128,15 +128,12 @@ def main(short=False):
     print(f"FSDP bytes per rank (params+grads+Adam): 1 process {alone / 2**20:.2f} MiB; 2 processes: "
           f"{per_rank}")
     print(f"FSDP, 2 processes (gloo)              : learncb {res['learncb']:7.1f} us/step, hand-written "
-          f"FSDP2 loop "
-          f"{res['raw']:7.1f} us/step, ratio {res['learncb'] / res['raw']:.3f} ({n_batches} batches of {BS} "
-          f"per rank, "
-          f"{N_BLOCKS} blocks of {D}x{D}, {n_epoch} epoch(s), best of {rounds}, 1 thread per process)")
+          f"FSDP2 loop {res['raw']:7.1f} us/step, ratio {res['learncb'] / res['raw']:.3f} ({n_batches} "
+          f"batches of {BS} per rank, {N_BLOCKS} blocks of {D}x{D}, {n_epoch} epoch(s), best of {rounds}, 1 "
+          f"thread per process)")
     print(f"FSDP, learn.compile(step=True)        : {res['compiled']:7.1f} us/step (the blocks compiled "
-          f"inside "
-          f"the eager step), eager learncb {res['learncb']:7.1f} us/step, "
-          f"{res['learncb'] / res['compiled']:.2f}x; "
-          f"first fit (compiles) {res['first']:.1f} s")
+          f"inside the eager step), eager learncb {res['learncb']:7.1f} us/step, "
+          f"{res['learncb'] / res['compiled']:.2f}x; first fit (compiles) {res['first']:.1f} s")
 
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__)

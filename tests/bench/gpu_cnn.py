@@ -65,8 +65,7 @@ def main(short=False):
     us = {k: v / n_steps * 1e6 for k, v in best.items()}
     print(f"small CNN on {torch.cuda.get_device_name()}, batches of 128 3x32x32, {n_batches} batches, "
           f"{n_epoch} epoch(s), best of {rounds}: raw loop {us['raw']:.1f} us/step, learncb "
-          f"{us['learncb']:.1f} us/step, "
-          f"ratio {us['learncb'] / us['raw']:.3f}")
+          f"{us['learncb']:.1f} us/step, ratio {us['learncb'] / us['raw']:.3f}")
     # each warmed up (compiled) first
     fits = {'fused SGD': fit_of(learncb_learner(train, valid, fused=True), n_epoch),
             'learn.compile(step=True)': fit_of(learncb_learner(train, valid, compile={'step': True}),

@@ -74,8 +74,7 @@ def main(short=False):
             "learncb compile(step=True, mode='reduce-overhead')": lambda dl: learncb_fit(dl, step=True,
         mode='reduce-overhead')}
     print(f"tiny MLP on {torch.cuda.get_device_name()}, torch {torch.__version__}, {n_batches} batches, best "
-          f"of {rounds}, "
-          f"us per training step")
+          f"of {rounds}, us per training step")
     for bs in sizes:
         dl = make_data(n_batches, bs)
         for name, make in ways.items():

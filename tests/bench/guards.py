@@ -71,14 +71,12 @@ def main(short=False):
     print(f"{n_batches} batches of 32, {n_epoch} epoch(s), train+validate, {rounds} rounds, CPU time, 1 "
           f"thread")
     print(f"SpikeGuard (check every 25, snapshot every 100): {best['guarded']:7.1f} us/step, without "
-          f"{best['plain']:7.1f} "
-          f"us/step (best of each); cost {best['guarded'] / best['plain'] - 1:+.2%} best to best, "
-          f"{ratio - 1:+.2%} median "
-          f"of the rounds")
+          f"{best['plain']:7.1f} us/step (best of each); cost {best['guarded'] / best['plain'] - 1:+.2%} "
+          f"best to best, {ratio - 1:+.2%} median of the rounds")
     per_step, ratio = steady_state_cost(n_batches, rounds)
     print(f"SpikeGuard at steady state (the epochs after the first, median of the rounds): "
-          f"{per_step['guarded']:7.1f} "
-          f"us/step, without {per_step['plain']:7.1f} us/step; cost {ratio - 1:+.2%}")
+          f"{per_step['guarded']:7.1f} us/step, without {per_step['plain']:7.1f} us/step; cost "
+          f"{ratio - 1:+.2%}")
     plain, more = calls_per_step(n_batches)
     print(f"Python calls per step (2 epochs): {plain:.1f} without SpikeGuard, {more:+.1f} with it")
 

@@ -16,10 +16,9 @@ def make_data(n_batches, bs=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n_batches * bs, 16, generator=g)
     y = (x[:, 0] + x[:, 1] > 0).long()
-    # 10% of labels wrong: a loss with a floor, as
+    # 10% of labels wrong: a loss with a floor, as real data has (on separable labels, fit after fit, the
+    # loss fell to 1e-4 and SpikeGuard saw spikes in its noise)
     y = torch.where(torch.rand(len(y), generator=g) < 0.1, 1 - y, y)
-    # real data has (on separable labels, fit after fit, the loss fell to 1e-4 and SpikeGuard saw spikes in
-    # its noise)
     train = DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=True,
                        generator=torch.Generator().manual_seed(seed))
     valid = DataLoader(TensorDataset(x[:n_batches * bs // 6], y[:n_batches * bs // 6]), batch_size=bs)
@@ -279,10 +278,8 @@ def compile_table(short):
     opts = [torch.optim.SGD, torch.optim.Adam] + ([] if short else [torch.optim.AdamW])
     rounds = 3 if short else 5
     print(f"compiling, side by side: batches of 32 made ahead (a list), an epoch of training and validation, "
-          f"best of {rounds}, "
-          f"1 thread; x: times faster than the hand-written eager loop (its optimizer as it comes); first: "
-          f"the first "
-          f"epoch, which compiles")
+          f"best of {rounds}, 1 thread; x: times faster than the hand-written eager loop (its optimizer as "
+          f"it comes); first: the first epoch, which compiles")
     for name, make, shape, n_classes, n in models:
         for opt_cls in opts:
             us, first, fell_back = compile_rows(make, shape, n_classes, opt_cls, n, rounds, short)
@@ -339,22 +336,19 @@ def main(short=False):
     best_c, compile_s, failed = compiled_us(train, valid, n_epoch, rounds)
     c, e = best_c['compiled'] / n_steps * 1e6, best_c['eager'] / n_steps * 1e6
     print(f"torch.compile (inductor), default cbs : compiled {c:7.1f} us/step, eager {e:7.1f} us/step, ratio "
-          f"{c / e:.3f} "
-          f"(compiling took {compile_s:.1f} s, not counted)" + (f"; FELL BACK TO EAGER: {failed}" if failed
+          f"{c / e:.3f} (compiling took {compile_s:.1f} s, "
+          f"not counted)" + (f"; FELL BACK TO EAGER: {failed}" if failed
                                                                 else ''))
     n_ddp, n_epoch_ddp, rounds_ddp = (150, 1, 3) if short else (600, 2, 5)
     res = ddp_us(n_ddp, n_epoch_ddp, rounds_ddp, timeout=60 if short else 300)
     if isinstance(res, str): print(f"2 processes (gloo, DDP)               : skipped: {res}")
     else:
         print(f"2 processes (gloo, DDP)               : learncb {res['learncb']:7.1f} us/step, hand-written "
-              f"DDP loop "
-                f"{res['raw']:7.1f} us/step, ratio {res['learncb'] / res['raw']:.3f} "
-                f"({n_ddp} batches of 32 per rank, {n_epoch_ddp} epoch(s), best of {rounds_ddp}, 1 thread "
-                f"per process)")
+              f"DDP loop {res['raw']:7.1f} us/step, ratio {res['learncb'] / res['raw']:.3f} ({n_ddp} batches "
+              f"of 32 per rank, {n_epoch_ddp} epoch(s), best of {rounds_ddp}, 1 thread per process)")
     g = {k: v / n_steps * 1e6 for k, v in guarded_step_us(train, valid, n_epoch, rounds).items()}
     print(f"learn.compile(step=True) + SpikeGuard  : {g['guarded']:7.1f} us/step, hand-written loop (torch "
-          f"Adam) "
-          f"{g['raw']:7.1f} us/step: {g['raw'] / g['guarded']:.2f}x faster than the hand-written loop")
+          f"Adam) {g['raw']:7.1f} us/step: {g['raw'] / g['guarded']:.2f}x faster than the hand-written loop")
     compile_table(short)
 
 if __name__ == '__main__':

@@ -86,15 +86,12 @@ def main(short=False):
     for where in ('forward', 'backward'):
         first, split, whole = recovery(n_batches, bs, limit, where)
         print(f"AutoMicrobatch, out of memory in the {where} of a batch of {bs} (fits {limit}): the batch "
-              f"that ran out "
-              f"{first:.1f} ms, then {split:.1f} ms per split batch; {whole:.1f} ms per whole batch with the "
-              f"memory")
+              f"that ran out {first:.1f} ms, then {split:.1f} ms per split batch; {whole:.1f} ms per whole "
+              f"batch with the memory")
     best, ratio = fitting_cost(200 if short else 600, rounds)
     print(f"AutoMicrobatch on batches that fit (tiny model, {rounds} rounds, CPU time): {best['auto']:7.1f} "
-          f"us/step, "
-          f"without {best['plain']:7.1f} us/step (best of each); cost "
-          f"{best['auto'] / best['plain'] - 1:+.2%} best to "
-          f"best, {ratio - 1:+.2%} median of the rounds")
+          f"us/step, without {best['plain']:7.1f} us/step (best of each); cost "
+          f"{best['auto'] / best['plain'] - 1:+.2%} best to best, {ratio - 1:+.2%} median of the rounds")
 
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__)

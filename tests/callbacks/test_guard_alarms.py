@@ -86,8 +86,7 @@ def nan_fit(*cbs, **kwargs):
     return learn
 
 reason = ('training loss is NaN or infinite at epoch 1, batch 2: the fit stopped before it, so the weights '
-          'are those '
-          'from before batch 2')
+          'are those from before batch 2')
 
 def test_a_nan_stop_leaves_its_reason_and_the_table_logger_prints_it(capsys):
     learn = nan_fit(logger=print)

@@ -78,8 +78,8 @@ def test_nan_stops_and_says_where(check_every):
     learn = synth_learner(cbs=[stop, NaNFrom()])
     learn.fit(4)
     assert learn.stop_reason == stop.found == ('training loss is NaN or infinite at epoch 1, batch 1: the '
-                                               'fit stopped '
-                                               'before it, so the weights are those from before batch 1')
+                                               'fit stopped before it, so the weights are those from before '
+                                               'batch 1')
     assert learn.epoch == 1 and len(learn.recorder.values) == 1           # epoch 1 never finished
     assert learn.train_iter == 5  # stopped at the bad batch, before it ran, whatever check_every
 
@@ -92,9 +92,8 @@ def test_nan_in_validation():
     learn = synth_learner(cbs=[stop, NaNValid()])
     learn.fit(5)
     assert learn.stop_reason == stop.found == ('validation loss is NaN or infinite at epoch 2, batch 1: the '
-                                               'fit stopped '
-                                               'after that validation, with the weights of the epoch\'s last '
-                                               'step')
+                                               'fit stopped after that validation, with the weights of the '
+                                               'epoch\'s last step')
 
 def test_nan_check_does_not_sync_per_batch():
     from conftest import SyncCounter, synth_dls

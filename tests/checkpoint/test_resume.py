@@ -312,10 +312,9 @@ def test_ctrl_c_in_a_jupyter_kernel(tmp_path):
         assert run('assert 0 < learn.train_iter < 96, learn.train_iter')['status'] == 'ok'
         assert run("learn.fit_one_cycle(4, 1e-2, resume=True)")['status'] == 'ok'
         check = (f"ref = make_learner({str(tmp_path/'ref')!r}); ref.fit_one_cycle(4, 1e-2, "
-                 f"cbs=CheckpointCallback(every_n_steps=5))\n"
-                 "assert all(torch.equal(a, b) for a, b in zip(ref.model.state_dict().values(), "
-                 "learn.model.state_dict().values()))\n"
-                 "assert ref.recorder.losses == learn.recorder.losses and learn.train_iter == 96")
+                 f"cbs=CheckpointCallback(every_n_steps=5))\nassert all(torch.equal(a, b) for a, b in "
+                 f"zip(ref.model.state_dict().values(), learn.model.state_dict().values()))\nassert "
+                 f"ref.recorder.losses == learn.recorder.losses and learn.train_iter == 96")
         result = run(check)
         assert result['status'] == 'ok', result
     finally:

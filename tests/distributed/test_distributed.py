@@ -45,10 +45,9 @@ def test_two_processes_train_like_one(one_and_two):
     for a, b in zip(one['values'], two['values']):  # the table: global values, as 1 process
         assert all(abs(x - y) < 1e-6 for x, y in zip(a, b)), (a, b)
     assert ranks_said(res) == {0: (2, 3, 0), 1: (2, 3, 0)}
-    # the group and its threads freed when
+    # the group and its threads freed when distrib_ctx ends it: left to the interpreter's teardown, a gloo
+    # thread can abort the process at exit (seen)
     assert res.stdout.count('GLOO THREADS LEFT 0') == 2, res.stdout[-2000:]
-    # distrib_ctx ends it: left to the interpreter's teardown, a gloo thread can abort the process at exit
-    # (seen)
 
 @shared_runs
 def test_get_preds_gathers_in_order_without_duplicates(one_and_two):

@@ -11,10 +11,9 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason='to
 # pytest -n: the tests sharing a module fixture's runs go to one worker, which makes them once
 shared_runs = pytest.mark.xdist_group('fsdp_runs')
 
-# checkpoints every batch, shuffled data
+# checkpoints every batch, shuffled data (--dist-order: a run of one process reads DistributedSampler's
+# order, as the ranks of a distributed run do together)
 COMMON = ('--blocks', '--adam', '--ckpt', '--shuffle', '--dist-order')
-# (--dist-order: a run of one process reads DistributedSampler's order, as the ranks of a distributed run do
-# together)
 FSDP = ('--strategy', 'fsdp')
 
 def assert_weights_close(got, ref, atol=1e-5):
@@ -56,10 +55,9 @@ def test_fsdp_trains_like_one_process(runs):
     for a, b in zip(one['values'], two['values']): assert all(abs(x - y) < 1e-5 for x, y in zip(a, b)), (a, b)
     assert torch.equal(two['preds'], two['alone'])  # get_preds under FSDP: gathered in dataset order
     assert ranks_said(res) == {0: (2, 3, 0), 1: (2, 3, 0)}
-    # the group ended with distrib_ctx, its
+    # the group ended with distrib_ctx, its threads too (DTensor's caches kept FSDP2's device mesh, and with
+    # it the group, until the interpreter's teardown)
     assert res.stdout.count('GLOO THREADS LEFT 0') == 2, res.stdout[-2000:]
-    # threads too (DTensor's caches kept FSDP2's device mesh, and with it the group, until the interpreter's
-    # teardown)
 
 @shared_runs
 def test_fsdp_shards_parameters_and_optimizer_state(runs):

@@ -118,10 +118,9 @@ def test_a_kill_in_any_stage_neither_repeats_nor_loses_a_step(tmp_path, lighthou
     kill_and_restart(tmp_path, lighthouse, 2, {1: (15, stage)}, restart={1})
     a,b = result(tmp_path, 0),result(tmp_path, 1)
     assert b['healed_at'] >= 15
-    # killed before its all-reduce: the step is tried again (killed in
+    # killed before its all-reduce: the step is tried again (killed in the all-reduce, its data may have gone
+    # out: the survivor may then commit the step, which the healed one gets)
     if stage == 'backward': assert a['tries'] >= 1
-    # the all-reduce, its data may have gone out: the survivor may then commit the step, which the healed one
-    # gets)
     assert_each_step_once(a, b)
     assert_same(a, b)
     assert a['counters'][2] == plain['counters'][2]  # as many committed steps as the plain fit's batches

@@ -40,9 +40,9 @@ def fit(path, tracker, cbs=(), resume=None, **ckpt):
     return learn
 
 # the two ways a run is interrupted at the end of epoch 1 (batches 5 to 8):
-RESUMES = {'from_the_epoch_end': {},  # the error's checkpoint, at the end of epoch 1: nothing written twice
-           # the last checkpoint is at batch 6: batches 7, 8 and epoch 1's row, already written, are done
-           # again
+# from the epoch end: the error's checkpoint, at the end of epoch 1: nothing written twice; from inside the
+# epoch: the last checkpoint is at batch 6: batches 7, 8 and epoch 1's row, already written, are done again
+RESUMES = {'from_the_epoch_end': {},
            'from_inside_the_epoch': dict(every_epoch=False, on_exception=False)}
 
 def interrupted_then_resumed(path, make_tracker, how):
@@ -298,8 +298,7 @@ def test_a_package_that_fails_to_import_says_why():
 
 @pytest.mark.slow
 def test_learncb_all_imports_no_tracker_package():
-    code = ("import sys, learncb.all; "
-            "print([m for m in ('tensorboard', 'torch.utils.tensorboard', 'mlflow', 'wandb') if m in "
-            "sys.modules])")
+    code = ("import sys, learncb.all; print([m for m in ('tensorboard', 'torch.utils.tensorboard', 'mlflow', "
+            "'wandb') if m in sys.modules])")
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == '[]'
