@@ -235,12 +235,12 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         before,after_cancel,after = stage_events[stage]
         done = True
         try:
-            self._fire(before)
+            if self._tables[self.training][before]: self._fire(before)     # none to call: no call
             body()
         except cancel_exc:
             done = False
             self._fire(after_cancel)
-        self._fire(after)
+        if self._tables[self.training][after]: self._fire(after)
         return done
 
     # Around the loop: the fit session

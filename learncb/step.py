@@ -153,8 +153,10 @@ class Step:
         except _cancels as e: self.after_cancel(e, self.stage_now)
 
     def fire(self, event):
-        "Call the handlers of `event`: the step's way to fire one (a variant of the step fires none itself)"
-        self.learn._fire(event)
+        """Call the handlers of `event`: the step's way to fire one (a variant of the step fires none itself);
+        an event no callback handles costs no call"""
+        learn = self.learn
+        if learn._tables[learn.training][event]: learn._fire(event)
 
     def cancelled(self, stage):
         """The end of `stage` (`'backward'`, `'step'`) after a cancel raised inside it:
