@@ -28,8 +28,7 @@ class Recorder(Callback):
     order,removable_in_fit = Order.RECORDER,False  # other callbacks read `learn.recorder` until the fit ends
     deferred_events = ('after_loss',)  # it reads the loss and predictions: after a compiled step too
     _state_attrs = ('iters', 'values', '_pending_bs', '_smooth', '_count', '_train_sum', '_train_n',
-                    '_epoch_valid',
-                    '_extra', 'last_valid', '_train_cols', '_train_bs')
+                    '_epoch_valid', '_extra', 'last_valid', '_train_cols', '_train_bs')
                     # not `_header_logged`: a resumed fit prints a new table, header first
     flush_every = 1000   # at most this many batch losses are kept on the device before they become floats
 

@@ -89,8 +89,7 @@ def _regression(seed, n=512, bs=16):
                       DataLoader(TensorDataset(x[448:], y[448:]), batch_size=bs))
     torch.manual_seed(seed)
     return Learner(dls, nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1)),
-                   nn.MSELoss(),
-                   lr=1e-2, device='cpu')
+                   nn.MSELoss(), lr=1e-2, device='cpu')
 
 class TinyLM(nn.Module):
     "A language model that trains in a blink: embeddings, a GRU, next-token logits `(rows, tokens, vocab)`"

@@ -125,8 +125,7 @@ def arg_error(value, name, what, who=None, hint=None, err=ValueError):
 
 # %% ../nbs/01_utils.ipynb #ff0e35a7
 def check_number(value, name, *, gt=None, ge=None, finite=False, per_group=False, who=None, what=None,
-                 hint=None,
-                 type_error=ArgTypeError):
+                 hint=None, type_error=ArgTypeError):
     """`value` if it is a number `> gt` (or `>= ge`, finite); with `per_group`, a list of them (one per param
     group) too"""
     if what is None:
@@ -259,8 +258,7 @@ def rebuild_dataloader(dl, sampler, generator=None, drop_last=None, batch_size=N
     extra = dict(prefetch_factor=dl.prefetch_factor,
                  persistent_workers=dl.persistent_workers) if dl.num_workers else {}
     return DataLoader(dl.dataset, batch_size=dl.batch_size if batch_size is None else batch_size,
-                      sampler=sampler,
-                      num_workers=dl.num_workers,
+                      sampler=sampler, num_workers=dl.num_workers,
                       collate_fn=dl.collate_fn, pin_memory=dl.pin_memory, timeout=dl.timeout,
                       drop_last=dl.drop_last if drop_last is None else drop_last,
                       worker_init_fn=dl.worker_init_fn,

@@ -71,8 +71,7 @@ def start_forked(*argv, out, err=None, env=None):
         _forkserver.append(ctx)
     argv = [str(a) for a in argv]
     proc = _forkserver[0].Process(target=_run_as_main, args=(argv, dict(os.environ if env is None else env),
-                                                             os.getcwd(),
-                                                             str(out), str(err or out)))
+                                                             os.getcwd(), str(out), str(err or out)))
     proc.start()
     return ForkedProcess(proc, argv)
 

@@ -24,8 +24,8 @@ def by_hand(train, valid, rows):
     "The loop by hand; `rows`: those of the training set left out of its batches (a dataset that tells them)"
     if rows:
         x, y = train.dataset.tensors
-        train = DataLoader(TensorDataset(x, y, torch.arange(len(x))), batch_size=train.batch_size, shuffle=True,
-                           generator=torch.Generator().manual_seed(0))
+        train = DataLoader(TensorDataset(x, y, torch.arange(len(x))), batch_size=train.batch_size,
+                           shuffle=True, generator=torch.Generator().manual_seed(0))
         out = torch.tensor(sorted(rows))
     m, loss_func = model(), nn.CrossEntropyLoss()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -45,8 +45,7 @@ def by_hand(train, valid, rows):
 
 def with_learncb(train, valid, rows):
     learn = Learner(DataLoaders(train, valid), model(), nn.CrossEntropyLoss(), opt_func=torch.optim.SGD,
-                    lr=0.1,
-                    device='cpu')
+                    lr=0.1, device='cpu')
     learn.remove_cb(ProgressCallback)
     with learn.no_logging(), warnings.catch_warnings():
         warnings.simplefilter('ignore')

@@ -101,8 +101,7 @@ def test_compiled_step_as_cuda_graphs(opt_func):
     for a, b in zip(eager.recorder.values, graphs.recorder.values): assert abs(a[0] - b[0]) < 1e-3, (a, b)
 
 @pytest.mark.parametrize('name', ['compile()', 'compile(step=True)', 'AutoMicrobatch', 'SpikeGuard',
-                                  'MixedPrecision',
-                                  'CheckpointCallback'])
+                                  'MixedPrecision', 'CheckpointCallback'])
 def test_nothing_callable_is_set_on_the_learner_or_the_model_on_a_gpu(name, tmp_path):
     """As tests/test_step.py checks on the CPU: at the third batch the learner's and the model's instances
     hold no function"""

@@ -121,8 +121,7 @@ def test_recorder_train_metrics_columns():
     learn.fit(1, cbs=Callback(before_fit=frozen_lr))
     rec = learn.recorder
     assert rec.value_names == ['train_loss', 'train_accuracy', 'train_n_correct', 'valid_loss',
-                               'valid_accuracy',
-                               'valid_n_correct']
+                               'valid_accuracy', 'valid_n_correct']
     x,y = dls.train.dataset.tensors
     with torch.no_grad(): pred = learn.model(x)
     row = rec.values[-1]

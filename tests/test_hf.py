@@ -30,8 +30,7 @@ def hf_learner(path='.', **kw):
                        generator=torch.Generator().manual_seed(0))
     valid = DataLoader(Tokens(64, 1), batch_size=32)
     learn = Learner(DataLoaders(train, valid), tiny_bert(), loss_func=None, metrics=accuracy, lr=3e-3,
-                    path=path,
-                    device='cpu', **kw)
+                    path=path, device='cpu', **kw)
     learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
     learn.logger = noop
     return learn

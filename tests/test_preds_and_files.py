@@ -120,8 +120,7 @@ def test_loading_a_malicious_file_refuses_and_runs_nothing(tmp_path, monkeypatch
 @pytest.mark.slow
 def test_demo_runs_and_reaches_target(tmp_path):
     res = subprocess.run([sys.executable, '-m', 'learncb.demo', '--plot', str(tmp_path/'loss.png')],
-                         capture_output=True,
-                         text=True, cwd=tmp_path, timeout=300)
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     acc = float(res.stdout.split('validation accuracy ')[1].split('%')[0])
     assert acc >= 95

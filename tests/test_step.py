@@ -106,8 +106,7 @@ def regression(x, y, cbs=()):
     torch.manual_seed(0)
     learn = Learner(DataLoaders(DataLoader(TensorDataset(x, y), batch_size=16), None),
                     nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), nn.MSELoss(),
-                    opt_func=torch.optim.Adam,
-                    lr=1e-2, cbs=list(cbs), device='cpu')
+                    opt_func=torch.optim.Adam, lr=1e-2, cbs=list(cbs), device='cpu')
     learn.remove_cb(ProgressCallback)
     learn.logger = lambda row: None
     return learn

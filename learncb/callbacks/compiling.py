@@ -367,8 +367,7 @@ class CompileCallback(Callback):
         # kept for the next fits: no recompile
         if self.compiled_step is None or self.compiled_step.learn is not learn:
             self.compiled_step = CompiledStep(learn, trace_backward=self.trace_backward,
-                                              fallback=self.fallback,
-                                              **self.kwargs)
+                                              fallback=self.fallback, **self.kwargs)
         self.compiled_step.start_fit()
 
     def compiles_step(self):

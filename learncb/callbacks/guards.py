@@ -53,8 +53,7 @@ class SpikeGuard(Callback):
     compiled_events,deferred_events = ('before_step',),('after_loss', 'after_step')
     _state_attrs = ('history',)
     def __init__(self, factor=5., check_every=25, snapshot_every=100, max_rollbacks=3, grad_norm=False,
-                 n_history=50,
-                 warmup=10, skip_on_device=False):
+                 n_history=50, warmup=10, skip_on_device=False):
         who = 'SpikeGuard'
         self.factor = check_number(factor, 'factor', gt=1, who=who, hint='how many times the median of the '
             'batches before it a spike is')

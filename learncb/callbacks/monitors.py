@@ -110,8 +110,7 @@ class SaveModelCallback(TrackerCallback):
     """Saves the model when `monitor` improves (or every epoch) and loads the best one back at the end of the
     fit"""
     def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., fname='model',
-                 every_epoch=False,
-                 at_end=False, with_opt=False, reset_on_fit=True):
+                 every_epoch=False, at_end=False, with_opt=False, reset_on_fit=True):
         super().__init__(monitor, greater_is_better, min_delta, reset_on_fit)
         if every_epoch is not False and at_end:
             raise ValueError("every_epoch and at_end are exclusive: pick one")
@@ -176,8 +175,7 @@ class EarlyStoppingCallback(PatienceCallback):
     _state_attrs = PatienceCallback._state_attrs + ('stopped_epoch',)
     stopped_epoch = None     # the epoch at which it stopped the last fit
     def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., patience=1,
-                 reset_on_fit=True,
-                 check_finite=True):
+                 reset_on_fit=True, check_finite=True):
         super().__init__(monitor, greater_is_better, min_delta, patience, reset_on_fit)
         self.check_finite = check_finite
 
@@ -203,8 +201,7 @@ class ReduceLROnPlateau(PatienceCallback):
     """Divides the learning rate by `factor` when `monitor` has not improved for `patience` epochs, down to
     `min_lr`"""
     def __init__(self, monitor='valid_loss', greater_is_better=None, min_delta=0., patience=1, factor=10.,
-                 min_lr=0.,
-                 reset_on_fit=True):
+                 min_lr=0., reset_on_fit=True):
         super().__init__(monitor, greater_is_better, min_delta, patience, reset_on_fit)
         self.factor = check_number(
             factor, 'factor', gt=1, who='ReduceLROnPlateau', type_error=TypeError,

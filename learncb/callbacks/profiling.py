@@ -77,8 +77,7 @@ class ProfilerCallback(Callback):
     writes traces"""
     order,run_valid = Order.SETUP,False
     def __init__(self, path='profile', wait=1, warmup=1, active=3, repeat=1, record_shapes=False,
-                 with_stack=False,
-                 tensorboard=None):
+                 with_stack=False, tensorboard=None):
         for v,n in ((wait, 'wait'), (warmup, 'warmup'), (repeat, 'repeat')):
             check_int(v, n, ge=0, who='ProfilerCallback')
         check_int(active, 'active', ge=1, who='ProfilerCallback')

@@ -246,8 +246,7 @@ def fit_one_cycle(self:Learner, n_epoch, lr_max=None, div=25., div_final=1e5, pc
 
 @patch
 def fit_flat_cos(self:Learner, n_epoch, lr=None, div_final=1e5, pct_start=0.75, wd=None, cbs=None,
-                 reset_opt=False,
-                 resume=None):
+                 reset_opt=False, resume=None):
     """Fit `n_epoch` epochs at a flat `lr` for `pct_start` of the fit, then with a cosine down to
     `lr/div_final`"""
     with self._exclusive('learn.fit_flat_cos()', lends=True):

@@ -56,8 +56,7 @@ class CheckpointCallback(Callback):
     # its batch handlers follow training batches only
     order,remove_on_lr_find,run_valid = Order.CHECKPOINT,True,False
     def __init__(self, path='checkpoints', every_n_steps=None, every_epoch=True, keep_last=2,
-                 on_exception=True,
-                 signals=('SIGTERM',), background=True, store=None, requeue=False):
+                 on_exception=True, signals=('SIGTERM',), background=True, store=None, requeue=False):
         check_int(every_n_steps, 'every_n_steps', ge=1, allow_none=True, who='CheckpointCallback')
         check_int(keep_last, 'keep_last', ge=1, who='CheckpointCallback')
         self.path,self.every_n_steps,self.every_epoch = (path if is_url(path) else Path(path),every_n_steps,
@@ -99,8 +98,7 @@ class CheckpointCallback(Callback):
         else:
             loop = resuming.state['loop']
             self._pos.update(at=resuming.at, epoch=resuming.epoch, iter=resuming.iter,
-                             train_iter=loop['train_iter'],
-                             pct_train=loop['pct_train'], dirty=False)
+                             train_iter=loop['train_iter'], pct_train=loop['pct_train'], dirty=False)
         self._stateful = has_state(learn.dls.train)
         self._loader_end = None
         self._stopped_at = None
@@ -162,8 +160,7 @@ class CheckpointCallback(Callback):
     def after_epoch(self):
         learn = self.learn
         self._pos.update(at='epoch_end', epoch=learn.epoch, train_iter=learn.train_iter,
-                         pct_train=learn.pct_train,
-                         dirty=False)
+                         pct_train=learn.pct_train, dirty=False)
         if self._guard.stop_asked(wait=True): self._stop_now()
         elif self.every_epoch: self.save()
 

@@ -222,8 +222,7 @@ class FsspecStore(CheckpointStore):
         try: found = self.fs.ls(self.root, detail=False)
         except FileNotFoundError: return []
         return sorted((f'{self.url}/{Path(p).name}' for p in found if is_checkpoint_name(p)),
-                      key=checkpoint_key,
-                      reverse=True)
+                      key=checkpoint_key, reverse=True)
 
     def remove(self, ref):
         remote,marker = self._remote(Path(str(ref)).name),self._marker_of(Path(str(ref)).name)

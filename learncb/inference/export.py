@@ -325,8 +325,7 @@ def export(self:Learner, fname='export.pt', with_program=True, sample=None):
                   f"only: load it with load_learner(path, model=MyModel(...)), a model of its class",
                       UserWarning)
     state = {'learncb_export': 1, 'model': weights, 'n_inp': self.n_inp, 'act': act, 'decodes': dec,
-             'vocab': vocab,
-             'item_shapes': shapes, 'program_batch': batch, 'program_error': why,
+             'vocab': vocab, 'item_shapes': shapes, 'program_batch': batch, 'program_error': why,
              'torch_version': str(torch.__version__),
              'program': None if program is None else torch.frombuffer(bytearray(program), dtype=torch.uint8)}
     return atomic_save(with_checksum(state), path)
@@ -362,8 +361,7 @@ class InferenceLearner(Learner):
     def __init__(self, model, n_inp=1, act=_identity, decodes=_identity, vocab=None, item_shapes=None,
                  batch_size=None, device='cpu', path='.'):
         super().__init__(DataLoaders(None, None), model, loss_func=_NoLoss(act, decodes), n_inp=n_inp,
-                         device=device,
-                         path=path)
+                         device=device, path=path)
         self.vocab,self.item_shapes,self.batch_size = vocab,item_shapes,batch_size
 
     @property

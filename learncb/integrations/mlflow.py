@@ -35,8 +35,7 @@ class MLflowCallback(ExperimentTrackerCallback):
     the model)"""
     package,extra,_default_name = 'mlflow','mlflow','mlflow'
     def __init__(self, tracking_uri=None, experiment_name='learncb', run_name=None, log_every=50,
-                 hparams=None,
-                 log_model=False, tags=None, artifact_location=None):
+                 hparams=None, log_model=False, tags=None, artifact_location=None):
         super().__init__(log_every=log_every, hparams=hparams, log_model=log_model)
         self.tracking_uri,self.experiment_name,self.run_name = tracking_uri,experiment_name,run_name
         self.tags,self.artifact_location = dict(tags or {}),artifact_location

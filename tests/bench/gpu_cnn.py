@@ -17,8 +17,7 @@ def make_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
                          nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten(), nn.Linear(64, 10)).cuda()
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)).cuda()
 
 def raw_loop(train, valid, n_epoch):
     model, loss_func = make_model(), nn.CrossEntropyLoss()

@@ -42,8 +42,7 @@ def raw_graphs(dl):
 def learncb_fit(dl, **compile):
     from learncb.all import Learner, DataLoaders, ProgressCallback
     learn = Learner(DataLoaders(dl, None), make_model(), nn.CrossEntropyLoss(), device='cuda',
-                    opt_func=torch.optim.Adam,
-                    lr=1e-3)
+                    opt_func=torch.optim.Adam, lr=1e-3)
     learn.remove_cb(ProgressCallback)
     if compile: learn.compile(**compile)
     def fit():

@@ -50,8 +50,7 @@ def learncb_loop(train, valid, n_epoch, progress=False, metrics=None, opt_func=t
     """learncb's fit; with `torch.optim.Adam` (the raw loop's optimizer) unless `opt_func=fast_adam` (the
     default) is given"""
     learn = Learner(DataLoaders(train, valid), make_model(), nn.CrossEntropyLoss(), metrics=metrics,
-                    device='cpu',
-                    opt_func=opt_func)
+                    device='cpu', opt_func=opt_func)
     if not progress:
         learn.remove_cb(ProgressCallback)
         with learn.no_logging(): learn.fit(n_epoch)
@@ -62,8 +61,7 @@ def learncb_loop(train, valid, n_epoch, progress=False, metrics=None, opt_func=t
 def toolbox_loop(train, valid, n_epoch, path):
     "learncb with the progress bar, SaveModelCallback, EarlyStoppingCallback and a one-cycle schedule"
     learn = Learner(DataLoaders(train, valid), make_model(), nn.CrossEntropyLoss(), metrics=[accuracy],
-                    device='cpu', path=path,
-                    opt_func=torch.optim.Adam)
+                    device='cpu', path=path, opt_func=torch.optim.Adam)
     with contextlib.redirect_stdout(io.StringIO()):
         learn.fit_one_cycle(n_epoch, 1e-2, cbs=[SaveModelCallback(), EarlyStoppingCallback(patience=3)])
 
@@ -89,8 +87,7 @@ def guarded_step_us(train, valid, n_epoch, rounds):
     """Best times of the raw loop and of learncb's compiled step with SpikeGuard (torch.optim.Adam, default
     callbacks)"""
     learn = Learner(DataLoaders(train, valid), make_model(), nn.CrossEntropyLoss(), device='cpu',
-                    opt_func=torch.optim.Adam,
-                    cbs=SpikeGuard())
+                    opt_func=torch.optim.Adam, cbs=SpikeGuard())
     learn.remove_cb(ProgressCallback)
     learn.compile(step=True, fallback=False)
     with learn.no_logging():
@@ -257,8 +254,7 @@ def cnn_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
                          nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten(), nn.Linear(64, 10))
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
 
 def raw_epoch(model, step, vstep, train, valid):
     "One epoch of a hand-written loop: `step` trains on a batch, `vstep` gives a validation loss"

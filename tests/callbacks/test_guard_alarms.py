@@ -39,8 +39,7 @@ def run_fresh(code, timeout=300):
     "`code` in a new Python process with Python's own warning filters (no -W, no PYTHONWARNINGS): its output"
     env = {k: v for k, v in os.environ.items() if k != 'PYTHONWARNINGS'}
     res = subprocess.run([sys.executable, '-c', textwrap.dedent(code)], capture_output=True, text=True,
-                         timeout=timeout,
-                         env=env, cwd=os.path.dirname(__file__))
+                         timeout=timeout, env=env, cwd=os.path.dirname(__file__))
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout, res.stderr
 

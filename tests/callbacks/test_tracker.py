@@ -108,8 +108,7 @@ def test_nan_check_does_not_sync_per_batch():
 def test_reduce_lr_on_plateau():
     lrs = []
     learn = synth_learner(cbs=[ReduceLROnPlateau(monitor=scripted([3, 2, 2.5, 2.4, 1, 1.5, 1.6]),
-                                                 greater_is_better=False,
-                                                 patience=2, factor=4, min_lr=0.001),
+                                                 greater_is_better=False, patience=2, factor=4, min_lr=0.001),
                                Callback(after_epoch=lambda self: lrs.append(self.opt.param_groups[0]['lr']),
                                         order=70)])
     learn.fit(7)

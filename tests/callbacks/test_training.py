@@ -442,8 +442,7 @@ def conv_learner(cbs=None):
                        torch.randint(0, 2, (16,), generator=g))
     torch.manual_seed(0)
     learn = Learner(DataLoaders(DataLoader(ds, batch_size=4), DataLoader(ds, batch_size=8)), Convs(),
-                    nn.CrossEntropyLoss(),
-                    opt_func=torch.optim.SGD, lr=0.1, cbs=cbs, device='cpu', n_inp=2)
+                    nn.CrossEntropyLoss(), opt_func=torch.optim.SGD, lr=0.1, cbs=cbs, device='cpu', n_inp=2)
     learn.remove_cb(ProgressCallback); learn.logger = lambda row: None
     return learn
 
@@ -464,8 +463,7 @@ def test_channels_last_converts_model_and_images_only():
 def syncs(n_batches):
     learn = synth_learner(dls=synth_dls(n_train=8 * n_batches, n_valid=16, bs=8), opt_func=torch.optim.SGD,
                           cbs=[GradientAccumulation(16), MixedPrecision(), GradientClip(0.5),
-                               MoveModulesToDeviceCallback(),
-                               ChannelsLast()])
+                               MoveModulesToDeviceCallback(), ChannelsLast()])
     with SyncCounter() as c: learn.fit(1)
     return c.counts
 

@@ -17,8 +17,7 @@ def s3():
     server = subprocess.Popen([sys.executable, '-m', 'moto.server', '-H', '127.0.0.1', '-p', str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     env = dict(AWS_ENDPOINT_URL=f'http://127.0.0.1:{port}', AWS_ACCESS_KEY_ID='testing',
-               AWS_SECRET_ACCESS_KEY='testing',
-               AWS_DEFAULT_REGION='us-east-1')
+               AWS_SECRET_ACCESS_KEY='testing', AWS_DEFAULT_REGION='us-east-1')
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

@@ -28,8 +28,7 @@ def make_learner(path, bs=8, workers=0, dropout=0.25):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 2))
     learn = Learner(DataLoaders(train, valid), model, nn.CrossEntropyLoss(), metrics=accuracy, path=path,
-                    lr=0.05,
-                    device='cpu')
+                    lr=0.05, device='cpu')
     learn.remove_cb(ProgressCallback)
     learn.logger = lambda row: None
     return learn

@@ -173,8 +173,7 @@ if rank == 0:
     torch.save({'alone': alone, 'model': learn.model.state_dict(), 'opt': opt,
                 'losses': learn.recorder.losses,
                 'values': learn.recorder.values, 'preds': preds, 'targs': targs, 'world': world,
-                'syncs': syncs,
-                'sizes': all_sizes, 'x_valid': x[64:],
+                'syncs': syncs, 'sizes': all_sizes, 'x_valid': x[64:],
                 'is_plain': not isinstance(learn.model, torch.nn.parallel.DistributedDataParallel),
                 'graphs': torch._dynamo.utils.counters['stats']['unique_graphs']},
                out/'result.pt')

@@ -60,8 +60,7 @@ capabilities = {       # name: the callbacks of the fit, given its checkpoint fo
     'ema': lambda folder: [EMACallback(0.9)],
     'swa': lambda folder: [SWACallback(start_epoch=1, swa_lr=1e-3)],
     'schedule_by_step': lambda folder: [ParamScheduler({'lr': SchedCos(3e-3, 1e-4)}, by='step')],
-    'checkpoint': ckpt,
-    'compiled_step': lambda folder: [],
+    'checkpoint': ckpt, 'compiled_step': lambda folder: [],
     'several_optimizers': lambda folder: [],  # Adam for the body, SGD for the head: one step of both a batch
     'turns': lambda folder: [],  # the body's optimizer, then the head's, each on a forward of its own
     'closure': lambda folder: [],                  # LBFGS: the step computes the batch again in a closure
@@ -122,8 +121,7 @@ def fit(cap, strategy, out, rank):
         assert all(torch.equal(v, learn.model.state_dict()[k]) for k,v in before.items()), cap  # nothing lost
     return {'weights': {k: v.detach().clone() for k,v in learn.model.state_dict().items()}, 'steps': steps.n,
             'refused': refused, 'train_iter': learn.train_iter, 'skipped': learn.skipped_batches,
-            'skipped_items': sorted(learn.skipped_items),
-            'losses': [float(l) for l in learn.recorder.losses],
+            'skipped_items': sorted(learn.skipped_items), 'losses': [float(l) for l in learn.recorder.losses],
             'graphs': torch._dynamo.utils.counters['stats']['unique_graphs'] - graphs}
 
 def run_all(out, strategy, caps):

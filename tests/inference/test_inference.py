@@ -282,8 +282,7 @@ def test_cuda_predict_export_and_load(tmp_path):
     load_learner(device='cuda') predicts"""
     torch.manual_seed(0)
     learn = Learner(synth_dls(), nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 2)),
-                    nn.CrossEntropyLoss(),
-                    device='cuda', path=tmp_path)
+                    nn.CrossEntropyLoss(), device='cuda', path=tmp_path)
     learn.fit(1)
     x = learn.dls.valid.dataset.tensors[0]
     dec,probs = learn.predict(x[0])

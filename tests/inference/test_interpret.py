@@ -40,8 +40,7 @@ def interp(learn): return ClassificationInterpretation.from_learner(learn)
 def test_keeps_one_get_preds_pass(learn, interp):
     inps,preds,targs,dec,losses = learn.get_preds(with_input=True, with_loss=True, with_decoded=True)
     for a,b in zip((inps, preds, targs, dec, losses), (interp.inputs, interp.preds, interp.targs,
-                                                       interp.decoded,
-                                                       interp.losses)):
+                                                       interp.decoded, interp.losses)):
         assert torch.equal(a, b)
     assert interp.vocab == ['0', '1', '2'] and interp.n_classes == 3 and len(interp) == 90
     assert interp.learn is learn and interp.dl.dataset is learn.dls.valid.dataset
@@ -179,8 +178,7 @@ def test_top_losses_images(shape, tmp_path):
     preds = torch.rand(n, 3, generator=g).softmax(1)
     targs,losses = torch.randint(0, 3, (n,), generator=g),torch.rand(n, generator=g)
     interp = ClassificationInterpretation(None, torch.randn(n, *shape, generator=g), preds, targs,
-                                          preds.argmax(1),
-                                          losses, vocab=['cat', 'dog', 'bird'])
+                                          preds.argmax(1), losses, vocab=['cat', 'dog', 'bird'])
     fig = interp.plot_top_losses(5, nrows=2)
     assert len(fig.axes) == 6 and not fig.axes[5].images
     i = losses.argmax()
@@ -193,8 +191,7 @@ def test_top_losses_images(shape, tmp_path):
 
 def test_plot_top_losses_args(interp):
     images = ClassificationInterpretation(None, torch.rand(90, 4, 4), interp.preds, interp.targs,
-                                          interp.decoded,
-                                          interp.losses)
+                                          interp.decoded, interp.losses)
     with pytest.raises(ValueError, match='2 rows of 2 cannot hold 5 items'):
         images.plot_top_losses(5, nrows=2, ncols=2)
     with pytest.raises(ValueError, match='k must be a positive int'): images.plot_top_losses(0)

@@ -57,8 +57,7 @@ def test_partly_trainable_layer():
 
 def test_shapes_of_a_known_model():
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                          nn.Flatten(),
-                          nn.Linear(4, 2))
+                          nn.Flatten(), nn.Linear(4, 2))
     dls = DataLoaders(DataLoader(TensorDataset(torch.randn(20, 1, 8, 8), torch.randint(0, 2, (20,))),
                                  batch_size=8))
     s = synth_learner(dls=dls, model=model).summary()

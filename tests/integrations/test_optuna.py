@@ -7,8 +7,7 @@ SCRIPT = Path(__file__).parent/'optuna_script.py'
 
 def worker(db, lrs):
     return subprocess.Popen([sys.executable, str(SCRIPT), str(db), ','.join(map(str, lrs))],
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 def finish(procs, timeout=180):
     try: outs = [p.communicate(timeout=timeout) for p in procs]

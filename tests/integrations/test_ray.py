@@ -45,8 +45,7 @@ def run(out, storage, fail_at=None, checkpoint=None, fsdp=False, workers=2):
     out.mkdir()
     trainer = TorchTrainer(fsdp_train_func if fsdp else train_func,
                            train_loop_config={'make_learner': partial(job_learner, out, fail_at),
-                                              'n_epoch': 3,
-                                              'checkpoint': checkpoint},
+                                              'n_epoch': 3, 'checkpoint': checkpoint},
                            scaling_config=ScalingConfig(num_workers=workers),
                            run_config=RunConfig(storage_path=str(storage), name=out.name,
                                                 failure_config=FailureConfig(max_failures=2)))
@@ -133,11 +132,9 @@ def test_the_older_ray_train_api_reports_the_checkpoints_without_a_preemption_no
     recipe_module(tmp_path)
     (tmp_path/'v1.py').write_text(v1_script)
     env = dict(os.environ, RAY_TRAIN_V2_ENABLED='0', PYTHONPATH=child_pythonpath(tmp_path),
-               OMP_NUM_THREADS='1',
-               RAY_worker_niceness='0')
+               OMP_NUM_THREADS='1', RAY_worker_niceness='0')
     res = subprocess.run([sys.executable, str(tmp_path/'v1.py'), str(tmp_path/'out')], capture_output=True,
-                         text=True,
-                         timeout=420, env=env)
+                         text=True, timeout=420, env=env)
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-4000:])
     assert 'REPORTED 12 True' in res.stdout, res.stdout[-2000:]
 
@@ -154,12 +151,10 @@ def test_torchft_replica_groups_on_ray_a_killed_worker_heals_and_the_run_is_exac
     from ray_job import torchft_train_func
     script,out = HERE.parents[0]/'distributed'/'ft_script.py',local_ray/'out'
     plain = subprocess.run([sys.executable, str(script), str(local_ray/'plain'), '--plain'],
-                           capture_output=True,
-                           text=True, timeout=300)
+                           capture_output=True, text=True, timeout=300)
     assert plain.returncode == 0, plain.stderr[-3000:]
     args = ['--wait-for', '2', '--slow-alone', '0.3', '--kill-at', '18', '--kill-in', 'backward',
-            '--kill-group', '1',
-            '--hold-when-killed']
+            '--kill-group', '1', '--hold-when-killed']
     lighthouse = {'min_replicas': 1, 'join_timeout_ms': 10000, 'heartbeat_timeout_ms': 2000}
     trainer = TorchTrainer(torchft_train_func, train_loop_config={'script': str(script), 'out': str(out),
                                                                   'args': args},
