@@ -18,6 +18,7 @@ from .preds import *
 from .progress import *
 from .callbacks.monitors import *
 from .callbacks.schedule import *
+from .callbacks.policies import *
 from .callbacks.lr_find import *
 from .callbacks.training import *
 from .callbacks.loggers import *

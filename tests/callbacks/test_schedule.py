@@ -7,6 +7,7 @@ import pytest, torch
 from torch import nn
 from learncb.all import *
 from learncb.callbacks.schedule import *
+from learncb.callbacks.policies import *
 from conftest import synth_learner, synth_dls, CrashAt
 
 N_ITER = 4      # batches per epoch of conftest's synth_dls (64 items, bs 16)
