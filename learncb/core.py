@@ -424,5 +424,5 @@ fit_attrs = {'epoch': 0, 'n_epoch': 1, 'train_iter': 0, 'pct_train': 0., 'skippe
              'skipped_items': ()}
 "Where a fit is, with the values before any fit: what a checkpoint's loop position restores"
 phase_attrs = {'dl': None, 'iter': 0, 'n_iter': 0, 'batch': None, 'xb': None, 'yb': None, 'pred': None,
-               'loss': None, 'loss_grad': None, 'step_taken': None}
+               'loss': None, 'loss_grad': None, 'stepped': None}
 "What the current phase and batch hold, with the values before any fit"

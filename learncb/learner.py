@@ -28,7 +28,7 @@ from .progress import *
 from .preds import *
 from .state import *
 from .resume import resume_cbs, resumed_from
-from .sampler import steered_batches, take_order, give_order_back
+from .sampler import steered_batches, order_training_dl, restore_training_dl
 from .step import *
 from .ranks import refuse
 from .strategy import SingleProcess
@@ -96,7 +96,7 @@ class defaults:
         cls.callbacks = [c for c in cls.callbacks if c.__name__ != cb_cls.__name__] + [cb_cls]
 
 # %% ../nbs/02_learner.ipynb #bf3a9ba1
-_Running = namedtuple('_Running', 'thread name what lends')
+_Running = namedtuple('_Running', 'thread name what lent_to_fit')
 _running_lock = threading.Lock()
 
 def _busy_error(what, running, me):
@@ -113,7 +113,7 @@ def _busy_error(what, running, me):
 
 _phase_names = {'train': 'training', 'validate': 'validation'}
 # batches moved as `one_batch` by hand needs; looked at on the first batch
-_unprepared,_look = 'unprepared','look'
+_no_fit_yet,_look_at_first_batch = 'unprepared','look'
 
 def _no_dl(what): return f"there is no {what} dataloader: pass one in DataLoaders(train, valid)"
 def _empty_dl(what):
@@ -126,6 +126,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
     callbacks"""
     label_key,pred_key,loss_key = 'labels','logits','loss'     # the entries of dict batches and dict outputs
     step_class = Step  # the eager step: a subclass of `Step` changes it
+    stepper,step_taken = renamed_attr('step', 'stepper'),renamed_attr('stepped', 'step_taken')  # old names
+    take_batch = renamed_method('set_batch', 'take_batch')
     def __init__(self, dls, model, loss_func=None, opt_func=fast_adam, lr=None, splitter=None, cbs=None,
                  metrics=None, path='.', model_dir='models', wd=None, device=None, default_cbs=True, n_inp=1,
                  vocab=None, train_bn=True, label_key=None, pred_key=None, loss_key=None):
@@ -155,15 +157,16 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         self.strategy = SingleProcess()               # how fits run: `distrib_ctx` sets another
         # who runs a fit now; the optimizers create_opt made
         self._running,self._opts_made = None,weakref.WeakKeyDictionary()
-        self._removed_in_fit,self._rows_of,self._taken = [],None,None      # see _fit_session and _end_fit
+        # see _fit_session and _end_fit
+        self._removed_in_fit,self._skipped_items_of,self._ordered_dl = [],None,None
         for k,v in {**fit_attrs, **phase_attrs}.items(): setattr(self, k, v)
         self.training = False
         self.start_epoch = 0
         self.start_iter = 0
         self._out_loss = None
         self.turn = None
-        self.stepper = self._resting_step = self.step_class(self, hooks=False)      # the step outside a fit
-        self._batch_device = _unprepared                                            # how batches move
+        self.step = self._step_outside_fit = self.step_class(self, hooks=False)      # the step outside a fit
+        self._batch_device = _no_fit_yet                                            # how batches move
         self.cbs_changed()
         cbs = listify(cbs)
         if default_cbs: self.add_cbs(cb() for cb in defaults.callbacks if not _given(cb, cbs))
@@ -178,7 +181,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             self._with_events(self._do_fit, 'fit', CancelFitException)
 
     def _do_fit(self):
-        self.stepper = self._step_for_fit()
+        self.step = self._step_for_fit()
         for epoch in range(self.start_epoch, self.n_epoch):
             self.epoch = epoch
             self._with_events(self._do_epoch, 'epoch', CancelEpochException)
@@ -215,20 +218,20 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
 
     def one_batch(self, i, b):
         "Move batch `b` to the model's device, split it into `xb`/`yb` and run it with its events"
-        self.iter,self.step_taken = i,None          # `None` until this batch's step stage is over
+        self.iter,self.stepped = i,None          # `None` until this batch's step stage is over
         try:
-            self.take_batch(b)
-            self._with_events(self.stepper.run, 'batch', CancelBatchException)
+            self.set_batch(b)
+            self._with_events(self.step.run, 'batch', CancelBatchException)
         except Exception as e: note_batch(e, b, i, 'train' if self.training else 'validate', self.dl); raise
 
-    def take_batch(self, b):
+    def set_batch(self, b):
         "Make `b` the current batch: `batch` on the model's device, split into `xb` and `yb`"
         dev = self._batch_device                   # `None`: batches are where the model is
         if dev is not None: b = to_device(b, dev) if isinstance(dev, torch.device) else self._first_move(b)
         self.batch,n = b,self.n_inp
-        if isinstance(b, (tuple, list)): self.xb,self.yb,self._kw = tuple(b[:n]),tuple(b[n:]),False
-        elif isinstance(b, Mapping): self.xb,self.yb,self._kw = (b,),self._labels(b),True
-        else: self.xb,self.yb,self._kw = (b,),(),False
+        if isinstance(b, (tuple, list)): self.xb,self.yb,self._dict_batch = tuple(b[:n]),tuple(b[n:]),False
+        elif isinstance(b, Mapping): self.xb,self.yb,self._dict_batch = (b,),self._labels(b),True
+        else: self.xb,self.yb,self._dict_batch = (b,),(),False
 
     def _with_events(self, body, stage, cancel_exc):
         "Fire `before_<stage>`, run `body`, fire `after_<stage>`; `cancel_exc` ends the stage (then `False`)"
@@ -259,8 +262,9 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
                 self._raised_in = None
                 self.start_epoch,self.start_iter,self.skipped_batches = 0,0,()
                 data = getattr(self.dls.train, 'dataset', None)      # the rows found bad in it stay out
-                if data is not self._rows_of: self.skipped_items,self._rows_of = [],data
-                self._taken = take_order(self) if self.skipped_items else None     # an order that places them
+                if data is not self._skipped_items_of: self.skipped_items,self._skipped_items_of = [],data
+                # an order that places them
+                self._ordered_dl = order_training_dl(self) if self.skipped_items else None
                 with self.added_cbs(resuming := resume_cbs(self, resume)):
                     try:
                         self.fitting,self.resume_from = True,resumed_from(resuming)
@@ -287,8 +291,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
     def _end_fit(self):
         """Put the learner back in its resting state: not fitting, not resuming, every callback running, not
         training"""
-        self.fitting,self.resume_from,self.stepper = False,None,self._resting_step
-        give_order_back(self, self._taken)
+        self.fitting,self.resume_from,self.step = False,None,self._step_outside_fit
+        restore_training_dl(self, self._ordered_dl)
         for cb in self._removed_in_fit:
             if cb not in self.cbs: cb.learn = None
         self._removed_in_fit = []
@@ -330,15 +334,15 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             if dl is not None and n_batches(dl) == 0: raise ValueError(_empty_dl(what))
 
     @contextmanager
-    def _exclusive(self, what, lends=False, inside=False):
+    def _exclusive(self, what, lent_to_fit=False, inside_fit=False):
         """Context manager: `what` runs alone on the learner; a fit called meanwhile (nested or in another
         thread) raises"""
         me = threading.current_thread()
         with _running_lock:
             before = self._running
-            if before is not None and not (before.thread == me.ident and (before.lends or inside)):
+            if before is not None and not (before.thread == me.ident and (before.lent_to_fit or inside_fit)):
                 raise _busy_error(what, before, me)
-            self._running = _Running(me.ident, me.name, what, lends)
+            self._running = _Running(me.ident, me.name, what, lent_to_fit)
         try: yield
         finally: self._running = before
 
@@ -353,11 +357,11 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         own loss is taken out. `model`: what to call in place of `learn.model` (a step hook's, as
         AutoMicrobatch's micro-batches)"""
         model = self.model if model is None else model
-        out = model(**self.xb[0]) if self._kw else model(*self.xb)
+        out = model(**self.xb[0]) if self._dict_batch else model(*self.xb)
         if self.loss_func is None:
             out,self._out_loss = model_loss(out, self.loss_key, self.pred_key)
             return out
-        return out if type(out) is torch.Tensor else model_pred(out, self.pred_key, self._kw)
+        return out if type(out) is torch.Tensor else model_pred(out, self.pred_key, self._dict_batch)
 
     def _batch_loss_func(self):
         """The loss of this batch: `loss_func` with targets, the model's own loss, or none (predictions only,
@@ -386,13 +390,13 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         """Work done once per fit rather than once per batch: where batches go (on the CPU, looked at on the
         first batch)"""
         device = model_device(self.model, self.device)
-        self._batch_device = device if device.type != 'cpu' else _look
+        self._batch_device = device if device.type != 'cpu' else _look_at_first_batch
 
     def _first_move(self, b):
         """The first batch of a CPU model, which says whether batches need moving; or a batch run by hand
         before any fit"""
         device = model_device(self.model, self.device)
-        if self._batch_device is _unprepared:  # `one_batch(i, b)` called by hand gets what a fit would
+        if self._batch_device is _no_fit_yet:  # `one_batch(i, b)` called by hand gets what a fit would
             if self.training and self.opt is None: self.create_opt()
         else: self._batch_device = device if any(t.device.type != 'cpu' for t in tensors_of(b)) else None
         return to_device(b, device)
@@ -463,7 +467,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
     def run_validation(self, dl):
         """Fire the validation stage on `dl`, leaving a running fit's state alone (what `validate` and
         `get_preds` run)"""
-        with self._exclusive('learn.validate() or learn.get_preds()', inside=True), self._saved_loop_state():
+        with self._exclusive('learn.validate() or learn.get_preds()',
+                             inside_fit=True), self._saved_loop_state():
             self._prepare_fit()
             self.validating_aside += 1
             try: self._do_phase(dl, 'validate')

@@ -31,8 +31,8 @@ class Perplexity:
     def reset(self): self.total,self.n = 0.,0
 
     def accumulate(self, learn):
-        "Add the batch's loss times its items (`learn.stepper.items`), on the device"
-        n = learn.stepper.items
+        "Add the batch's loss times its items (`learn.step.items`), on the device"
+        n = learn.step.items
         self.total,self.n = self.total + learn.loss.detach().double() * n,self.n + n
 
     @property

@@ -355,7 +355,7 @@ class PredsHost:
         what its step would draw (its dropout: the random state is put back after) but its normalization
         layers reading their running statistics (so that no row changes another's loss, and no statistic
         changes); `(None, why)` if `loss_func` gives no loss per row"""
-        self.take_batch(b)
+        self.set_batch(b)
         if self.loss_func is None: return self._own_row_losses()
         n = len(self.yb[0]) if self.yb else 0
         with self._quiet_forward() as forward:

@@ -245,7 +245,7 @@ class Recorder(Callback):
             loss = learn.loss if learn.turn is None else self._turns_loss()
             if loss is None: return                     # a turn before the last: its loss goes to the batch's
             self._pending.append(loss)
-            self._pending_bs.append(learn.stepper.items)        # what the loss is a mean of: rows, or tokens
+            self._pending_bs.append(learn.step.items)        # what the loss is a mean of: rows, or tokens
             self.lrs.append(hyper_number(learn.opt.param_groups[0]['lr']))
             if self._metrics_unchecked: self._try_metrics()
             if self._train_metrics:
@@ -254,14 +254,14 @@ class Recorder(Callback):
             if len(self._pending) >= self.flush_every: self._flush()
         else:
             if learn.loss is None: raise ValueError(_no_targets)
-            self._valid_bs.append(learn.stepper.items)
+            self._valid_bs.append(learn.step.items)
             self._valid_cols[0].append(learn.loss)
             if self._valid_metrics: self._compute_metrics(self._valid_metrics, self._valid_cols[1:])
 
     def _turns_loss(self):
         """With several optimizers in turn (`Step.turns`), the batch's loss is the sum of the turns': `None`
         until the last, then the turns' losses, summed when read (torchft's are global after each backward)"""
-        learn,turns = self.learn,self.learn.stepper.turns
+        learn,turns = self.learn,self.learn.step.turns
         self._turn_losses = [learn.loss] if learn.turn == turns[0] else [*self._turn_losses, learn.loss]
         return tuple(self._turn_losses) if learn.turn == turns[-1] else None
 
@@ -443,7 +443,7 @@ def tell(learn, line, warn=True):
     the first replica of the quorum): under the bars when they are drawn in a terminal, else on stdout (in
     Jupyter, where the bars' table would write over it, below them); when logging is off
     (`learn.no_logging()`), as a warning (`warn`) or not at all"""
-    if not learn.strategy.speaks(): return
+    if not learn.strategy.speaks_for_run(): return
     bar = _bar(learn)
     if bar is not None and not IN_NOTEBOOK: bar.write(line)
     elif bar is not None: print(line, flush=True)

@@ -91,14 +91,14 @@ class Step:
             'step_backward')
 
     def run(self):
-        "The current batch's step: one turn (`take_turn`), or with `turns` one per optimizer, in turn"
-        if self.turns is None: return self.take_turn()
+        "The current batch's step: one turn (`run_turn`), or with `turns` one per optimizer, in turn"
+        if self.turns is None: return self.run_turn()
         learn = self.learn
         try:
-            for learn.turn in self.turns: self.take_turn()
+            for learn.turn in self.turns: self.run_turn()
         finally: learn.turn = None
 
-    def take_turn(self):
+    def run_turn(self):
         "The steps of a turn (`steps`), and the end of a stage that a cancel cut short"
         self.stage_now = None
         try: self.steps()
@@ -106,6 +106,7 @@ class Step:
         except Exception as e:
             if self.stage_now is not None: note_where(e, 'step')    # backward and callbacks marked theirs
             raise
+    take_turn = renamed_method('run_turn', 'take_turn')     # its old name
 
     # The order of the step's events, written once: a variant of the step overrides the computations below
     def steps(self):
@@ -134,11 +135,11 @@ class Step:
         self.backward() if self.backward_hook is None else self.backward_hook.step_backward(self)
 
     def step_stage(self):
-        "`before_step`, the optimizer's step, `after_step` (`learn.step_taken` set before it), zero_grad"
+        "`before_step`, the optimizer's step, `after_step` (`learn.stepped` set before it), zero_grad"
         self.stage_now = 'step'
         self.fire('before_step')
         self.optimizer_step()
-        self.stage_now,self.learn.step_taken = None,True
+        self.stage_now,self.learn.stepped = None,True
         self.fire('after_step')
         self.zero_grad()
 
@@ -162,7 +163,7 @@ class Step:
         """The end of `stage` (`'backward'`, `'step'`) after a cancel raised inside it:
         `after_cancel_<stage>`, `after_<stage>`; `False`"""
         _,after_cancel,after = stage_events[stage]
-        if stage == 'step': self.learn.step_taken = False    # for `after_step`: the optimizer did not step
+        if stage == 'step': self.learn.stepped = False    # for `after_step`: the optimizer did not step
         self.fire(after_cancel); self.fire(after)
         return False
 

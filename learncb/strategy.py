@@ -174,13 +174,24 @@ class Strategy:
         "The callbacks a fit under this strategy adds, besides `DistributedCallback` and `RankAgreement`"
         return []
 
-    def speaks(self):
+    def __init_subclass__(cls, **kwargs):
+        """A strategy that says `speaks` (the old name of `speaks_for_run`) is asked under the new name, with
+        a warning"""
+        super().__init_subclass__(**kwargs)
+        if 'speaks' in cls.__dict__:
+            warn_user(f"{cls.__name__}.speaks is now called speaks_for_run: rename it, speaks goes away in "
+                      f"the next release", FutureWarning)
+            cls.speaks_for_run = cls.__dict__['speaks']
+
+    speaks = renamed_method('speaks_for_run', 'speaks')     # its old name
+
+    def speaks_for_run(self):
         "Whether this process prints and writes for the run: rank 0"
         return is_rank0()
 
     def logger_for(self, logger):
         "The logger of a fit on this process: `logger` where it `speaks`, silent elsewhere"
-        return logger if self.speaks() else noop
+        return logger if self.speaks_for_run() else noop
 
     def casts_model(self, dtype):
         """Whether the model this strategy trains casts itself to `dtype`

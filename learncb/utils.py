@@ -9,7 +9,8 @@ __all__ = ['clock', 'default_device', 'model_device', 'plain_model', 'map_tensor
            'name_of', 'find_bs', 'n_batches', 'listify', 'add_note', 'is_number', 'ArgTypeError', 'arg_error',
            'check_number', 'check_lr', 'check_wd', 'check_int', 'check_fraction', 'check_choice', 'numbers_tensor',
            'rng_state', 'set_rng_state', 'rng_kept', 'dl_generators', 'rebuild_dataloader', 'Clock', 'FakeClock',
-           'short_list', 'rows_text', 'user_frame', 'warn_user', 'meta_copy', 'set_tensors']
+           'short_list', 'rows_text', 'user_frame', 'warn_user', 'meta_copy', 'set_tensors', 'renamed',
+           'renamed_method', 'renamed_attr']
 
 # %% ../nbs/01_utils.ipynb #4d5f189c
 import copy, math, operator, os, random, sys, time, warnings
@@ -342,3 +343,33 @@ def set_tensors(model, tensors):
         m = model.get_submodule(where)
         is_param = isinstance(getattr(m, leaf), nn.Parameter)
         setattr(m, leaf, nn.Parameter(t, requires_grad=False) if is_param else t)
+
+# %% ../nbs/01_utils.ipynb #34986f52
+def _renamed_warning(old, new):
+    warn_user(f"{old} is now called {new}: {old} goes away in the next release", FutureWarning)
+
+def renamed(fn, old):
+    "`fn` under its old name `old`, for one release: a call warns, then calls `fn`"
+    def under_old_name(*args, **kwargs):
+        _renamed_warning(old, fn.__name__)
+        return fn(*args, **kwargs)
+    under_old_name.__name__,under_old_name.__doc__ = old,f"The old name of `{fn.__name__}` (deprecated)"
+    return under_old_name
+
+def renamed_method(new, old):
+    "A method under its old name `old`: a call warns, then calls the method `new` of the object"
+    def method(self, *args, **kwargs):
+        _renamed_warning(f'{type(self).__name__}.{old}', new)
+        return getattr(self, new)(*args, **kwargs)
+    method.__name__,method.__doc__ = old,f"The old name of `{new}` (deprecated)"
+    return method
+
+def renamed_attr(new, old):
+    "A property under the old name `old` of the attribute `new`: reading or setting it warns"
+    def get(self):
+        _renamed_warning(f'{type(self).__name__}.{old}', new)
+        return getattr(self, new)
+    def set(self, value):
+        _renamed_warning(f'{type(self).__name__}.{old}', new)
+        setattr(self, new, value)
+    return property(get, set, doc=f"The old name of `{new}` (deprecated)")

@@ -44,6 +44,7 @@ def test_learner_methods_documented():
     for cls in hosts:
         for name, obj in vars(cls).items():
             if name.startswith('_') or not (inspect.isroutine(obj) or isinstance(obj, property)): continue
+            if (obj.__doc__ or '').startswith('The old name of'): continue     # `renamed_*`, deprecated
             assert own_doc(obj), f'{cls.__name__}.{name} has no docstring'
             if inspect.isroutine(obj): assert f'show_doc({cls.__name__}.{name})' in code or \
                 f'show_doc(Learner.{name})' in code, f'{cls.__name__}.{name} has no show_doc'
@@ -80,3 +81,25 @@ def test_the_coming_from_page_maps_each_foreign_event_as_the_hints_do():
     per_library = next(c.source for c in nb.cells if '### Where each library fires its handlers' in c.source)
     assert ('\n'.join(rows)
             in per_library), "the page's table per library is not foreign_events: make it again from it"
+
+def public_names(cls):
+    """The public methods and properties of `cls`, its hosts' and patched ones too, but the old names of
+    renamed ones"""
+    found = []
+    for name in dir(cls):
+        obj = inspect.getattr_static(cls, name)
+        if name.startswith('_') or inspect.isclass(obj) or not (callable(obj) or isinstance(obj, property)):
+            continue
+        if not (obj.__doc__ or '').startswith('The old name of'): found.append(name)
+    return found
+
+def test_the_learner_page_lists_what_is_public_on_learner():
+    "Its table of public names has each one once, a line each, and the count it says is the count"
+    import learncb.all                                   # the modules that add methods to `Learner`
+    nb = json.loads((ROOT/'nbs'/'02_learner.ipynb').read_text())
+    page = next(''.join(c['source']) for c in nb['cells'] if ''.join(c['source']).startswith('## What a '
+        '`Learner`'))
+    listed = re.findall(r'^\| `(\w+)` \| \S', page, flags=re.M)
+    public = public_names(Learner)
+    assert len(listed) == len(set(listed)) and sorted(listed) == sorted(public), set(listed) ^ set(public)
+    assert f'Its public names, {len(public)} in all' in page

@@ -115,7 +115,7 @@ def test_items_counted_ahead_of_a_cancelled_batch_are_not_the_next_validation_ba
     "A data-parallel step counts a batch's items before its forward: a batch cancelled then leaves no count"
     class Cut(Callback):
         "A step cut over processes (as under DDP), in one process; the last training batch cut short"
-        def before_train(self): self.learn.stepper.cut = True
+        def before_train(self): self.learn.step.cut = True
         def after_pred(self):
             if self.training and self.iter == self.n_iter - 1: raise CancelBatchException()
     learn = fit_lm(4, [Cut()], lr=0.1)

@@ -136,7 +136,7 @@ def test_lbfgs_trains_with_the_default_step_as_time_sequence_prediction_does_by_
     learn = Learner(DataLoaders([(input, target)], [(test_input, test_target)]), seq, nn.MSELoss(),
                     opt_func=partial(torch.optim.LBFGS, lr=0.8, max_iter=5))
     learn.fit(3)
-    assert type(learn.stepper) is Step and same(ref, seq.state_dict())
+    assert type(learn.step) is Step and same(ref, seq.state_dict())
     assert len(calls) == ref_calls  # the closure computes the batch again as often as by hand, no more
     assert learn.recorder.values[-1][1] == pytest.approx(test_loss.item(), rel=1e-6)
 

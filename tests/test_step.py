@@ -27,7 +27,7 @@ class AtThirdBatch(Callback):
     def before_batch(self):
         if self.training and self.learn.train_iter == 2:
             self.seen = (functions_on(self.learn), functions_on(self.learn.model),
-                         type(self.learn.stepper).__name__)
+                         type(self.learn.step).__name__)
 
 def mlp(): return nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 2))
 
@@ -51,9 +51,9 @@ def test_nothing_callable_is_set_on_the_learner_or_the_model(name, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')                 # bf16 autocast on the CPU, torch.compile's notes
         learn.fit(1, cbs=spy)
-    learner_fns, model_fns, stepper = spy.seen
+    learner_fns, model_fns, step = spy.seen
     assert learner_fns == [] and model_fns == [], (name, learner_fns, model_fns)
-    assert stepper == ('CompiledStep' if name == 'compile(step=True)' else 'Step')
+    assert step == ('CompiledStep' if name == 'compile(step=True)' else 'Step')
 
 @pytest.mark.slow
 @pytest.mark.parametrize('strategy,micro', [('ddp', False), ('ddp', True), ('fsdp', False)],

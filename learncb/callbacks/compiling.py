@@ -20,7 +20,7 @@ from ..ranks import *
 from ..learner import *
 from ..step import Step
 from ..diagnose import is_oom
-from ..optim import clear_grads, hyper_number, bare_step, needs_closure
+from ..optim import clear_grads, hyper_number, opt_step_fn, needs_closure
 from ..internals import *
 
 # %% ../../nbs/27_compile.ipynb #0dd0ff70
@@ -104,12 +104,12 @@ def _own_code(method):
     return MethodType(own_function(method.__func__), method.__self__)
 
 def _own_step(opt, cuda_graphs=False):
-    """`opt`'s step (`bare_step`) on code of its own: torch's optimizer step breaks the graph, so its frames
+    """`opt`'s step (`opt_step_fn`) on code of its own: torch's optimizer step breaks the graph, so its frames
     are compiled apart, and on torch's code every optimizer of the class would share them (past torch's
     recompile limit, eagerly). A fused optimizer's kernel is never traced, nor torch's wrapper of the step
     (hooks, a scheduler's counter, the profiler's annotation, which torch would warn it ignores): such a step
     runs as it is, outside the graph"""
-    step = bare_step(opt)
+    step = opt_step_fn(opt)
     if not _step_traced(opt, cuda_graphs): return torch.compiler.disable(step)
     return _own_code(step) if isinstance(step, MethodType) else step
 
@@ -162,7 +162,7 @@ class TracedStep(Step):
         return learn.loss_func
 
     def backward(self):
-        learn,w = self.learn,self.learn.stepper.weight        # the step's `piece_weight`, found eagerly
+        learn,w = self.learn,self.learn.step.weight        # the step's `piece_weight`, found eagerly
         learn.strategy.backward(learn.loss_grad if w is None else learn.loss_grad * w, self.params_stepped())
         learn.pred,learn.loss_grad = detached(learn.pred),learn.loss_grad.detach()   # their graph is spent
 
@@ -173,7 +173,7 @@ class TracedStep(Step):
         that frame eagerly rather than the whole step"""
         super().step_stage()
 
-    def optimizer_step(self): self.compiled.opt_step()
+    def optimizer_step(self): self.compiled.opt_step_fn()
     def zero_grad(self): pass             # after the graph, eagerly (torch.compile would not trace it)
 
 class CompiledStep(Step):
@@ -185,13 +185,14 @@ class CompiledStep(Step):
         self.trace_backward = trace_backward
         self.fallback = fallback
         self._plans = {}
-        self.opt_step = None
+        self.opt_step_fn = None
         self.fell_back,self.traced_backward = None,trace_backward and backward_traceable(learn)
         # `mode='reduce-overhead'` on a GPU: the graphs replayed as CUDA graphs
         self.cuda_graphs = self._opt_graphs = False
         self._traced = TracedStep(learn, self)
-        steps = (self._traced.steps, self._traced.steps, self._step_alone)       # each on code of its own
-        self._train,self._valid,self._opt_step = (torch.compile(_own_code(m), **kwargs) for m in steps)
+        steps = (self._traced.steps, self._traced.steps, self._opt_step_alone)       # each on code of its own
+        self._train,self._valid,self._compiled_opt_step = (torch.compile(_own_code(m), **kwargs) for m
+                                                           in steps)
 
     def start_fit(self):
         """Set up a fit: its hooks and optimizer, and whether it runs compiled (a fit falls back when a
@@ -222,8 +223,8 @@ class CompiledStep(Step):
     def for_opt(self, opt):
         """Step `opt` from here on: its step on code of its own (kept while the optimizer is the same: no
         recompile)"""
-        if getattr(self.opt_step, '__self__', None) is not opt or self._opt_graphs != self.cuda_graphs:
-            self.opt_step,self._opt_graphs = _own_step(opt, self.cuda_graphs),self.cuda_graphs
+        if getattr(self.opt_step_fn, '__self__', None) is not opt or self._opt_graphs != self.cuda_graphs:
+            self.opt_step_fn,self._opt_graphs = _own_step(opt, self.cuda_graphs),self.cuda_graphs
 
     def plan(self, training):
         """`(tables, compiled, deferred, blocked)` of this phase (`step_plan`), found again when the callbacks
@@ -244,7 +245,7 @@ class CompiledStep(Step):
         hook = self.forward_hook or self.backward_hook
         # else the hooks split this batch
         if self.fell_back is None and learn.yb and (hook is None or hook.runs_plain()):
-            if learn._kw: self._fall_back("dict batches (model(**batch)) run eagerly")
+            if learn._dict_batch: self._fall_back("dict batches (model(**batch)) run eagerly")
             else:
                 _,compiled,deferred,blocked = self.plan(learn.training)
                 if blocked: self._fall_back(_blocked_reason(blocked))
@@ -265,11 +266,11 @@ class CompiledStep(Step):
         if learn.training and self._first_grad() != grad: clear_grads(learn.opt)
         super().run()  # this batch again, eagerly
 
-    def _step_alone(self): self.opt_step()              # compiled too: the hyper-parameters may be tensors
+    def _opt_step_alone(self): self.opt_step_fn()  # compiled too: the hyper-parameters may be tensors
     def optimizer_step(self):
         """The optimizer's step: compiled (after a stage cancelled in the compiled step), eager once the fit
         fell back"""
-        if self.fell_back is None: self._opt_step()
+        if self.fell_back is None: self._compiled_opt_step()
         else: super().optimizer_step()
 
     def compiled_batch(self, compiled, deferred):
@@ -338,9 +339,10 @@ class CompileCallback(Callback):
     """Fits run `torch.compile(model, **kwargs)`, or with `step=True` the whole step compiled; a compiler
     error falls back to eager"""
     order,_name = Order.COMPILE,'compiler'  # `learn.compiler`: `learn.compile` is the method that adds it
+    step,opt_step = renamed_attr('whole_step', 'step'),renamed_attr('opt_step_fn', 'opt_step')   # old names
     def __init__(self, step=False, fallback=True, trace_backward=True, **kwargs):
         self.kwargs = kwargs
-        self.step = step
+        self.whole_step = step                  # compile the whole step, not the model alone
         self.fallback = fallback
         self.trace_backward = trace_backward
         self.compiled,self.compiled_step = None,None
@@ -374,7 +376,7 @@ class CompileCallback(Callback):
         """Whether this fit traces the whole step (`step=True`): not under a strategy that shards the model
         (`compiles_blocks`), nor one whose own step computes this replica's share of the whole batch and
         votes on it between the backward and the optimizer step (torchft): the model is compiled inside it"""
-        return self.step and not self.compiles_blocks() and not self.learn.strategy.reads_whole_batch
+        return self.whole_step and not self.compiles_blocks() and not self.learn.strategy.reads_whole_batch
 
     def compiles_blocks(self):
         """Whether this fit compiles the model's blocks inside the eager step, rather than the whole step or

@@ -75,7 +75,7 @@ class SpikeGuard(Callback):
         self._snap = None
         self._start = 0
         self._snap_at = 0
-        self._taken = None
+        self._ordered_dl = None
         self._found_inf = None
         self._last = -1
         self._joined = None       # a live peer's snapshot and unchecked losses, for a replica that joins
@@ -111,7 +111,7 @@ class SpikeGuard(Callback):
         reason = 'it keeps its own state' if has_state(dl) else cannot_resume_reason(dl)
         self.replayable = user_train_dl(learn) is not dl or reason is None  # a strategy's share is replayable
         if not self.replayable: self.cannot_replay(reason)
-        self._taken = take_order(learn)
+        self._ordered_dl = order_training_dl(learn)
 
     def cannot_replay(self, reason):
         """What to do when the training dataloader cannot replay part of an epoch (`reason` says why): refuse
@@ -177,7 +177,7 @@ class SpikeGuard(Callback):
         (no step then)"""
         learn = self.learn
         if learn.loss is None: return
-        if learn.stepper.first_turn(): self._losses.append(learn.loss); self._iters.append(learn.iter)
+        if learn.step.first_turn(): self._losses.append(learn.loss); self._iters.append(learn.iter)
         else: self._losses[-1] = self._losses[-1] + learn.loss       # a batch's loss: the sum of its turns'
         if self._found_inf is not None: self._flag(learn.loss)
 
@@ -195,9 +195,9 @@ class SpikeGuard(Callback):
         """Note the gradient norm of a step taken (`grad_norm=True`): the gradients the optimizer used, read
         after the step"""
         learn = self.learn
-        if not learn.step_taken: return
-        norm = _grad_norm(self._params if learn.turn is None else learn.stepper.params_stepped())
-        if learn.stepper.first_turn() or not self._norms or self._norm_iters[-1] != learn.iter:
+        if not learn.stepped: return
+        norm = _grad_norm(self._params if learn.turn is None else learn.step.params_stepped())
+        if learn.step.first_turn() or not self._norms or self._norm_iters[-1] != learn.iter:
             self._norms.append(norm); self._norm_iters.append(learn.iter)
         # a batch's: all its turns' gradients
         else: self._norms[-1] = (self._norms[-1]**2 + norm**2).sqrt()
@@ -361,7 +361,7 @@ class SpikeGuard(Callback):
         items = self.learn.skipped_items
         self._snap.restore()
         self.learn.skipped_items = items
-        self.learn.iter,self.learn.step_taken = self._start - 1,None      # no batch begun since
+        self.learn.iter,self.learn.stepped = self._start - 1,None      # no batch begun since
         self._clear()
 
     def _replay(self):
@@ -376,11 +376,11 @@ class SpikeGuard(Callback):
 
     def after_fit(self):
         self.history = {'loss': [], 'grad_norm': []}          # the next fit judges its own losses
-        give_order_back(self.learn, self._taken)
+        restore_training_dl(self.learn, self._ordered_dl)
         opt = self.learn.opt
         if self._found_inf is not None: take_found_inf(opt, self._found_inf)
         self._snap = None
-        self._taken = None
+        self._ordered_dl = None
         self._found_inf = None
         self._joined = None
         self._clear()

@@ -66,8 +66,8 @@ class LRFinder(Callback):
         lrs,losses,learn = self.lrs,self.losses,self.learn
         loss = learn.loss
         if learn.turn is not None:                     # turns: the sum of the batch's, at its last turn
-            self._turns = loss if learn.stepper.first_turn() else self._turns + loss
-            if not learn.stepper.last_turn(): return
+            self._turns = loss if learn.step.first_turn() else self._turns + loss
+            if not learn.step.last_turn(): return
             loss = self._turns
         # one curve, one stop
         if num_distrib() > 1: loss = sum_across_ranks(loss.detach().float()) / num_distrib()
@@ -159,7 +159,7 @@ def lr_find(self:Learner, start_lr=1e-7, end_lr=10, num_it=100, stop_div=True, s
     """Try lrs rising from `start_lr` to `end_lr` over `num_it` batches, plot the loss, suggest lrs; then undo
     the trial"""
     finder,funcs = LRFinder(start_lr, end_lr, num_it, stop_div),_suggest_funcs(suggest_funcs)
-    with self._exclusive('learn.lr_find()', lends=True):
+    with self._exclusive('learn.lr_find()', lent_to_fit=True):
         n = n_batches(self.dls.train)
         n_epoch = math.ceil(num_it / n) if n else num_it
         snapshot = LearnerSnapshot(self)

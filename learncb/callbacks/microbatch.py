@@ -172,7 +172,7 @@ class AutoMicrobatch(Callback):
         the turn's optimizer (sharded: their whole copies, at the same places)"""
         params,turn = self._params,self.learn.turn
         if turn is None: return [p for p in params if p.requires_grad]
-        at = {self._order[id(p)] for p in self.learn.stepper.params_stepped() if id(p) in self._order}
+        at = {self._order[id(p)] for p in self.learn.step.params_stepped() if id(p) in self._order}
         return [p for i,p in enumerate(params) if i in at and p.requires_grad]
 
     def _drop_others(self):

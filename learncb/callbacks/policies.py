@@ -50,7 +50,7 @@ def fit_one_cycle(self:Learner, n_epoch, lr_max=None, div=25., div_final=1e5, pc
                   moms=(0.95, 0.85, 0.95), cbs=None, reset_opt=False, resume=None):
     """Fit `n_epoch` epochs with the 1cycle policy: lr from `lr_max/div` up to `lr_max` then down to
     `lr_max/div_final`"""
-    with self._exclusive('learn.fit_one_cycle()', lends=True):
+    with self._exclusive('learn.fit_one_cycle()', lent_to_fit=True):
         lr_max = check_lr(self.lr if lr_max is None else lr_max, 'lr_max', who='fit_one_cycle')
         check_number(div, 'div', gt=0, who='fit_one_cycle')
         check_number(div_final, 'div_final', gt=0, who='fit_one_cycle')
@@ -77,7 +77,7 @@ def fit_flat_cos(self:Learner, n_epoch, lr=None, div_final=1e5, pct_start=0.75, 
                  reset_opt=False, resume=None):
     """Fit `n_epoch` epochs at a flat `lr` for `pct_start` of the fit, then with a cosine down to
     `lr/div_final`"""
-    with self._exclusive('learn.fit_flat_cos()', lends=True):
+    with self._exclusive('learn.fit_flat_cos()', lent_to_fit=True):
         lr = check_lr(self.lr if lr is None else lr, 'lr', who='fit_flat_cos')
         check_number(div_final, 'div_final', gt=0, who='fit_flat_cos')
         check_fraction(pct_start, 'pct_start', who='fit_flat_cos', what=_of_training)
@@ -94,7 +94,7 @@ def fine_tune(self:Learner, epochs, base_lr=2e-3, freeze_epochs=1, lr_mult=100, 
               **kwargs):
     """Fit the head alone for `freeze_epochs` (body frozen), then all of it for `epochs` with lrs spread over
     the groups"""
-    with self._exclusive('learn.fine_tune()', lends=True):
+    with self._exclusive('learn.fine_tune()', lent_to_fit=True):
         check_lr(base_lr, 'base_lr', who='fine_tune')
         check_int(freeze_epochs, 'freeze_epochs', ge=0, who='fine_tune', hint='epochs with the body frozen')
         check_number(lr_mult, 'lr_mult', ge=1, who='fine_tune', hint='how much lower the first group lr is')
@@ -113,7 +113,7 @@ def fit_sgdr(self:Learner, n_cycles, cycle_len, lr_max=None, cycle_mult=2, cbs=N
              wd=None):
     """Fit `n_cycles` cosine cycles of the lr from `lr_max` to 0, the first `cycle_len` epochs, each next
     `cycle_mult` x"""
-    with self._exclusive('learn.fit_sgdr()', lends=True):
+    with self._exclusive('learn.fit_sgdr()', lent_to_fit=True):
         n_cycles = check_int(n_cycles, 'n_cycles', ge=1, who='fit_sgdr', hint='the number of cosine cycles')
         cycle_len = check_int(cycle_len, 'cycle_len', ge=1, who='fit_sgdr', hint='epochs in the first cycle')
         cycle_mult = check_int(cycle_mult, 'cycle_mult', ge=1, who='fit_sgdr', hint='1 for cycles of equal '
@@ -294,7 +294,7 @@ class WarmupCallback(Callback):
 
     def after_step(self):
         self._restore()
-        if not self.learn.step_taken: return          # cancelled (GradientAccumulation, a skipped fp16 step)
+        if not self.learn.stepped: return          # cancelled (GradientAccumulation, a skipped fp16 step)
         self.factors.append(self.factor(self.n_done))
         self.n_done += 1
         # warmup over: out of the dispatch tables for this fit

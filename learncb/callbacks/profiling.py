@@ -47,7 +47,7 @@ class ThroughputCallback(Callback):
     def after_batch(self):
         self._n_batches += 1
         self._items += find_bs(self.learn.yb or self.learn.xb)    # shapes only: no wait for the device
-        if (n := self.learn.stepper.items) is not None: self._counted = self._counted + n   # on the device
+        if (n := self.learn.step.items) is not None: self._counted = self._counted + n   # on the device
 
     def after_train(self):
         wall = max(clock.now() - self._start, 1e-9)

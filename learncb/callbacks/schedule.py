@@ -166,8 +166,8 @@ class ParamScheduler(Callback):
         """Count the optimizer steps taken (`by='step'`: the next batches' position), not those a callback
         cancelled; with several optimizers in turn, the batches whose last turn stepped"""
         learn = self.learn
-        last_turn = learn.turn is None or learn.turn == learn.stepper.turns[-1]
-        if learn.step_taken and last_turn: self.n_steps += 1
+        last_turn = learn.turn is None or learn.turn == learn.step.turns[-1]
+        if learn.stepped and last_turn: self.n_steps += 1
 
     def after_fit(self):
         rec = getattr(self.learn, 'recorder', None)

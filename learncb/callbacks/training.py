@@ -23,7 +23,7 @@ from ..internals import autocast_enabled
 def _scale_grads(learn, k):
     """Multiply the gradients of the optimizer's parameters by `k`, in place (with turns, the turn's
     optimizer's)"""
-    for pg in learn.stepper.turn_opt().param_groups:
+    for pg in learn.step.turn_opt().param_groups:
         for p in pg['params']:
             if p.grad is not None: p.grad.mul_(k)
 
@@ -52,11 +52,11 @@ class GradientAccumulation(Callback):
         "Under DDP or FSDP, reduce the gradients over the ranks only in the backward of a batch that steps"
         if self._sync is not None:
             learn = self.learn
-            self._sync(self.count + learn.stepper.batch_rows() >= self.n_acc or _is_last_batch(learn))
+            self._sync(self.count + learn.step.batch_rows() >= self.n_acc or _is_last_batch(learn))
 
     def before_backward(self):
         "Weigh the batch's mean loss by its items (every rank's: the step's count) over `n_acc`"
-        learn,step = self.learn,self.learn.stepper
+        learn,step = self.learn,self.learn.step
         n = step.batch_items()
         if step.first_turn(): self.count += step.batch_rows()      # rows once a batch, items each turn
         self._set_items(self._items() + n)
@@ -74,7 +74,7 @@ class GradientAccumulation(Callback):
         if not isinstance(items, int): _scale_grads(learn, self.n_acc / items)      # counted on the device
         elif items and items != self.n_acc: _scale_grads(learn, self.n_acc / items)
         self._set_items(0)
-        if learn.stepper.last_turn(): self.count = 0
+        if learn.step.last_turn(): self.count = 0
 
     def steps_in(self, dl):
         """The optimizer steps an epoch over `dl` takes: one every `n_acc` samples, and one for the rest at
@@ -104,7 +104,7 @@ class GradientClip(Callback):
     def before_step(self):
         """Clip the model's gradients; with several optimizers in turn, those of the turn's optimizer's
         parameters"""
-        params = self._params if self.learn.turn is None else self.learn.stepper.params_stepped()
+        params = self._params if self.learn.turn is None else self.learn.step.params_stepped()
         nn.utils.clip_grad_norm_(params, self.max_norm, self.norm_type)
 
 # %% ../../nbs/13_training.ipynb #7ebdabf8
@@ -152,7 +152,7 @@ class _StepProbe:
     was allowed"""
     def __init__(self, learn): self.learn,self.stepped = learn,False
     @property
-    def param_groups(self): return self.learn.stepper.turn_opt().param_groups
+    def param_groups(self): return self.learn.step.turn_opt().param_groups
     def step(self, *args, **kwargs): self.stepped = True
 
 def _to_float(o):
@@ -232,12 +232,12 @@ class MixedPrecision(Callback):
         probe = self._probe
         probe.stepped = False
         scaler.step(probe)        # unscales the gradients in place, checks them for inf/NaN (one host sync)
-        if self.learn.stepper.last_turn(): scaler.update()      # once a batch, after every optimizer's step
+        if self.learn.step.last_turn(): scaler.update()      # once a batch, after every optimizer's step
         if not probe.stepped: self._skip_step()
 
     def _skip_step(self):
         self.skipped_steps += 1
-        self.learn.stepper.turn_opt().zero_grad()
+        self.learn.step.turn_opt().zero_grad()
         raise CancelStepException()
 
     def after_cancel_step(self):
@@ -251,7 +251,7 @@ class MixedPrecision(Callback):
     def after_step(self):
         probe = self._probe
         if probe is not None: probe.stepped = False
-        if not self.learn.stepper.last_turn(): self._region.enter()    # the next turn's forward autocasts too
+        if not self.learn.step.last_turn(): self._region.enter()    # the next turn's forward autocasts too
 
     def _close_region(self):
         if self._region is not None: self._region.exit()

@@ -227,7 +227,7 @@ class EMACallback(WeightAveraging):
         """After a step taken; with several optimizers in turn, once a batch, after its last turn, if any
         stepped"""
         stepped,self._stepped = self._stepped or self._in_batch,True
-        if not self.learn.stepper.last_turn():
+        if not self.learn.step.last_turn():
             self._in_batch = stepped
             return
         if stepped:

@@ -39,12 +39,12 @@ def store_for(learn, folder=None, background=True):
 def _stepped_uncounted(learn, pos):
     "Whether the current training batch is past its step stage (the weights have seen it) but not yet counted"
     new_batch = (learn.epoch, learn.iter) != (pos['epoch'], pos['iter'])
-    return new_batch and learn.step_taken is not None and learn.train_iter == pos['train_iter']
+    return new_batch and learn.stepped is not None and learn.train_iter == pos['train_iter']
 
 def _count_batch(learn):
     """Finish the current training batch as the loop would: gradients zeroed after a step taken, the batch
     counted"""
-    if learn.step_taken: learn.opt.zero_grad()
+    if learn.stepped: learn.opt.zero_grad()
     counter = getattr(learn, 'train_eval', None)
     if counter is not None: counter.after_batch()
 
@@ -121,7 +121,7 @@ class CheckpointCallback(Callback):
     def _take_order(self):
         """Order the training dataloader by a `ResumableSampler` for this fit, as its own sampler would (if it
         can)"""
-        self._user_dl = take_order(self.learn)
+        self._user_dl = order_training_dl(self.learn)
 
     def before_train(self):
         """The random state this epoch starts from, for a dataloader a resume replays (`ResumeCallback` puts
@@ -131,7 +131,7 @@ class CheckpointCallback(Callback):
     def _give_order_back(self):
         "Give the learner the training dataloader the user gave, when the fit ends"
         taken,self._user_dl = self._user_dl,None
-        give_order_back(self.learn, taken)
+        restore_training_dl(self.learn, taken)
 
     def after_rollback(self):
         """A callback put the run back to an earlier batch of this epoch (`SpikeGuard`): that is the last

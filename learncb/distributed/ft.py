@@ -121,9 +121,9 @@ class TorchFT(Strategy):
 
     def logger_for(self, logger):
         "The replica that is first in the latest quorum prints and writes"
-        return lambda *args, **kwargs: logger(*args, **kwargs) if self.speaks() else None
+        return lambda *args, **kwargs: logger(*args, **kwargs) if self.speaks_for_run() else None
 
-    def speaks(self):
+    def speaks_for_run(self):
         "Whether this is rank 0 of the replica group first in its latest quorum (it prints and writes)"
         return self.rank == 0 and self.group_rank == 0
 
@@ -132,8 +132,8 @@ class TorchFT(Strategy):
         """The replica group's torchft manager, from the first fit of the `with` block to its end; in a group
         of many ranks (torchrun), one on each rank"""
         self.group_rank,self.group_world = (rank_distrib(),num_distrib()) if dist.is_initialized() else (0, 1)
-        own = {k: os.environ[k] for k in ('REPLICA_GROUP_ID', 'NUM_REPLICA_GROUPS') if k in os.environ}
-        self.settings = replica_settings({**os.environ, **ray_replica_env(self.group_world), **own})
+        given = {k: os.environ[k] for k in ('REPLICA_GROUP_ID', 'NUM_REPLICA_GROUPS') if k in os.environ}
+        self.settings = replica_settings({**os.environ, **ray_replica_env(self.group_world), **given})
         self.inner = FSDP(self.shard) if self.within == 'fsdp' and self.group_world > 1 else None
         import_torchft(self.allow_untested)
         check_lighthouse(self.settings[0], timeout=self.connect_timeout)
@@ -237,9 +237,9 @@ class TorchFT(Strategy):
         """Sum the gradients and `loss` over the quorum (one all-reduce); the global batch's loss if the
         quorum commits, else `None`"""
         m,parts = self.manager,[local_part(p) for p in params]
-        own = _weights_sum(parts) if m.current_step() == 0 else None    # at step 0, afresh: compare models
+        weights = _weights_sum(parts) if m.current_step() == 0 else None  # at step 0, afresh: compare models
         due = time.monotonic() - self._last_quorum >= self.quorum_every     # asks a quorum at the next step
-        checks = [float(due), 1., learn.epoch, learn.iter, own or 0.]
+        checks = [float(due), 1., learn.epoch, learn.iter, weights or 0.]
         dtype = params[0].dtype if params else torch.float32
         checks = torch.tensor(checks, dtype=dtype, device=loss.device)
         tail = torch.cat([loss.detach().reshape(1).to(dtype), checks])
@@ -249,7 +249,7 @@ class TorchFT(Strategy):
             dist.all_reduce(flat[:n + 2] if self.inner is None else flat[n:n + 2])
         self._sum_over_quorum(flat)
         asks,*sums = flat[n + 1:].tolist()                # one read of the sums on the host
-        if m.errored() is None: check_replicas_agree(sums, learn, own)
+        if m.errored() is None: check_replicas_agree(sums, learn, weights)
         self._quorum_due = True          # the next step forms a quorum unless this one commits, none asking
         if not m.should_commit():
             for p in params: p.grad = None
@@ -310,12 +310,12 @@ class FaultTolerantStep(Step):
             self._batch,self._rows,self._whole = (xb, yb),find_bs(yb or xb),self.items_of(yb, xb)
         super().run()
 
-    def take_turn(self):
-        "A turn as `Step` takes it, the state of the callbacks handling `before_backward` kept (`take_back`)"
+    def run_turn(self):
+        "A turn as `Step` takes it, the state of the callbacks handling `before_backward` kept (`retry_turn`)"
         if self.learn.training:
             self._states = [(cb, copy.deepcopy(cb.state_dict())) for cb in self._before_backward]
             self._seen_loss,self._again = None,False
-        super().take_turn()
+        super().run_turn()
 
     def batch_rows(self):
         "The global batch's rows: every replica reads all of it, and computes its share"
@@ -373,7 +373,7 @@ class FaultTolerantStep(Step):
         "`_try` `backward` (with its events, or without in a closure) again while the quorum does not commit"
         self._try(backward)
         while self._total is None:
-            self.take_back()
+            self.retry_turn()
             self._try(backward)
         self._again = False
 
@@ -396,7 +396,7 @@ class FaultTolerantStep(Step):
         loss = learn.loss if self._seen_loss is None else self._seen_loss     # what `after_loss` handlers saw
         learn.loss = loss.copy_(self._total)                 # the global batch's loss from here on
 
-    def take_back(self):
+    def retry_turn(self):
         """After a try the quorum did not commit: the state of the callbacks that handle `before_backward` as
         before the turn (not inside the optimizer's step, where none fired), then a new quorum, this replica's
         new share and its loss (`Step.steps` fires `before_backward` again)"""
@@ -407,6 +407,7 @@ class FaultTolerantStep(Step):
             for cb,state in self._states: cb.load_state_dict(copy.deepcopy(state))
         self.predict()
         self.compute_loss()
+    take_back = renamed_method('retry_turn', 'take_back')     # its old name
 
     def recompute(self):
         """The closure of a closure optimizer's step: the first call the step's loss (summed over the quorum

@@ -227,7 +227,7 @@ def _summary_text(learn, xb, rows, total, trainable):
 def summary(self:Learner):
     """Each layer's output shape on the first training batch and parameters; totals; the optimizer, loss and
     callbacks"""
-    with self._exclusive('learn.summary()', inside=True):
+    with self._exclusive('learn.summary()', inside_fit=True):
         xb = _xb_of(_first_batch(to_dls(self.dls).train), self.n_inp, self.label_key)
         with rng_kept():
             xb = to_device(xb, model_device(self.model, self.device))

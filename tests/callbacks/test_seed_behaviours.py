@@ -27,17 +27,17 @@ class FastNLPStyleWarmup(Callback):
         self.norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g
                                                                 in grads])).item())
     def after_step(self):
-        if self.learn.step_taken: self.after += 1
+        if self.learn.stepped: self.after += 1
 
 def test_callbacks_at_order_step_see_only_the_steps_that_are_taken_and_the_clipped_gradient():
     seen, every_batch = FastNLPStyleWarmup(), []
     learn = accumulating_learner(cbs=[seen, GradientClip(max_norm=1e-3),
                                       Callback(before_step=lambda cb: every_batch.append(1))])
     stepped = []
-    learn.fit(1, cbs=Callback(after_step=lambda cb: stepped.append(cb.learn.step_taken)))
+    learn.fit(1, cbs=Callback(after_step=lambda cb: stepped.append(cb.learn.stepped)))
     assert len(every_batch) == 25  # a default-order before_step: every batch, as in fastai
     assert (seen.before, seen.after) == (9, 9)  # fastNLP's counts: the 9 steps taken, not 25 batches
-    # after_step fires every batch; step_taken says which stepped
+    # after_step fires every batch; stepped says which stepped
     assert stepped.count(True) == 9 and len(stepped) == 25
     # the gradient the optimizer uses: accumulated and clipped
     assert max(seen.norms) <= 1e-3 * (1 + 1e-4), seen.norms

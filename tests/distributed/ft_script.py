@@ -91,7 +91,7 @@ class Chaos(Callback):
     healed_at,batches,tries = None,0,0
     def after_batch(self):
         if not self.learn.training: return
-        Chaos.batches,Chaos.tries = Chaos.batches + 1,self.learn.stepper.tries
+        Chaos.batches,Chaos.tries = Chaos.batches + 1,self.learn.step.tries
         (out/f'step{replica}').write_text(str(self.learn.train_iter))
 
     def before_batch(self):
@@ -114,7 +114,7 @@ class Chaos(Callback):
         elif args.kill_in == 'turn2':            # the backward of the head's turn: the body's turn committed
             learn.model[0].weight.register_hook(lambda g: die() if learn.turn == 'head' else None)
         elif args.kill_in == 'closure':          # the backward of a closure's call inside LBFGS's step
-            learn.model[0].weight.register_hook(lambda g: die() if learn.stepper._in_step else None)
+            learn.model[0].weight.register_hook(lambda g: die() if learn.step._in_step else None)
 
 class Spike(Callback):
     """The targets of training batch `--spike-at` made 100 times larger: a spike that SpikeGuard rolls back

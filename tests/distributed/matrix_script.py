@@ -36,7 +36,7 @@ class StepCount(Callback):
     "The optimizer steps taken in the fit (counted after a compiled step)"
     order,deferred_events,n = Order.FINAL,('after_step',),0
     def before_fit(self): self.n = 0
-    def after_step(self): self.n += bool(self.learn.step_taken)
+    def after_step(self): self.n += bool(self.learn.stepped)
 
 class Spikes(Callback):
     """Scripted spikes: the targets of batch (0, 3) made NaN, those of batch (1, 2) 100 times larger (then
