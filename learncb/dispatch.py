@@ -168,7 +168,7 @@ class CallbackHost:
         firing now"""
         self.cbs.remove(cb)
         self._hide(cb)
-        if self.fitting: self._removed_in_fit.append(cb)
+        if self.fitting: self.fit_session.removed_cbs.append(cb)
         else: cb.learn = None
         self.cbs_changed()
         return self

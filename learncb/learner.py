@@ -27,8 +27,8 @@ from .recorder import *
 from .progress import *
 from .preds import *
 from .state import *
-from .resume import resume_cbs, resumed_from
-from .sampler import steered_batches, order_training_dl, restore_training_dl
+from .sampler import steered_batches
+from .session import fit_session
 from .step import *
 from .ranks import refuse
 from .strategy import SingleProcess
@@ -157,8 +157,8 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         self.strategy = SingleProcess()               # how fits run: `distrib_ctx` sets another
         # who runs a fit now; the optimizers create_opt made
         self._running,self._opts_made = None,weakref.WeakKeyDictionary()
-        # see _fit_session and _end_fit
-        self._removed_in_fit,self._skipped_items_of,self._ordered_dl = [],None,None
+        self.fit_session = None                       # the `FitSession` of the fit under way
+        self._skipped_items_of = None                 # the training set `skipped_items` are rows of
         for k,v in {**fit_attrs, **phase_attrs}.items(): setattr(self, k, v)
         self.training = False
         self.start_epoch = 0
@@ -177,7 +177,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
     def fit(self, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, resume=None):
         """Train `n_epoch` epochs; `cbs` are added for this fit only; `resume` (a checkpoint, `True`,
         `'auto'`) continues a run"""
-        with self._fit_session(n_epoch, lr, wd, cbs, reset_opt, resume):
+        with fit_session(self, n_epoch, lr, wd, cbs, reset_opt, resume):
             self._with_events(self._do_fit, 'fit', CancelFitException)
 
     def _do_fit(self):
@@ -245,60 +245,6 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             self._fire(after_cancel)
         if self._tables[self.training][after]: self._fire(after)
         return done
-
-    # Around the loop: the fit session
-    @contextmanager
-    def _fit_session(self, n_epoch, lr, wd, cbs, reset_opt, resume):
-        """Set up a fit; on an error fire `after_exception` then `after_fit`; leave the learner ready for the
-        next fit"""
-        with self._exclusive('learn.fit()'):
-            n_epoch = self._check_fit(n_epoch, lr, wd, 'fit')
-            with self.added_cbs(cbs):
-                self._opt_for_fit(reset_opt)
-                self._set_hypers(lr=self.lr if lr is None else lr, wd=self.wd if wd is None else wd)
-                self.n_epoch = n_epoch
-                self.exception = None
-                self.stop_reason = None
-                self._raised_in = None
-                self.start_epoch,self.start_iter,self.skipped_batches = 0,0,()
-                data = getattr(self.dls.train, 'dataset', None)      # the rows found bad in it stay out
-                if data is not self._skipped_items_of: self.skipped_items,self._skipped_items_of = [],data
-                # an order that places them
-                self._ordered_dl = order_training_dl(self) if self.skipped_items else None
-                with self.added_cbs(resuming := resume_cbs(self, resume)):
-                    try:
-                        self.fitting,self.resume_from = True,resumed_from(resuming)
-                        self._prepare_fit()
-                        yield
-                    except BaseException as e: self._after_exception(e); raise
-                    finally: self._end_fit()
-
-    def _after_exception(self, e):
-        """Store `e`, explain it, fire `after_exception` (and `after_fit`), attaching any error of those
-        handlers to `e`"""
-        self.exception = e
-        if isinstance(e, loop_signals):
-            where = ("a training batch's events (after_batch), where the training phase goes back to its "
-                     "batch"
-                     if isinstance(e, RollbackException) else "the stage it cancels")
-            add_note(e, f"learncb: {type(e).__name__} reached fit without a stage of its kind around it "
-                        f"(epoch {self.epoch}, iter {self.iter}); raise it only inside {where}")
-        elif isinstance(e, Exception): explain_batch_error(self, e)
-        after_fit_failed = self._raised_in == 'after_fit'
-        for name in ('after_exception',) if after_fit_failed else ('after_exception', 'after_fit'):
-            self._fire_unwinding(name, e)
-
-    def _end_fit(self):
-        """Put the learner back in its resting state: not fitting, not resuming, every callback running, not
-        training"""
-        self.fitting,self.resume_from,self.step = False,None,self._step_outside_fit
-        restore_training_dl(self, self._ordered_dl)
-        for cb in self._removed_in_fit:
-            if cb not in self.cbs: cb.learn = None
-        self._removed_in_fit = []
-        for cb in self.cbs:
-            if not cb.run: cb.run = True
-        self.training = False
 
     def stop_fit(self, reason='stop_fit was called'):
         """Stop the fit at the end of this epoch, after every `after_epoch` handler; `learn.stop_reason` keeps

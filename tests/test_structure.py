@@ -15,7 +15,8 @@ loop_layer = {f'learncb.{m}' for m in ('core', 'utils', 'files', 'checks', 'diag
                                        'weights',
                                        'metrics', 'recorder', 'progress', 'preds', 'learner', 'ranks',
                                        'sampler',
-                                       'state', 'resume', 'step', 'strategy', 'internals', 'items')}
+                                       'state', 'resume', 'step', 'strategy', 'internals', 'items',
+                                       'session')}
 # Imports made inside a function, when the feature is asked for: these alone run against the layers
 # fit(resume=...): the CheckpointCallback, the store
 lazy_allowed = {('learncb.resume', 'learncb.checkpoint.callback'),
@@ -206,7 +207,6 @@ def test_lines_fit_a_screen():
 # ceiling.
 GUIDE, CEILING = 450, 520
 one_idea = {
-    'learncb.learner': "Learner and its loop, read top-down (the fit-state object will take the fit's part)",
     'learncb.recorder': "the Recorder alone: the history, the epoch table, smoothing, metrics per phase",
     'learncb.callbacks.guards': "SpikeGuard and TerminateOnNaN (a SpikeGuard that watches for NaN only)",
     'learncb.distributed.ft': "TorchFT, its FaultTolerantStep and ReplicaCallback: one protocol, quorum to "

@@ -1,8 +1,7 @@
 """Write README.md from nbs/index.ipynb (what `nbdev-readme` does, without needing Quarto).
 
 Markdown cells are copied, code cells become ```python blocks followed by their text output when the notebook
-was
-run here, and cells marked `#| hide` are left out. `--check` exits 1 if README.md is not what this would
+was run here, and cells marked `#| hide` are left out. `--check` exits 1 if README.md is not what this would
 write."""
 import sys
 from pathlib import Path

@@ -100,9 +100,10 @@ def _indexed_datasets(learn, with_collate=False):
         yield (ds, getattr(dl, 'collate_fn', None) or default_collate) if with_collate else ds
 
 def _item_shapes(learn):
-    """The shapes of one item's inputs: those exported with an `InferenceLearner`, else those of the learner's
-    data (validation set, else training set); `None` if unknown"""
-    if isinstance(learn, InferenceLearner): return learn.item_shapes
+    """The shapes of one item's inputs: those an `InferenceLearner` read from its file (`item_shapes`), else
+    those of the learner's data (validation set, else training set); `None` if unknown"""
+    saved = getattr(learn, 'item_shapes', None)
+    if saved is not None: return saved
     for ds in _indexed_datasets(learn):
         try: xs = _inputs_of(ds[0], learn.n_inp)
         except Exception: continue
