@@ -67,8 +67,8 @@ def check_opt_func(opt_func):
 def _check_metric(m):
     if isinstance(m, str):
         known = callable(getattr(importlib.import_module('learncb.metrics'), m, None))
-        fix = (f"from learncb.metrics import {m}; metrics={m}" if known else "from learncb.metrics import "
-            "accuracy")
+        imports = 'from learncb.metrics import'
+        fix = f"{imports} {m}; metrics={m}" if known else f"{imports} accuracy"
         raise TypeError(f"metrics must be functions f(pred, *yb) or metric objects, not the string {m!r}: "
                         f"pass the function itself ({fix})")
     if isinstance(m, type): raise TypeError(f"metrics must be functions or metric objects, not the class "

@@ -186,8 +186,8 @@ def compiler_error(e):
     model or a callback"""
     if recompile_limit_hit(e): return True
     exc = _dynamo_exc()
-    return exc is not None and isinstance(e, exc.TorchDynamoException) and not isinstance(e,
-        exc.TorchRuntimeError)
+    return (exc is not None and isinstance(e, exc.TorchDynamoException)
+            and not isinstance(e, exc.TorchRuntimeError))
 
 def recompile_limit_hit(e):
     "Whether `e` is torch.compile's recompile limit reached"

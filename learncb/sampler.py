@@ -258,8 +258,8 @@ def restore_training_dl(learn, taken):
     if learn.dls.train is ordered: learn.dls.train = dl
     restore_order(dl)
 
-take_order,give_order_back = renamed(order_training_dl, 'take_order'),renamed(restore_training_dl,
-    'give_order_back')
+take_order = renamed(order_training_dl, 'take_order')                 # the old names
+give_order_back = renamed(restore_training_dl, 'give_order_back')
 
 # %% ../nbs/16e_sampler.ipynb #0d8db992
 def epoch_start_state(dl):

@@ -87,8 +87,8 @@ class Step:
     def find_hooks(self):
         """Take the step hooks (`step_forward`, `step_backward`) of the learner's callbacks now (a step kept
         for several fits)"""
-        self.forward_hook,self.backward_hook = _hook(self.learn, 'step_forward'),_hook(self.learn,
-            'step_backward')
+        self.forward_hook = _hook(self.learn, 'step_forward')
+        self.backward_hook = _hook(self.learn, 'step_backward')
 
     def run(self):
         "The current batch's step: one turn (`run_turn`), or with `turns` one per optimizer, in turn"

@@ -16,7 +16,7 @@ from .core import *
 from .learner import *
 from .progress import ProgressCallback
 from .demo import digits_dls, digits_model
-from .callbacks import schedule        # learn.fit_one_cycle
+from .callbacks import policies        # learn.fit_one_cycle
 
 # %% ../nbs/07_test_utils.ipynb #17972601
 def _synth_xy(n, seed, n_in=2):
@@ -71,8 +71,8 @@ class EventLog(Callback):
     -100)"""
     order = Order.FIRST
     def __init__(self, fetch=True):
-        super().__init__(**{e: _writes_down(e) for e in event if fetch or e not in ('before_fetch',
-            'after_fetch')})
+        fetch_events = ('before_fetch', 'after_fetch')
+        super().__init__(**{e: _writes_down(e) for e in event if fetch or e not in fetch_events})
         self.log = []
 
 # %% ../nbs/07_test_utils.ipynb #e159a9aa
@@ -145,7 +145,7 @@ def clean_fit(problem, seed=0, schedule='constant', second=False, epochs=3, cbs=
     learn.printed = out.getvalue()
     return learn
 
-clean_fit_cases = [(p, seed, sched, second) for p in _problems for seed in (0, 1) for sched in ('constant',
-    'one-cycle')
+clean_fit_cases = [(p, seed, sched, second) for p in _problems for seed in (0, 1)
+                   for sched in ('constant', 'one-cycle')
                    for second in (False, True)]
 "`(problem, seed, schedule, second)` for `clean_fit`: 24 combinations"

@@ -72,8 +72,8 @@ class WeightsHost:
         except Exception as e:
             undo()
             groups = state.get('param_groups') if isinstance(state, dict) else None
-            saved = sorted({k for g in groups for k in g if k != 'params'}) if isinstance(groups,
-                list) else '?'
+            saved = (sorted({k for g in groups for k in g if k != 'params'}) if isinstance(groups, list)
+                     else '?')
             raise ValueError(f"{path}: its optimizer state does not fit this learner's {type(opt).__name__} "
                              f"({e}); it was saved by another optimizer (its hyper-parameters: {saved}) or "
                              f"with other parameter groups. Nothing was changed: load it into a learner with "

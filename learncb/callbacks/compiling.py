@@ -89,8 +89,8 @@ def hypers_as_numbers(opt):
     CPU"""
     for pg in opt.param_groups:
         if not isinstance(pg.get('lr'), torch.Tensor) or not pg.get('capturable'): continue
-        pg['lr'],pg['betas'],pg['capturable'] = hyper_number(pg['lr']),tuple(map(hyper_number,
-            pg['betas'])),False
+        pg['lr'],pg['betas'] = hyper_number(pg['lr']),tuple(map(hyper_number, pg['betas']))
+        pg['capturable'] = False
 
 def backward_traceable(learn):
     """Whether torch.compile may trace the backward of `learn.model` into the step's graph: no reduction in it

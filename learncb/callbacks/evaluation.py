@@ -88,8 +88,8 @@ class EvaluateCallback(Callback):
                  watch_greater_is_better=None,
                  keep_best=0, best_monitor=None):
         check_int(every, 'every', ge=1, who='EvaluateCallback', hint='evaluate every `every` epochs')
-        check_int(keep_best, 'keep_best', ge=0, who='EvaluateCallback', hint='how many best weights files to '
-            'keep')
+        check_int(keep_best, 'keep_best', ge=0, who='EvaluateCallback',
+                  hint='how many best weights files to keep')
         if not (watch_monitor is None or isinstance(watch_monitor, str) or callable(watch_monitor)):
             raise TypeError(
             f"EvaluateCallback: watch_monitor must be a column of the validation (e.g. 'valid_loss') or a "

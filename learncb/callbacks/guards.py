@@ -55,8 +55,8 @@ class SpikeGuard(Callback):
     def __init__(self, factor=5., check_every=25, snapshot_every=100, max_rollbacks=3, grad_norm=False,
                  n_history=50, warmup=10, skip_on_device=False):
         who = 'SpikeGuard'
-        self.factor = check_number(factor, 'factor', gt=1, who=who, hint='how many times the median of the '
-            'batches before it a spike is')
+        self.factor = check_number(factor, 'factor', gt=1, who=who,
+                                   hint='how many times the median of the batches before it a spike is')
         self.check_every = check_int(check_every, 'check_every', ge=1, who=who)
         self.snapshot_every = check_int(snapshot_every, 'snapshot_every', ge=1, who=who)
         self.max_rollbacks = check_int(max_rollbacks, 'max_rollbacks', ge=0, who=who)
@@ -66,8 +66,7 @@ class SpikeGuard(Callback):
             f"SpikeGuard: warmup={warmup} is more than n_history={n_history}, the batches it remembers: make "
             f"warmup at most n_history")
         self.grad_norm = bool(grad_norm)
-        self.history = {'loss': [],
-            'grad_norm': []}
+        self.history = {'loss': [], 'grad_norm': []}
         self.rollbacks = 0
         self.replayable = True
         # a fused optimizer's flag: no step on a non-finite loss, at a cost
@@ -459,8 +458,8 @@ class TerminateOnNaNCallback(SpikeGuard):
         bad = (~finite).float().sum().reshape(1)
         if world > 1: bad = sum_across_ranks(bad)
         if not bad.item(): return
-        where = (f"batch {int((~finite).nonzero()[0])}" if not bool(finite.all()) else "a batch of another "
-            "rank")
+        where = (f"batch {int((~finite).nonzero()[0])}" if not bool(finite.all())
+                 else "a batch of another rank")
         self.found = (f"validation loss is NaN or infinite at epoch {self.learn.epoch}, {where}: the fit "
                       f"stopped after that validation, with the weights of the epoch's last step")
         self._stop()

@@ -99,8 +99,8 @@ class LRFinder(Callback):
         if ax is None: _,ax = plt.subplots()
         end = len(self.lrs) - skip_end if len(self.lrs) > skip_end + 1 else len(self.lrs)
         lrs,losses = self.lrs[:end],self.losses[:end]
-        ax.plot(lrs, losses); ax.set_xscale('log'); ax.set_xlabel('learning rate'); ax.set_ylabel('smoothed '
-            'loss')
+        ax.plot(lrs, losses); ax.set_xscale('log')
+        ax.set_xlabel('learning rate'); ax.set_ylabel('smoothed loss')
         if self.suggestions and lrs:
             for name,lr in self.suggestions._asdict().items():
                 ax.plot(lr, np.interp(math.log(lr), np.log(lrs), losses), 'o', label=f'{name}: {lr:.2e}')

@@ -84,8 +84,8 @@ def fit_flat_cos(self:Learner, n_epoch, lr=None, div_final=1e5, pct_start=0.75, 
         self._check_fit(n_epoch, None, wd, 'fit_flat_cos')
         check_has_len(self.dls.train, 'fit_flat_cos')
         lr,reset_opt = _spread_for_fit(self, lr, reset_opt)
-        make = lambda v: combine_scheds([pct_start, 1 - pct_start], [SchedNo(v, v), SchedCos(v,
-            v / div_final)])
+        make = lambda v: combine_scheds([pct_start, 1 - pct_start],
+                                        [SchedNo(v, v), SchedCos(v, v / div_final)])
         _fit_scheduled(self, n_epoch, {'lr': _per_group(make, lr)}, wd, cbs, reset_opt, resume)
 
 # %% ../../nbs/11a_policies.ipynb #ff5fc374
@@ -116,8 +116,8 @@ def fit_sgdr(self:Learner, n_cycles, cycle_len, lr_max=None, cycle_mult=2, cbs=N
     with self._exclusive('learn.fit_sgdr()', lent_to_fit=True):
         n_cycles = check_int(n_cycles, 'n_cycles', ge=1, who='fit_sgdr', hint='the number of cosine cycles')
         cycle_len = check_int(cycle_len, 'cycle_len', ge=1, who='fit_sgdr', hint='epochs in the first cycle')
-        cycle_mult = check_int(cycle_mult, 'cycle_mult', ge=1, who='fit_sgdr', hint='1 for cycles of equal '
-            'length')
+        cycle_mult = check_int(cycle_mult, 'cycle_mult', ge=1, who='fit_sgdr',
+                               hint='1 for cycles of equal length')
         lr_max = check_lr(self.lr if lr_max is None else lr_max, 'lr_max', who='fit_sgdr')
         lens = [cycle_len * cycle_mult ** i for i in range(n_cycles)]
         self._check_fit(sum(lens), None, wd, 'fit_sgdr')

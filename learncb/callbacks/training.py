@@ -329,8 +329,8 @@ class MoveModulesToDeviceCallback(Callback):
 
 # %% ../../nbs/13_training.ipynb #a8ca4104
 def _channels_last(x):
-    return x.contiguous(memory_format=torch.channels_last) if isinstance(x,
-        torch.Tensor) and x.ndim == 4 else x
+    four_dims = isinstance(x, torch.Tensor) and x.ndim == 4
+    return x.contiguous(memory_format=torch.channels_last) if four_dims else x
 
 class ChannelsLast(Callback):
     "Train in channels-last memory format: the model at `before_fit`, each 4-d input at `before_batch`"

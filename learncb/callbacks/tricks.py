@@ -279,8 +279,8 @@ class SWACallback(WeightAveraging):
     def __init__(self, start_epoch, swa_lr, anneal_epochs=1, anneal_strategy='cos', update_bn=True,
                  replace_at_end=True):
         if isinstance(start_epoch, float):      # a share of the fit, as Lightning's swa_epoch_start
-            check_fraction(start_epoch, 'start_epoch', who='SWACallback', hint='an epoch number, or a share '
-                'of the fit such as 0.8')
+            check_fraction(start_epoch, 'start_epoch', who='SWACallback',
+                           hint='an epoch number, or a share of the fit such as 0.8')
         else: check_int(start_epoch, 'start_epoch', ge=0, who='SWACallback')
         check_int(anneal_epochs, 'anneal_epochs', ge=0, who='SWACallback')
         check_choice(anneal_strategy, 'anneal_strategy', ('cos', 'linear'), who='SWACallback')

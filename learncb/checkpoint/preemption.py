@@ -34,8 +34,8 @@ def check_signals(signals, who='CheckpointCallback'):
     for s in listify(signals):
         name = s if isinstance(s, str) else None
         try:
-            sig = signal.Signals(s) if not isinstance(s, str) else signal.Signals[s if s.startswith('SIG')
-                else 'SIG' + s]
+            if isinstance(s, str): sig = signal.Signals[s if s.startswith('SIG') else 'SIG' + s]
+            else: sig = signal.Signals(s)
         except (KeyError, ValueError, TypeError): sig = None
         if sig is None or sig.name in _uncatchable:
             why = 'cannot be caught' if sig is not None else 'is not a signal'

@@ -111,8 +111,8 @@ class FileStore(CheckpointStore):
         if path.is_dir(): return read_sharded(path)  # its tensors are read when loaded: `read_tensors`
         state = load_torch_file(path, map_location=self.map_location, unpack=False)
         if is_snapshot(state): return read_snapshot(state, path)  # checked against its checksum as it is read
-        return check_checksum(state, path, required=state.get('version', 1) >= 2) if isinstance(state,
-            dict) else state
+        if not isinstance(state, dict): return state
+        return check_checksum(state, path, required=state.get('version', 1) >= 2)
 
     def list(self):
         if not self.folder.is_dir(): return []
@@ -170,8 +170,8 @@ class FsspecStore(CheckpointStore):
         self.url,self.folder = url.rstrip('/'),url.rstrip('/')
         self.fs,self.root = fsspec.core.url_to_fs(self.url, **storage_options)
         stage = tempfile.mkdtemp(prefix='learncb-stage-')       # this process's own: nodes may share no disk
-        self.local = ShardedStore(stage, map_location, background) if sharded else FileStore(stage,
-            map_location)
+        self.local = (ShardedStore(stage, map_location, background) if sharded
+                      else FileStore(stage, map_location))
         weakref.finalize(self, shutil.rmtree, stage, ignore_errors=True)
         # kept: read after the store
         self.collective,self._downloads = sharded,tempfile.mkdtemp(prefix='learncb-read-')
