@@ -85,16 +85,16 @@ def _floats(xb, who):
     return idx
 
 class MixUp(MixHandler):
-    """MixUp (Zhang et al., 2017): inputs `λ·x + (1-λ)·x[perm]`, loss `λ·loss(y) + (1-λ)·loss(y[perm])`, λ ~
-    Beta(α, α)"""
+    """MixUp (Zhang et al., 2017): inputs `λ·x + (1-λ)·x[perm]`, loss `λ·loss(y) + (1-λ)·loss(y[perm])`,
+    λ ~ Beta(α, α)"""
     def mix(self, xb):
         idx = _floats(xb, 'MixUp')
         return tuple(torch.lerp(x[self.perm], x, self.lam) if i in idx else x for i,x in enumerate(xb))
 
 # %% ../../nbs/29_tricks.ipynb #348c78d9
 class CutMix(MixHandler):
-    """CutMix (Yun et al., 2019): a box of each image is taken from another one; λ ~ Beta(α, α) unfolded, then
-    the share left"""
+    """CutMix (Yun et al., 2019): a box of each image is taken from another one; λ ~ Beta(α, α)
+    unfolded, then the share left"""
     fold = False
     def __init__(self, alpha=1.): super().__init__(alpha)
 
