@@ -27,8 +27,8 @@ from .recorder import *
 from .progress import *
 from .preds import *
 from .state import *
-from .sampler import steered_batches
-from .session import fit_session
+from .sampler import SteeredBatches
+from .session import fit_session, in_fit_session
 from .step import *
 from .ranks import refuse
 from .strategy import SingleProcess
@@ -126,8 +126,12 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
     callbacks"""
     label_key,pred_key,loss_key = 'labels','logits','loss'     # the entries of dict batches and dict outputs
     step_class = Step  # the eager step: a subclass of `Step` changes it
+    # where the running fit starts: its `FitSession`'s
+    start_epoch,start_iter,resume_from = in_fit_session(0),in_fit_session(0),in_fit_session(None)
     stepper,step_taken = renamed_attr('step', 'stepper'),renamed_attr('stepped', 'step_taken')  # old names
     take_batch = renamed_method('set_batch', 'take_batch')
+    run_validation = renamed_method('_run_validation', 'run_validation')
+    loop_state,dl_for = moved_method(loop_state, 'loop_state'),moved_method(dl_for, 'dl_for')
     def __init__(self, dls, model, loss_func=None, opt_func=fast_adam, lr=None, splitter=None, cbs=None,
                  metrics=None, path='.', model_dir='models', wd=None, device=None, default_cbs=True, n_inp=1,
                  vocab=None, train_bn=True, label_key=None, pred_key=None, loss_key=None):
@@ -153,16 +157,14 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         self.fitting = False
         self.validating_aside = 0
         self.stop_reason = None
-        self.resume_from = None
         self.strategy = SingleProcess()               # how fits run: `distrib_ctx` sets another
         # who runs a fit now; the optimizers create_opt made
         self._running,self._opts_made = None,weakref.WeakKeyDictionary()
         self.fit_session = None                       # the `FitSession` of the fit under way
+        self.batch_source = None                      # the phase's `SteeredBatches`
         self._skipped_items_of = None                 # the training set `skipped_items` are rows of
         for k,v in {**fit_attrs, **phase_attrs}.items(): setattr(self, k, v)
         self.training = False
-        self.start_epoch = 0
-        self.start_iter = 0
         self._out_loss = None
         self.turn = None
         self.step = self._step_outside_fit = self.step_class(self, hooks=False)      # the step outside a fit
@@ -181,7 +183,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             self._with_events(self._do_fit, 'fit', CancelFitException)
 
     def _do_fit(self):
-        self.step = self._step_for_fit()
+        self.step = self.fit_session.make_step()
         for epoch in range(self.start_epoch, self.n_epoch):
             self.epoch = epoch
             self._with_events(self._do_epoch, 'epoch', CancelEpochException)
@@ -201,27 +203,24 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             with torch.no_grad(): self._with_events(self.all_batches, 'validate', CancelValidException)
 
     def all_batches(self):
-        """Run `one_batch` on the batches of `self.dl` from `start_iter` (0 unless resuming); after a
-        rollback, from its batch"""
-        start,self.start_iter = self.start_iter,0
-        while True:
-            try: return self._run_batches(start)
-            except RollbackException as e: start = e.start
-
-    def _run_batches(self, start):
-        "`one_batch` on the batches of `self.dl` from `start`, as the guards steer them (`steered_batches`)"
-        i = start - 1
-        for i,b in steered_batches(self, self._batches(start), start):
+        """Run `one_batch` on the batches of `self.dl` from `start_iter` (0 unless resuming), as the guards
+        steer them (`SteeredBatches`: after a rollback, from its batch)"""
+        start = self.start_iter
+        if start: self.start_iter = 0      # a resumed epoch's first phase: the next begins at 0
+        self.batch_source = SteeredBatches(self, self._batches, start)
+        for i,b in self.batch_source:
             if b is not None: self.one_batch(i, b)
-        if i < 0:
-            raise ValueError(f"the dataloader {self.dl!r} yielded no batches: check its dataset and sampler")
 
     def one_batch(self, i, b):
-        "Move batch `b` to the model's device, split it into `xb`/`yb` and run it with its events"
+        """Move batch `b` to the model's device, split it into `xb`/`yb` and run it with its events; a
+        rollback rewinds the phase's batches (`batch_source`) to its batch"""
         self.iter,self.stepped = i,None          # `None` until this batch's step stage is over
         try:
             self.set_batch(b)
             self._with_events(self.step.run, 'batch', CancelBatchException)
+        except RollbackException as e:     # the run is back before batch `e.start`: the loop goes on there
+            if self.batch_source is None: raise
+            self.batch_source.rewind(e.start)
         except Exception as e: note_batch(e, b, i, 'train' if self.training else 'validate', self.dl); raise
 
     def set_batch(self, b):
@@ -250,12 +249,6 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         """Stop the fit at the end of this epoch, after every `after_epoch` handler; `learn.stop_reason` keeps
         `reason`"""
         self.stop_reason = reason
-
-    def loop_state(self):
-        "Where the fit is, as a checkpoint saves it: `fit_attrs`, the batch `iter` and the stop reason"
-        stop = self.stop_reason
-        return {**{k: getattr(self, k) for k in fit_attrs}, 'iter': self.iter,
-                'stop_reason': None if stop is None else str(stop)}
 
     def _check_fit(self, n_epoch, lr, wd, who):
         "Check what a fit needs, before anything runs: arguments, parts and data; returns `n_epoch` as an int"
@@ -347,21 +340,6 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         else: self._batch_device = device if any(t.device.type != 'cpu' for t in tensors_of(b)) else None
         return to_device(b, device)
 
-    def _step_for_fit(self):
-        """The step this fit runs: the one a callback makes (`make_step`: `learn.compile(step=True)`'s), else
-        the eager `Step`"""
-        made = [(cb, step) for cb in self.cbs if (step := cb.make_step()) is not None]
-        if len(made) > 1: raise ValueError(
-            f"{', '.join(type(cb).__name__ for cb,_ in made)} each make the step of this fit: one callback "
-            f"at most may (make_step); fit with one of them")
-        step = made[0][1] if made else self.step_class(self)
-        step.check_fit()
-        if made and self.step_class.turns is not None and not isinstance(step, self.step_class):
-            raise ValueError(f"{type(made[0][0]).__name__} makes the step of this fit, so "
-                             f"{self.step_class.__name__}'s turns {self.step_class.turns} would not run: "
-                             f"several optimizers in turn run in their own step, without it")
-        return step
-
     def _batches(self, start):
         """The batches of `self.dl`, with `before_fetch`/`after_fetch` around taking each one when a callback
         handles them"""
@@ -402,15 +380,15 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
     @contextmanager
     def _saved_loop_state(self):
         "Save the loop position, phase and model mode; restore them on exit (for validation inside a fit)"
-        saved,training,model_mode = {k: getattr(self, k) for k
-                                     in phase_attrs},self.training,self.model.training
+        saved = {k: getattr(self, k) for k in (*phase_attrs, 'batch_source')}
+        training,model_mode = self.training,self.model.training
         try: yield
         finally:
             for k,v in saved.items(): setattr(self, k, v)
             self.training = training
             self.model.train(model_mode)
 
-    def run_validation(self, dl):
+    def _run_validation(self, dl):
         """Fire the validation stage on `dl`, leaving a running fit's state alone (what `validate` and
         `get_preds` run)"""
         with self._exclusive('learn.validate() or learn.get_preds()',
@@ -419,16 +397,6 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
             self.validating_aside += 1
             try: self._do_phase(dl, 'validate')
             finally: self.validating_aside -= 1
-
-    def dl_for(self, ds_idx):
-        """The dataloader of `ds_idx`: 0 for the training one, 1 for the validation one (an error if there is
-        none)"""
-        check_choice(ds_idx, 'ds_idx', (0, 1), hint='0: the training dataloader, 1: the validation one; or '
-                                                    'pass dl=')
-        dl = self.dls[ds_idx]
-        if dl is None:
-            raise ValueError(f"there is no {'train' if ds_idx == 0 else 'valid'} dataloader; pass dl=...")
-        return dl
 
     @contextmanager
     def no_logging(self):

@@ -293,13 +293,14 @@ def norm_params(model):
 class OptimizerHost:
     """The optimizer of a learner: its parameter groups, their lr and wd, freezing, and whether it still fits
     the model"""
+    named_param_groups = renamed_method('_named_param_groups', 'named_param_groups')    # the old name
     def param_groups(self):
         """The model's parameters split by `splitter` into lists, one per param group (one group without a
         splitter); with several optimizers, the groups of each in turn"""
-        split = self.named_param_groups()
+        split = self._named_param_groups()
         return [g for gs in split.values() for g in gs]
 
-    def named_param_groups(self):
+    def _named_param_groups(self):
         """`{name: param groups}`: a splitter that returns a dict gives each optimizer its parameters (one
         group, or a list of groups); else one optimizer, named `None`"""
         if self.splitter is None: return {None: [list(self.model.parameters())]}
@@ -325,7 +326,7 @@ class OptimizerHost:
         """Create the optimizer: `opt_func` on the `param_groups`, with `lr=self.lr` (and
         `weight_decay=self.wd` if set); `NamedOptimizers` when the splitter names several, each made by its
         `opt_func` (a dict by name, or one for all)"""
-        lr,wd,split = self.lr,self.wd,self.named_param_groups()
+        lr,wd,split = self.lr,self.wd,self._named_param_groups()
         if None in split:
             if named := next(((v, n) for v,n in ((lr, 'lr'), (wd, 'wd')) if isinstance(v, dict)), None):
                 raise _one_optimizer(*named)

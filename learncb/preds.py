@@ -6,7 +6,7 @@ Docs: https://learncb.github.io/learncb/preds.html.md"""
 
 # %% auto #0
 __all__ = ['n_samples', 'model_loss', 'model_pred', 'Gatherer', 'GatherPredsCallback', 'loss_kind', 'head_loss', 'activation_of',
-           'decodes_of', 'in_order', 'PredsHost', 'FetchPredsCallback']
+           'decodes_of', 'in_order', 'dl_for', 'PredsHost', 'FetchPredsCallback']
 
 # %% ../nbs/05_preds.ipynb #e2d7f6e9
 from collections.abc import Mapping
@@ -278,6 +278,16 @@ def in_order(dl):
     return rebuild_dataloader(dl, SequentialSampler(dl.dataset), drop_last=False)
 
 # %% ../nbs/05_preds.ipynb #b99025bb
+def dl_for(learn, ds_idx):
+    """The dataloader of `learn`'s `ds_idx`: 0 for the training one, 1 for the validation one (an error if
+    there is none)"""
+    hint = '0: the training dataloader, 1: the validation one; or pass dl='
+    check_choice(ds_idx, 'ds_idx', (0, 1), hint=hint)
+    dl = learn.dls[ds_idx]
+    if dl is None:
+        raise ValueError(f"there is no {'train' if ds_idx == 0 else 'valid'} dataloader; pass dl=...")
+    return dl
+
 class PredsHost:
     """Predictions and validation on any dataloader, `get_preds` and `validate`: the part of `Learner` that
     predicts"""
@@ -296,9 +306,9 @@ class PredsHost:
 
     def validate(self, ds_idx=1, dl=None, cbs=None):
         "Loss and metrics on `dl` (or `dls[ds_idx]`): `[valid_loss, *metrics]`"
-        if dl is None: dl = self.dl_for(ds_idx)
+        if dl is None: dl = dl_for(self, ds_idx)
         dl,_ = _over_ranks(self, dl)
-        with self.added_cbs(cbs), self.no_logging(), self._validation_aside(): self.run_validation(dl)
+        with self.added_cbs(cbs), self.no_logging(), self._validation_aside(): self._run_validation(dl)
         rec = getattr(self, 'recorder', None)
         return rec.last_valid if isinstance(rec, Recorder) else None
 
@@ -316,7 +326,7 @@ class PredsHost:
                   cbs=None, reorder=True, save_preds=None, save_targs=None, with_preds=True, with_targs=True,
                   concat_dim=0, pickle_protocol=2):
         "Predictions and targets on `dl` (or `dls[ds_idx]`): `(inputs?, preds, targs, decoded?, losses?)`"
-        if dl is None: dl = self.dl_for(ds_idx)
+        if dl is None: dl = dl_for(self, ds_idx)
         if reorder: dl = in_order(dl)
         dl,collect = _over_ranks(self, dl)
         gather = GatherPredsCallback(with_input=with_input, with_loss=with_loss, save_preds=save_preds,
@@ -325,8 +335,8 @@ class PredsHost:
         with (_recorders_off(self), self.added_cbs([gather, *listify(cbs)]), self.no_logging(),
               self._validation_aside()):
             if with_loss and self.loss_func is not None:
-                with self.loss_not_reduced(), _noting_reduction(): self.run_validation(dl)
-            else: self.run_validation(dl)
+                with self.loss_not_reduced(), _noting_reduction(): self._run_validation(dl)
+            else: self._run_validation(dl)
         res = gather.all_tensors()
         if collect is not None: res = collect(res)
         i = 1 if with_input else 0

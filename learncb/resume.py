@@ -193,7 +193,7 @@ def resume_cbs(learn, resume):
         if str(path) not in {str(r) for r in store.list()}: store = store_for(learn, url_parent(path))
         state = read_checkpoint(store, path)
     check_same_run(learn, state, path)
-    learn.check_state(state, path)  # the model and the optimizer take it: nothing is changed yet
+    check_state(learn, state, path)  # the model and the optimizer take it: nothing is changed yet
     if (why := _finished(state)):
         warn_user(f"{path} is the end of a run that is over ({why}): there is nothing left to train, and the "
                       f"learner gets that run's final state. To train more, start a new fit without resume")

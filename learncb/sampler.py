@@ -6,9 +6,9 @@ Docs: https://learncb.github.io/learncb/sampler.html.md"""
 
 # %% auto #0
 __all__ = ['RowsOut', 'take_order', 'give_order_back', 'ResumableSampler', 'has_state', 'sampler_of', 'cannot_resume_reason',
-           'data_shape', 'batch_items', 'rows_out', 'rows_kept', 'rows_left', 'steered_batches', 'user_train_dl',
-           'resumable_sampler', 'resumable_dataloader', 'restore_order', 'order_training_dl', 'restore_training_dl',
-           'epoch_start_state', 'replayed_from']
+           'data_shape', 'batch_items', 'rows_out', 'rows_kept', 'rows_left', 'SteeredBatches', 'steered_batches',
+           'user_train_dl', 'resumable_sampler', 'resumable_dataloader', 'restore_order', 'order_training_dl',
+           'restore_training_dl', 'epoch_start_state', 'replayed_from']
 
 # %% ../nbs/16e_sampler.ipynb #5be1e0d9
 import math
@@ -196,19 +196,41 @@ def rows_left(dl, i, b, items):
     keep = torch.tensor([j for j in range(n) if j not in out[i]])
     return map_tensors(lambda t: t[keep.to(t.device)] if t.ndim and len(t) == n else t, b)
 
+class SteeredBatches:
+    """The loop's one source of batches: `(i, batch)` for the batches `fetch(start)` gives of `learn`'s phase,
+    from batch `start`, as the guards steer them. A batch left out (`learn.skipped_batches`) comes as `None`,
+    the others without the rows left out (`learn.skipped_items`); a batch with no row left joins the batches
+    left out. `rewind(start)` (a guard's rollback) makes the next one batch `start`, fetched again"""
+    def __init__(self, learn, fetch, start):
+        self.learn,self.fetch,self.start,self._rewound = learn,fetch,start,None
+
+    def rewind(self, start):
+        "Go on from batch `start` after the batch under way: the pass is fetched again from there"
+        self._rewound = start
+
+    def __iter__(self):
+        learn,start = self.learn,self.start
+        while start is not None:
+            training,i = learn.training,start - 1
+            skip = {i for e,i in learn.skipped_batches if e == learn.epoch} if training else ()
+            for i,b in enumerate(self.fetch(start), start):
+                if i in skip: b = None
+                else:
+                    rows = learn.skipped_items if training else None
+                    if rows: b = rows_left(learn.dls.train, i, b, rows)
+                    # no row left: the batch is left out
+                    if b is None: learn.skipped_batches = (*learn.skipped_batches, (learn.epoch, i))
+                yield i,b
+                if self._rewound is not None: break
+            if i < 0: raise ValueError(f"the dataloader {learn.dl!r} yielded no batches: check its dataset "
+                                       f"and sampler")
+            start,self._rewound = self._rewound,None
+
 def steered_batches(learn, batches, start):
-    """`(i, batch)` for `batches` of `learn`'s phase from batch `start`, as the guards steer them: `None`
-    for a batch left out (`learn.skipped_batches`), the others without the rows left out
-    (`learn.skipped_items`); a batch with no row left (or none fetched) joins the batches left out. The
-    loop's one source of batches"""
-    training = learn.training
-    skip = {i for e,i in learn.skipped_batches if e == learn.epoch} if training else ()
-    for i,b in enumerate(batches, start):
-        if i in skip: b = None
-        else:
-            if training and learn.skipped_items: b = rows_left(learn.dls.train, i, b, learn.skipped_items)
-            if b is None: learn.skipped_batches = (*learn.skipped_batches, (learn.epoch, i))    # no row left
-        yield i,b
+    "The old form of `SteeredBatches` (deprecated): `(i, batch)` for `batches` from batch `start`, steered"
+    warn_user("steered_batches(learn, batches, start) is now SteeredBatches(learn, fetch, start), `fetch` "
+              "giving the batches from a start: it goes away in the next release", FutureWarning)
+    return iter(SteeredBatches(learn, lambda _: batches, start))
 
 def user_train_dl(learn):
     "The training dataloader the user gave: under a strategy that shards it, not this rank's share of it"

@@ -10,7 +10,7 @@ __all__ = ['clock', 'default_device', 'model_device', 'plain_model', 'map_tensor
            'check_number', 'check_lr', 'check_wd', 'check_int', 'check_fraction', 'check_choice', 'numbers_tensor',
            'rng_state', 'set_rng_state', 'rng_kept', 'dl_generators', 'rebuild_dataloader', 'Clock', 'FakeClock',
            'short_list', 'rows_text', 'user_frame', 'warn_user', 'meta_copy', 'set_tensors', 'renamed',
-           'renamed_method', 'renamed_attr']
+           'renamed_method', 'moved_method', 'renamed_attr']
 
 # %% ../nbs/01_utils.ipynb #4d5f189c
 import copy, math, operator, os, random, sys, time, warnings
@@ -362,6 +362,14 @@ def renamed_method(new, old):
         _renamed_warning(f'{type(self).__name__}.{old}', new)
         return getattr(self, new)(*args, **kwargs)
     method.__name__,method.__doc__ = old,f"The old name of `{new}` (deprecated)"
+    return method
+
+def moved_method(fn, old):
+    "A method under its old name `old`, now the function `fn(learn, ...)`: a call warns, then calls `fn`"
+    def method(self, *args, **kwargs):
+        _renamed_warning(f'{type(self).__name__}.{old}(...)', f'{fn.__name__}(learn, ...)')
+        return fn(self, *args, **kwargs)
+    method.__name__,method.__doc__ = old,f"The old name of `{fn.__name__}` (deprecated)"
     return method
 
 def renamed_attr(new, old):

@@ -18,6 +18,7 @@ from ..learner import *
 from ..step import Step
 from ..optim import clear_grads
 from ..resume import ResumeCallback, check_same_run
+from ..state import check_state
 from ..ranks import *
 from ..strategy import *
 from .strategy import *
@@ -451,7 +452,7 @@ class ReplicaCallback(Callback):
     def _healing(self, state):
         learn,where = self.learn,'the state of a live peer (torchft heal)'
         check_same_run(learn, state, where)
-        learn.check_state(state, where)
+        check_state(learn, state, where)
         for cb in learn.cbs:
             if isinstance(cb, ResumeCallback): cb.run = False  # the peer's state is newer than a checkpoint
         heal = ResumeCallback(state, where)

@@ -60,7 +60,7 @@ class Interpretation:
     @classmethod
     def from_learner(cls, learn, ds_idx=1, dl=None, act=None):
         "Interpret `learn` on `dl` (or `dls[ds_idx]`), read in order, from one `get_preds` pass"
-        dl = in_order(learn.dl_for(ds_idx) if dl is None else dl)
+        dl = in_order(dl_for(learn, ds_idx) if dl is None else dl)
         return cls(dl, *_gathered(cls, learn, dl, act), learn=learn)
 
     def __len__(self): return len(self.losses)
