@@ -282,7 +282,8 @@ def no_targets_message(b, n_inp, label_key='labels'):
     return (f"this training batch has no targets for loss_func: {got}, and loss_func(pred, *targets) gets "
             f"none. If {fix}; if the model takes its targets as inputs and computes its own loss, leave "
             f"loss_func out (Learner(dls, model, n_inp={n_inp}) without loss_func): learncb then reads the "
-            f"loss from the model's output")
+            f"loss from the model's output; if the loss needs no targets, give loss_func one argument, "
+            f"loss_func(pred)")
 
 def no_model_loss_message(out, loss_key='loss', b=None, label_key='labels'):
     "Why a learner without `loss_func` has no loss for this training batch: the model's output holds none"

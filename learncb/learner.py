@@ -166,6 +166,7 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         for k,v in {**fit_attrs, **phase_attrs}.items(): setattr(self, k, v)
         self.training = False
         self._out_loss = None
+        self._pred_alone_of = (None, False)            # the loss function asked, and its answer
         self.turn = None
         self.step = self._step_outside_fit = self.step_class(self, hooks=False)      # the step outside a fit
         self._batch_device = _no_fit_yet                                            # how batches move
@@ -303,15 +304,21 @@ class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):
         return out if type(out) is torch.Tensor else model_pred(out, self.pred_key, self._dict_batch)
 
     def _batch_loss_func(self):
-        """The loss of this batch: `loss_func` with targets, the model's own loss, or none (predictions only,
-        not in training)"""
-        if self.loss_func is not None:
-            if self.yb or not self.training: return self.loss_func if self.yb else None
+        """The loss of this batch: `loss_func` with targets or of the prediction alone, the model's own loss,
+        or none (predictions only, not in training)"""
+        if (lf := self.loss_func) is not None:
+            if self.yb or self._pred_alone(lf): return lf
+            if not self.training: return None
             raise ValueError(no_targets_message(self.batch, self.n_inp, self.label_key))
         if self._out_loss is not None: return self._output_loss
         if self.training: raise ValueError(no_model_loss_message(self.pred, self.loss_key, self.batch,
                                                                  self.label_key))
         return None
+
+    def _pred_alone(self, lf):
+        "Whether `lf` is a loss of the prediction alone (`takes_pred_alone`), asked once per loss function"
+        if self._pred_alone_of[0] is not lf: self._pred_alone_of = (lf, takes_pred_alone(lf))
+        return self._pred_alone_of[1]
 
     def _output_loss(self, pred, *yb):
         "The loss function of a learner without one: the loss the model computed itself"

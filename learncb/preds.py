@@ -413,11 +413,18 @@ def _recorders_off(learn):
 # %% ../nbs/05_preds.ipynb #3b9b010e
 def _over_ranks(learn, dl):
     """`(dl, None)` in one process; in a distributed run this rank's share of `dl` in order, and
-    `collect(res)` of the shares"""
+    `collect(res)` of the shares (of streams, each rank's own: rank 0's first)"""
     if num_distrib() == 1: return dl,None
     strategy = learn.strategy          # a process group started without `distrib_ctx`: shared out in order
     user = strategy.user_dl(dl)
+    if is_stream(user): return strategy.shard_valid(user),_cat_over_ranks
     return strategy.shard_valid(user),partial(strategy.gather_in_order, n=len(user.dataset))
+
+def _cat_over_ranks(o):
+    "Every rank's `o` (tensors, tuples of them, `None`) on its own stream, joined in rank order"
+    if isinstance(o, (tuple, list)): return type(o)(_cat_over_ranks(t) for t in o)
+    parts = gather_objects(o)
+    return None if o is None else torch.cat([p.to(o.device) for p in parts])
 
 @contextmanager
 def _noting_reduction():

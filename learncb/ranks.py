@@ -8,7 +8,7 @@ Docs: https://learncb.github.io/learncb/ranks.html.md"""
 __all__ = ['num_distrib', 'rank_distrib', 'is_rank0', 'refuse', 'on_group_end', 'group_ended', 'local_model', 'PendingSum',
            'sum_across_ranks', 'gather_objects', 'free_port', 'is_sharded', 'whole_state', 'shard_like',
            'mean_across_ranks', 'opt_state_like', 'local_part', 'grad_like', 'local_shards', 'shards_like',
-           'ShardSampler', 'check_shardable', 'shard_in_order', 'gather_in_order']
+           'ShardSampler', 'check_shardable', 'is_stream', 'check_own_streams', 'shard_in_order', 'gather_in_order']
 
 # %% ../nbs/01c_ranks.ipynb #14980140
 import functools, socket
@@ -210,8 +210,35 @@ def check_shardable(dl, what):
                                                      IterableDataset) and dl.batch_size is not None: return
     raise TypeError(f"distributed training shards the {what} dataloader by giving each rank its own sampler, "
                     f"so it must be a torch DataLoader with a batch_size over a dataset with __len__, not "
-                    f"{dl!r}; give it one, or shard an IterableDataset yourself "
-                    f"(torch.utils.data.get_worker_info and rank_distrib())")
+                    f"{dl!r}; give it one, or a DataLoader over an IterableDataset that reads this rank's "
+                    f"own stream (rank_distrib() and num_distrib() in its __iter__), which learncb reads as "
+                    f"it is")
+
+def is_stream(dl):
+    """Whether `dl` reads an `IterableDataset` (torchdata's `StatefulDataLoader` over one too): under
+    `distrib_ctx`, each rank's own stream"""
+    return isinstance(getattr(dl, 'dataset', None), IterableDataset)
+
+def _fingerprint(batch):
+    "What tells two batches apart, cheaply: the shape and sums of each tensor (`None`: no batch)"
+    if batch is None: return None
+    return tuple((tuple(t.shape), float(t.double().sum()), float(t.double().abs().sum()))
+                 for t in tensors_of(batch))
+
+def check_own_streams(first, n, what):
+    """Raise unless the ranks read streams of their own: their first batches (`first`, `None` for none)
+    differ, and they give as many batches a pass (`n`, `None`: unknown); a collective, once a fit"""
+    seen = gather_objects((_fingerprint(first), n))
+    prints,counts = [p for p,_ in seen],{c for _,c in seen if c is not None}
+    if len(seen) > 1 and prints[0] is not None and all(p == prints[0] for p in prints): raise ValueError(
+        f"every rank read the same first batch from the {what} IterableDataset: under distrib_ctx each rank "
+        f"reads its own stream, as it is, so the {len(seen)} ranks would train on copies of one stream. In "
+        f"the dataset's __iter__, yield this rank's part: the items i with i % num_distrib() == "
+        f"rank_distrib() (learncb.ranks), or its own files")
+    if len(counts) > 1: raise ValueError(
+        f"the ranks' {what} streams give different numbers of batches a pass ({[c for _,c in seen]}): the "
+        f"ranks step together, so a rank whose stream ends first would leave the others waiting. Give every "
+        f"rank the same number of batches (drop the rest, or repeat some)")
 
 def shard_in_order(dl, rank=None, world=None):
     "`dl` for this rank, to validate or predict: the items `rank, rank + world, ...` in order"

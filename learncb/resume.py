@@ -33,8 +33,8 @@ class ResumeCallback(Callback):
         learn,state = self.learn,self.state
         learn.load_state_dict(state, where=str(self.path))
         dl = learn.dls.train
-        if state.get('loader') is not None and has_state(dl):
-            dl.load_state_dict(state['loader'])  # the dataloader's own place in its epoch
+        if (loader := rank_loader_state(state)) is not None and has_state(dl):
+            dl.load_state_dict(loader)  # the dataloader's own place in its epoch (a stream: this rank's)
             if state.get('loader_drain'):  # after its last batch: finish that epoch
                 for _ in _RngAfterIter(dl, rank_rng(state)): pass
         self.run = False        # restored once: out of the dispatch tables for the rest of the fit
@@ -53,7 +53,7 @@ class ResumeCallback(Callback):
         dl,learn.start_iter,rng = learn.dl,start,rank_rng(self.state)
         # where this epoch started, for its next checkpoints
         learn.epoch_rng = epoch_rng = rank_epoch_rng(self.state)
-        if self.state.get('loader') is not None and has_state(dl): learn.dl = _RngAfterIter(dl, rng)
+        if rank_loader_state(self.state) is not None and has_state(dl): learn.dl = _RngAfterIter(dl, rng)
         elif sampler_of(dl) is not None: replay_pass(learn, dl, start, rng)
         else:
             if epoch_rng is None: warn_user(
@@ -146,24 +146,25 @@ def check_same_run(learn, state, path):
                          f"weights, start a new fit: learn.load_checkpoint(path), then learn.fit(n)")
 
 # %% ../nbs/16f_resume.ipynb #37dd00c1
-def _newest_intact(store):
-    "The newest checkpoint in `store` that reads back intact, and its state (warns of newer damaged ones)"
+def _newest_intact(store, asked=True):
+    """The newest checkpoint in `store` that reads back intact, and its state (warns of newer damaged ones);
+    `asked`: the `resume` the user gave, which the messages name"""
     found,damaged = store.list(),[]
     if not found:
-        raise FileNotFoundError(f"resume=True but there is no checkpoint in {store_place(store)}: start the "
-                                f"run without resume, or pass the checkpoint's path")
+        raise FileNotFoundError(f"resume={asked!r} but there is no checkpoint in {store_place(store)}: start "
+                                f"the run without resume, or pass the checkpoint's path")
     for ref in found:
         try: state = read_checkpoint(store, ref)
         except CorruptFileError:
             damaged.append(ref_name(ref))
             continue
         if damaged:
-            warn_user(f"resume=True: the newest checkpoints in {store_place(store)} are damaged or "
+            warn_user(f"resume={asked!r}: the newest checkpoints in {store_place(store)} are damaged or "
                       f"incomplete (truncated, corrupt, changed since written, or a sharded one whose shards "
                       f"were not all written): {damaged}; resuming from {ref_name(ref)}, the newest intact "
                       f"one. The damaged ones are left as they are")
         return ref,state
-    raise CorruptFileError(f"resume=True but every checkpoint in {store_place(store)} is damaged or "
+    raise CorruptFileError(f"resume={asked!r} but every checkpoint in {store_place(store)} is damaged or "
                            f"incomplete (truncated, corrupt, changed since written, or not all of its shards "
                            f"written): {damaged}; start the run again without resume")
 
@@ -186,8 +187,7 @@ def resume_cbs(learn, resume):
             if is_rank0():
                 print(f"resume='auto': no checkpoint in {store_place(store)}: starting the run", flush=True)
             return []
-        resume = True
-    if resume is True: path,state = _newest_intact(store_for(learn))
+    if resume is True or auto: path,state = _newest_intact(store_for(learn), 'auto' if auto else True)
     else:                                         # a path, or the reference of a store of the learner's
         path,store = resume,store_for(learn)
         if str(path) not in {str(r) for r in store.list()}: store = store_for(learn, url_parent(path))
@@ -200,7 +200,7 @@ def resume_cbs(learn, resume):
     if not state.get('exact', True):
         warn_user(f"{path} was written after an error in the middle of a batch: the run continues from the "
                   f"last complete batch, but may not end exactly as an uninterrupted run would")
-    if resume is not True: _warn_newer(store, path)
+    if resume is not True and not auto: _warn_newer(store, path)
     if auto and is_rank0(): print(f"resume='auto': resuming the run from {path}", flush=True)
     saving = [] if any(isinstance(cb, CheckpointCallback) for cb in learn.cbs) else \
              [CheckpointCallback(path=url_parent(path), **state.get('checkpointing', {}))]

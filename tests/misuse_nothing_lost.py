@@ -4,7 +4,7 @@ Loads that do not fit change nothing; files from wrapped models load; damaged fi
 checksum and `resume=True` goes back to an intact one; the user's dataloader is never replaced; Ctrl-C's
 handler comes back after every fit; a resume checks the data and says when the run is over; save names and
 write errors name the right file."""
-import copy, errno, os, signal, warnings
+import copy, errno, os, re, signal, warnings
 from pathlib import Path
 import pytest, torch
 from torch import nn
@@ -251,8 +251,9 @@ def test_a_weights_file_whose_bytes_changed_is_refused_naming_it(tmp_path):
     with pytest.raises(CorruptFileError, match=r'm.pth is damaged'): learn.load('m')
     assert_untouched(learn, before)
 
-@pytest.mark.parametrize('damage', ['truncate', 'flip'])
-def test_resume_true_goes_back_to_the_newest_intact_checkpoint(tmp_path, damage):
+@pytest.mark.parametrize('damage,resume', [('truncate', True), ('flip', True), ('truncate', 'auto')])
+def test_resume_true_goes_back_to_the_newest_intact_checkpoint(tmp_path, damage, resume):
+    "The warning names the `resume` given: `resume='auto'` is not told `resume=True`"
     ref = net_learner(tmp_path/'ref')
     ref.fit(3, cbs=CheckpointCallback(every_n_steps=1))
     crashed = net_learner(tmp_path/'run')
@@ -263,9 +264,11 @@ def test_resume_true_goes_back_to_the_newest_intact_checkpoint(tmp_path, damage)
     if damage == 'truncate': newest.write_bytes(newest.read_bytes()[:3000])
     else: flip_a_weight_byte(newest, crashed.model[0].weight)
     resumed = net_learner(tmp_path/'run')
-    with pytest.warns(UserWarning, match=r"damaged .*\['checkpoint_00000006_batch.pt'\]; resuming from "
-                                         r"checkpoint_00000005_batch.pt, the newest intact one"):
-        resumed.fit(3, cbs=CheckpointCallback(every_n_steps=1), resume=True)
+    told = (re.escape(f"resume={resume!r}: the newest checkpoints") + r".*damaged "
+            r".*\['checkpoint_00000006_batch.pt'\]; resuming from checkpoint_00000005_batch.pt, the newest "
+            r"intact one")
+    with pytest.warns(UserWarning, match=told):
+        resumed.fit(3, cbs=CheckpointCallback(every_n_steps=1), resume=resume)
     assert same_weights(ref, resumed) and ref.recorder.losses == resumed.recorder.losses
     assert all(p.exists() for p in checkpoints_in(folder))
 

@@ -50,6 +50,12 @@ def _count_batch(learn):
 
 
 # %% ../../nbs/16_checkpoint.ipynb #3b263719
+def _keep_rank_loaders(state):
+    """Put every rank's dataloader state (`state['loader']` on each) in `state`'s ranks: a collective, for the
+    ranks' own streams"""
+    if state.get('ranks') is None: return
+    for saved,loader in zip(state['ranks'], gather_objects(state.get('loader'))): saved['loader'] = loader
+
 class CheckpointCallback(Callback):
     """Saves resumable checkpoints every `every_n_steps` training batches and every epoch, keeping the last
     `keep_last`"""
@@ -254,6 +260,7 @@ class CheckpointCallback(Callback):
         end = self._loader_end
         if end is not None and end[0] == pos['epoch'] and (pos['at'] == 'epoch_end' or pos['iter'] == end[1]):
             state.update(loader=end[2], loader_drain=pos['at'] == 'epoch_end')
+        if self._stateful and is_stream(learn.dls.train): _keep_rank_loaders(state)     # each rank's own
         name,store = checkpoint_name(pos['train_iter'], pos['at']),self._store
         if store.collective:  # every rank its shards: copied now, written by the store (DCP's thread)
             self._finish_pending()

@@ -23,8 +23,11 @@ def _same_weights(model, buffers_only=False):
 
 class DDP(Strategy):
     "Data-parallel training: the whole model on every rank in `DistributedDataParallel`, the data sharded"
-    def __init__(self, device_ids='auto', find_unused_parameters=False):
+    def __init__(self, device_ids='auto', find_unused_parameters=False, seed=0):
+        """`seed`: of the training order, epoch `e` shuffled from `seed + e` as by
+        `DistributedSampler(seed=seed)`"""
         super().__init__()
+        self.seed = check_int(seed, 'seed', ge=0, who='DDP', hint='the seed of the training order, e.g. 0')
         self.device_ids,self.find_unused_parameters,self._wrapped = device_ids,find_unused_parameters,False
 
     def wrap(self, learn):

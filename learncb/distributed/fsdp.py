@@ -86,8 +86,11 @@ class FSDP(Strategy):
     """Training sharded by FSDP2: a sharded copy of the model trains, then its weights and optimizer state are
     gathered back"""
     sharded = True
-    def __init__(self, shard=None):
+    def __init__(self, shard=None, seed=0):
+        """`shard`: the blocks FSDP shards as units (a class or a function of a module); `seed`: of the
+        training order, as `DDP`'s"""
         super().__init__()
+        self.seed = check_int(seed, 'seed', ge=0, who='FSDP', hint='the seed of the training order, e.g. 0')
         self.shard,self._plain,self._mp = shard,None,None
         if shard is not None: _shard_rule(shard)              # a bad `shard` fails now, not in the fit
 
