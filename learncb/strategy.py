@@ -64,17 +64,20 @@ class Strategy:
     seed = 0
     """The seed of the training order: epoch `e` shuffled from `seed + e`, as by
     `DistributedSampler(seed=seed)`"""
-    def shard_train(self, dl):
+    def shard_train(self, dl, rank=None, world=None):
         """This rank's share of training dataloader `dl`: the same epoch order on every rank, each its own
-        part; a stream (`is_stream`) is this rank's own (`RankStream`)"""
+        part; a stream (`is_stream`) is this rank's own (`RankStream`). `rank` of `world` (by default the
+        process group's): for a strategy whose data-parallel ranks are some of the processes (a 2D mesh's
+        `dp` dimension), the share of its data-parallel rank. The share knows `dl` as the user's
+        (`user_dl`)"""
         if is_stream(dl): return self._sharded(RankStream(dl, 'training'), dl)
-        return self._sharded(shard_train_dl(dl, seed=self.seed), dl)
+        return self._sharded(shard_train_dl(dl, rank, world, seed=self.seed), dl)
 
-    def shard_valid(self, dl):
+    def shard_valid(self, dl, rank=None, world=None):
         """This rank's share of dataloader `dl`, to validate or predict on: its items in order; a stream is
-        this rank's own"""
+        this rank's own. `rank` of `world`: as `shard_train`'s"""
         if is_stream(dl): return self._sharded(RankStream(dl, 'validation'), dl)
-        return self._sharded(shard_in_order(dl), dl)
+        return self._sharded(shard_in_order(dl, rank, world), dl)
 
     def _shares(self):
         "`{share: the user's dataloader}`, made on first use (a subclass's `__init__` need not call this one)"
@@ -237,7 +240,7 @@ class SingleProcess(Strategy):
     """The strategy of a learner outside `distrib_ctx`:
     this process reads the whole batch and trains the plain model"""
     needs_group = False
-    def shard_train(self, dl):
+    def shard_train(self, dl, rank=None, world=None):
         "The whole training dataloader: one process reads every item"
         return dl
 

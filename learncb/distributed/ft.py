@@ -93,9 +93,9 @@ class TorchFT(Strategy):
 
     def grad_sync_switch(self, model): return None     # nothing to turn: each batch is summed at the vote
 
-    def shard_train(self, dl): return dl       # every replica reads all: each step it computes its share
+    def shard_train(self, dl, rank=None, world=None): return dl   # every replica reads all, computes its share
     def global_items(self, n): return n        # every replica reads the whole global batch
-    def shard_valid(self, dl): return dl       # all of it on every replica: no collective, the same values
+    def shard_valid(self, dl, rank=None, world=None): return dl   # all on every replica: the same values
 
     def reduce(self, t): return t
     def gather(self, o): return [o]
