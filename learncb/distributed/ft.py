@@ -93,7 +93,7 @@ class TorchFT(Strategy):
 
     def grad_sync_switch(self, model): return None     # nothing to turn: each batch is summed at the vote
 
-    def shard_train(self, dl, rank=None, world=None): return dl   # every replica reads all, computes its share
+    def shard_train(self, dl, rank=None, world=None): return dl   # every replica reads all, takes its share
     def global_items(self, n): return n        # every replica reads the whole global batch
     def shard_valid(self, dl, rank=None, world=None): return dl   # all on every replica: the same values
 
