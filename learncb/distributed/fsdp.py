@@ -68,6 +68,16 @@ def fsdp_model(model, shard=None, device=None, mp_policy=None):
             if n not in weights: b.copy_(own[n])
     return out
 
+def _check_plain(model):
+    "Raise if `model` is parallelized already (a parameter is a `DTensor`): `FSDP` shards a plain model"
+    name = next((n for n,p in model.named_parameters() if is_sharded(p)), None)
+    if name is not None: raise ValueError(
+        f"FSDP() shards a plain model over every rank (a 1-D mesh), but the model's parameter {name} is a "
+        f"DTensor already (tensor parallel: parallelize_module, or fully_shard): learncb has no built-in "
+        f"strategy for a 2D mesh yet. Fit the plain model with FSDP(), or write a Strategy of your own that "
+        f"parallelizes it in wrap() and shards the data over its dp dimension with shard_train(dl, "
+        f"rank=dp_rank, world=dp_size) ('A strategy of your own' on the distributed page)")
+
 def _rank0_buffers(model):
     """Give every rank rank 0's buffers (BatchNorm's running statistics), as DDP does: under FSDP each rank
     has its own"""
@@ -99,6 +109,7 @@ class FSDP(Strategy):
     def wrap(self, learn):
         """Shard a copy of the model over the ranks and make its optimizer, carrying over the state the
         optimizer had"""
+        _check_plain(learn.model)
         if not learn.owns_opt: raise ValueError(
             "under FSDP the learner makes the optimizer for the sharded parameters from learn.opt_func, so "
             "an optimizer set by hand (learn.opt = ...) cannot be used: set learn.opt_func (e.g. "

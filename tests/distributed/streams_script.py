@@ -5,7 +5,8 @@ python tests/distributed/streams_script.py OUT [--mode stream|same|pred-loss] [-
 
 `stream`: a `StatefulDataLoader` over an `IterableDataset` whose every rank yields its part of each global
 batch of 16 (one process: all of it); `same`: every rank yields the whole stream (refused); `pred-loss`: a
-sized dataset of inputs alone and `loss_func(pred)`. Rank 0 saves OUT/result.pt: weights, losses, table,
+sized dataset of inputs alone and `loss_func(pred)`; `tp-then-fsdp`: a model made tensor parallel, then
+given to FSDP (refused). Rank 0 saves OUT/result.pt: weights, losses, table,
 preds."""
 import argparse, os, signal
 from pathlib import Path
@@ -63,6 +64,12 @@ else:
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+if args.mode == 'tp-then-fsdp':                 # a model parallelized already, then given to FSDP: refused
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    torch.distributed.init_process_group('gloo')
+    parallelize_module(model, init_device_mesh('cpu', (num_distrib(),)), {'0': ColwiseParallel(),
+                                                                         '2': RowwiseParallel()})
 learn = Learner(dls, model, loss_func, metrics=metrics, opt_func=torch.optim.SGD, lr=0.05, path=out)
 learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
 
@@ -75,7 +82,7 @@ class Kill(Callback):
 
 cbs = [CheckpointCallback(every_n_steps=1)] if args.kill_at is not None or args.resume else []
 if args.kill_at is not None: cbs.append(Kill())
-with learn.distrib_ctx(timeout=60):
+with learn.distrib_ctx(strategy='fsdp' if args.mode == 'tp-then-fsdp' else 'ddp', timeout=60):
     learn.fit(args.epochs, cbs=cbs, resume=True if args.resume else None)
     preds, targs = learn.get_preds()
     rank, world = rank_distrib(), num_distrib()
