@@ -67,6 +67,7 @@ def test_fsdp_on_a_model_parallelized_already_says_what_to_do(tmp_path):
     "torch's own `Invariant encountered` error, then a failed cleanup, were all a user saw"
     res = run(tmp_path, '--mode', 'tp-then-fsdp', check=False)
     assert res.returncode != 0
-    said = "FSDP() shards a plain model over every rank (a 1-D mesh), but the model's parameter 0.weight is a "
-    assert said + "DTensor already" in res.stderr and "shard_train(dl, rank=dp_rank, world=dp_size)" in res.stderr
+    said = ("FSDP() shards a plain model over every rank (a 1-D mesh), but the model's parameter 0.weight is "
+            "a DTensor already")
+    assert said in res.stderr and "shard_train(dl, rank=dp_rank, world=dp_size)" in res.stderr
     assert 'after_fit raised' not in res.stderr, res.stderr[-3000:]
