@@ -44,8 +44,11 @@ def data(world=1):
 
 class TwoTurns(Step): turns = ('body', 'head')         # --turns: the body's optimizer, then the head's
 class TurnsLearner(Learner): step_class = TwoTurns
+# Adam's eps not tiny: a gradient as small as rounding (a sum split in micro-batches, on another CPU) would
+# take a step of lr either way by its sign, so that no two CPUs agree to 1e-5
 two_opts = {'splitter': lambda m: {'body': m.body.parameters(), 'head': m.head.parameters()},
-            'opt_func': {'body': torch.optim.Adam, 'head': partial(torch.optim.SGD, momentum=0.9)}}
+            'opt_func': {'body': partial(torch.optim.Adam, eps=1e-5),
+                         'head': partial(torch.optim.SGD, momentum=0.9)}}
 
 def learner(inject=None, world=1, path='.', turns=False):
     torch.manual_seed(0)
