@@ -168,7 +168,7 @@ def _batchnorm_note(f):
     n_iter,dl = n_batches(f.dl),f.dl
     n,bs = len(getattr(dl, 'dataset', ())),getattr(dl, 'batch_size', None)
     where = f"batch {f.iter + 1} of {n_iter}" + (f": {n} items in batches of {bs} leave 1 for the last one"
-                                               if bs and n % bs == 1 else '')
+                                                 if bs and n % bs == 1 else '')
     return (f"learncb: this training batch has 1 item ({where}), and BatchNorm cannot normalise a single "
             f"item in training mode; pass drop_last=True to the training DataLoader, or pick a batch size "
             f"that does not leave one item")

@@ -255,7 +255,7 @@ def _check_takes_learner(fn, event_name):
     name = getattr(fn, '__name__', repr(fn))
     if not callable(fn):
         raise TypeError(f"learn.on({event_name!r}) registers a function called as fn(learn), not "
-                                         f"{type(fn).__name__} {fn!r}: pass a function of the learner")
+                        f"{type(fn).__name__} {fn!r}: pass a function of the learner")
     try: sig = inspect.signature(fn)
     except (TypeError, ValueError): return  # no signature to read (a builtin): its first call will tell
     try: sig.bind(None)

@@ -40,7 +40,7 @@ def serialized(obj, path='the file'):
     try: torch.save(obj, buf)
     except Exception as e:
         raise add_note(e, f"learncb: while saving {path}: only tensors, numbers, strings and "
-                                             f"containers of them can be saved")
+                       f"containers of them can be saved")
     return buf.getbuffer()
 
 def atomic_write(data, path):
@@ -346,8 +346,8 @@ def check_model_state(model, state, path='the file', strict=True):
                          f"weights: load it into that model, or rename its keys to the model's")
     if missing or unexpected:
         warn_user(f"{path}: strict=False loaded {len(own) - len(missing)} of the model's {len(own)} entries; "
-                      f"left as they were (not in the file): {short_list(missing)}; ignored (not in the "
-                      f"model): {short_list(unexpected)}", UserWarning)
+                  f"left as they were (not in the file): {short_list(missing)}; ignored (not in the "
+                  f"model): {short_list(unexpected)}", UserWarning)
     return state
 
 def load_model_state(model, state, path='the checkpoint', strict=True):

@@ -118,7 +118,7 @@ _no_fit_yet,_look_at_first_batch = 'unprepared','look'
 def _no_dl(what): return f"there is no {what} dataloader: pass one in DataLoaders(train, valid)"
 def _empty_dl(what):
     return (f"the {what} dataloader is empty (len 0): check that its dataset has samples and that "
-                             f"batch_size is not larger than the dataset with drop_last=True")
+            f"batch_size is not larger than the dataset with drop_last=True")
 
 # %% ../nbs/02_learner.ipynb #6f97df10
 class Learner(CallbackHost, OptimizerHost, WeightsHost, PredsHost, StateHost):

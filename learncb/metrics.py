@@ -107,6 +107,6 @@ def check_metric_value(v, name, where):
     if is_number(v) or isinstance(v, bool) or _is_numpy_scalar(v): return
     hint = ('does the function end with a return?' if v is None else
             'return the number, not its text' if isinstance(v, (str, bytes)) else 'return a float or a '
-        'scalar tensor')
+            'scalar tensor')
     raise TypeError(f"{name} returned {v!r} on {where}, but a metric must return a number or a scalar tensor "
                     f"({hint})")

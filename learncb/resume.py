@@ -93,8 +93,8 @@ class _CheckedStart:
         if self.sampler.start:  # still there after a batch: the dataloader does not draw from its sampler
             self.sampler.start = 0
             warn_user(f"{type(self.dl).__name__} does not take its order from its batch sampler: the first "
-                          f"{self.n} batches of the epoch are read again and dropped, and its order is the "
-                          f"same only if it does not depend on the random state")
+                      f"{self.n} batches of the epoch are read again and dropped, and its order is the "
+                      f"same only if it does not depend on the random state")
             it,first = itertools.islice(itertools.chain(first, it), self.n, None),[]
         yield from itertools.chain(first, it)
 
@@ -196,7 +196,7 @@ def resume_cbs(learn, resume):
     check_state(learn, state, path)  # the model and the optimizer take it: nothing is changed yet
     if (why := _finished(state)):
         warn_user(f"{path} is the end of a run that is over ({why}): there is nothing left to train, and the "
-                      f"learner gets that run's final state. To train more, start a new fit without resume")
+                  f"learner gets that run's final state. To train more, start a new fit without resume")
     if not state.get('exact', True):
         warn_user(f"{path} was written after an error in the middle of a batch: the run continues from the "
                   f"last complete batch, but may not end exactly as an uninterrupted run would")

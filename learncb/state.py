@@ -128,25 +128,25 @@ class StateHost:
         dl = self.dls.train
         sampler = sampler_of(dl)
         state = {'format': 'learncb-checkpoint', 'version': 2,
-                'model': plain_model(self.model).state_dict(),
-                'opt': None if self.opt is None else self.opt.state_dict(),
-                'opt_params': _opt_param_names(self),
-                'grads': {n: p.grad for n,p in plain_model(self.model).named_parameters()
-                          if p.grad is not None},
-                'loop': loop_state(self),
-                'rng': rng_state(), 'world_size': num_distrib(),
-                'data': None if sampler is None else sampler.state_dict(),
-                'loader': dl.state_dict() if has_state(dl) else None,
-                'data_shape': data_shape(user_train_dl(self)),
-                # a replayed dataloader's epoch start
-                'epoch_rng': (epoch_rng := getattr(self, 'epoch_rng', None)),
-                'cbs': (cbs := {k: s for k,cb in zip(_cb_keys(self.cbs), self.cbs)
-                                if (s := cb.state_dict())}),
-                'ranks': _per_rank(cbs, epoch_rng),
-                'state': dict(self.state),
-                'frozen': {'idx': self.frozen_idx, 'train_bn': self.train_bn,
-                           'params': [n for n,p in plain_model(self.model).named_parameters()
-                                      if not p.requires_grad]}}
+                 'model': plain_model(self.model).state_dict(),
+                 'opt': None if self.opt is None else self.opt.state_dict(),
+                 'opt_params': _opt_param_names(self),
+                 'grads': {n: p.grad for n,p in plain_model(self.model).named_parameters()
+                           if p.grad is not None},
+                 'loop': loop_state(self),
+                 'rng': rng_state(), 'world_size': num_distrib(),
+                 'data': None if sampler is None else sampler.state_dict(),
+                 'loader': dl.state_dict() if has_state(dl) else None,
+                 'data_shape': data_shape(user_train_dl(self)),
+                 # a replayed dataloader's epoch start
+                 'epoch_rng': (epoch_rng := getattr(self, 'epoch_rng', None)),
+                 'cbs': (cbs := {k: s for k,cb in zip(_cb_keys(self.cbs), self.cbs)
+                                 if (s := cb.state_dict())}),
+                 'ranks': _per_rank(cbs, epoch_rng),
+                 'state': dict(self.state),
+                 'frozen': {'idx': self.frozen_idx, 'train_bn': self.train_bn,
+                            'params': [n for n,p in plain_model(self.model).named_parameters()
+                                       if not p.requires_grad]}}
         if live: state['live'] = {k: s for k,cb in zip(_cb_keys(self.cbs), self.cbs) if (s:=cb.live_state())}
         return state
 
@@ -206,7 +206,7 @@ class StateHost:
         missing = [k for k in states if k not in keys]
         if missing:
             warn_user(f"{where} has state for callbacks this learner does not have: {missing}; add them to "
-                                  f"restore it, or ignore this if they are gone on purpose")
+                      f"restore it, or ignore this if they are gone on purpose")
         return undo
 
     def _load_live_states(self, states):

@@ -170,7 +170,7 @@ def check_wd(wd, name='wd', who=None):
     if wd is None: return wd
     if isinstance(wd, dict): return {n: check_wd(v, f'{name}[{n!r}]', who) for n,v in wd.items()}
     return check_number(wd, name, ge=0, finite=True, per_group=True, who=who, hint='a weight decay such as '
-        '0.01')
+                        '0.01')
 
 # %% ../nbs/01_utils.ipynb #d5287530
 def _as_int(value):

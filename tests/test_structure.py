@@ -353,7 +353,7 @@ def _private_uses(tree, learncb_names):
         elif (isinstance(node, ast.Call) and getattr(node.func, 'id', None) in ('getattr', 'hasattr',
                 'setattr', 'delattr')
               and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
-                  and isinstance(node.args[1].value, str)):
+              and isinstance(node.args[1].value, str)):
             name = node.args[1].value
             if (name.startswith('_') and not name.startswith('__')) or private_torch.search('.' + name):
                 yield ast.unparse(node)

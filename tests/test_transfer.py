@@ -156,7 +156,7 @@ def test_plot_sched_shows_lr_and_momentum_per_iteration(tmp_path):
     assert len(lr_line) == len(mom_line) == 8 and list(lr_line) == learn.recorder.lrs
     assert all(math.isclose(m, cos_anneal(0.95, 0.85, i / 8 / 0.25) if i / 8 < 0.25 else
                             cos_anneal(0.85, 0.95, (i / 8 - 0.25) / 0.75), rel_tol=1e-9) for i,
-                            m in enumerate(mom_line))
+               m in enumerate(mom_line))
     axs[0].figure.savefig(tmp_path/'sched.png')
     assert (tmp_path/'sched.png').stat().st_size > 0
     with pytest.raises(ValueError, match="'sqr_mom'.* not scheduled"): learn.recorder.plot_sched('sqr_mom')

@@ -1,13 +1,10 @@
 """Wrap the lines of Python files that are longer than 110 characters, keeping what the code means.
 
-`python tools/wrap_lines.py FILE...` rewrites each file in place, one long line at a time, and prints the
-lines it
-left (a code template inside a string, an expression with no bracket to break in): those are for a person.
+`python tools/wrap_lines.py FILE...` rewrites each file in place, one long line at a time, and prints the lines
+it left (a code template inside a string, an expression with no bracket to break in): those are for a person.
 A line is broken only where Python allows it without a backslash: after a comma or an opening bracket, before
-`and`/`or`/`if`/`for`, between two pieces of a string. A comment too long for its line goes above it, wrapped;
-a
-docstring is wrapped at its words. Each change is checked: the file still parses, and its syntax tree is the
-same
+`and`/`or`/`if`/`for`, between two pieces of a string. A comment too long for its line goes above it, wrapped; a
+docstring is wrapped at its words. Each change is checked: the file still parses, and its syntax tree is the same
 (a docstring's text aside)."""
 import ast, io, sys, textwrap, tokenize
 from pathlib import Path

@@ -40,7 +40,7 @@ class CompiledModel(nn.Module):
         self.failed = f"{type(e).__name__}: {' '.join(lines)}"
         warn_user(f"torch.compile failed ({self.failed}); the fit goes on with the model as it is, not "
                   f"compiled",
-                      UserWarning)
+                  UserWarning)
         return None
 
     def forward(self, *args, **kwargs):

@@ -195,7 +195,7 @@ def _first_conv(m):
     conv = next((l for l in m.modules() if isinstance(l, conv_types)), None)
     if conv is None:
         raise ValueError(f"{type(m).__name__} has no convolution, so the shape of its input cannot be "
-                                      f"guessed: run an input of your own through it with hook_outputs")
+                         f"guessed: run an input of your own through it with hook_outputs")
     return conv
 
 def in_channels(m):

@@ -87,7 +87,7 @@ class LRFinder(Callback):
         points = [(lr, l) for lr,l in zip(self.lrs, self.losses) if math.isfinite(l)]
         if not points:
             raise ValueError("lr_find recorded no finite loss: start from a smaller start_lr, and check "
-                                        "that the model trains at all")
+                             "that the model trains at all")
         lrs,losses = map(list, zip(*points))
         result_type = _suggested_lrs_type(tuple(f.__name__ for f in funcs))
         self.suggestions = result_type(*(float(f(lrs, losses)) for f in funcs))

@@ -61,8 +61,8 @@ class ThroughputCallback(Callback):
         if row['data_wait'] > self.warn_at and not self._warned:
             self._warned = True
             warn_user(f"the training loop waited for data {row['data_wait']:.0%} of the time in epoch "
-                          f"{row['epoch']} (more than warn_at={self.warn_at:.0%}): the dataloader is the "
-                          f"bottleneck, not the model. To feed it faster, {_data_fix}", UserWarning)
+                      f"{row['epoch']} (more than warn_at={self.warn_at:.0%}): the dataloader is the "
+                      f"bottleneck, not the model. To feed it faster, {_data_fix}", UserWarning)
 
     @property
     def recorder_columns(self): return ['samples_per_s', 'data_wait'] if self.columns else []

@@ -94,7 +94,7 @@ def combined_cos(pct, start, middle, end):
 
 # %% ../../nbs/11_schedule.ipynb #ce1395ce
 _hp_hints = {'mom': "'mom' sets 'momentum', or betas[0] for Adam-like optimizers", 'sqr_mom': "'sqr_mom' "
-    "sets betas[1]",
+             "sets betas[1]",
              'wd': "'wd' sets 'weight_decay'", 'eps': "'eps' sets 'eps'"}
 
 def _opt_keys(opt): return sorted(k for k in opt.param_groups[0] if k != 'params')

@@ -126,7 +126,7 @@ class LabelSmoothingCrossEntropy(nn.CrossEntropyLoss):
         check_number(eps, 'eps', ge=0, finite=True, who='LabelSmoothingCrossEntropy')
         if eps >= 1:
             raise ValueError(f"LabelSmoothingCrossEntropy: eps={eps!r} leaves nothing of the targets: it "
-                                      f"is the share of the target spread over all classes, usually 0.1")
+                             f"is the share of the target spread over all classes, usually 0.1")
         super().__init__(weight=weight, reduction=reduction, label_smoothing=eps)
         self.eps = eps
 
@@ -184,8 +184,8 @@ class WeightAveraging(Callback):
         back)"""
         if self._model is None:
             raise RuntimeError(f"{type(self).__name__}.swap: there is no average yet: it is made when a "
-                                                 f"fit with this callback starts (learn.fit(n, "
-                                                 f"cbs=this_callback))")
+                               f"fit with this callback starts (learn.fit(n, "
+                               f"cbs=this_callback))")
         _swap_weights(self._model, self.average.module)       # the fit's model: it works after the fit too
         self._swapped = not self._swapped
 
@@ -199,7 +199,7 @@ class EMACallback(WeightAveraging):
         self.start_step = check_int(start_step, 'start_step', ge=0, who='EMACallback')
         if decay >= 1:
             raise ValueError(f"EMACallback: decay={decay!r} never moves the average: use a value just "
-                                        f"below 1, such as 0.999 (the average then spans about 1000 steps)")
+                             f"below 1, such as 0.999 (the average then spans about 1000 steps)")
         super().__init__()
         self.validate = validate
         self.replace_at_end = replace_at_end
@@ -216,7 +216,7 @@ class EMACallback(WeightAveraging):
             avg,model = self._floats.setdefault((a.device, a.dtype), ([], []))
             avg.append(a); model.append(m)
         self._others = [(a, m) for a,m in pairs
-                                                        if not a.is_floating_point()]
+                        if not a.is_floating_point()]
         self._pairs = pairs
         self._n = 0
         self._steps = 0

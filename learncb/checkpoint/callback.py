@@ -186,8 +186,8 @@ class CheckpointCallback(Callback):
             self._writer.wait()
             self._finish_pending()
             add_note(e, f"learncb: the run is saved in {path}" +
-                      (' (after an error in the middle of a batch: resuming from it is not exact)'
-                       if self._pos['dirty'] else ''))
+                     (' (after an error in the middle of a batch: resuming from it is not exact)'
+                      if self._pos['dirty'] else ''))
         except Exception as write_error:
             add_note(e, f"learncb: the checkpoint could not be written: {write_error}")
         finally:

@@ -66,7 +66,7 @@ def requeue_slurm_job():
         return True
     why = res.stderr.strip() if isinstance(res, subprocess.CompletedProcess) else str(res)
     warn_user(f"CheckpointCallback(requeue=True): `scontrol requeue {job}` failed ({why}): the job was not "
-                  f"requeued; its checkpoint is saved, so submit it again with the same command")
+              f"requeued; its checkpoint is saved, so submit it again with the same command")
     return False
 
 # %% ../../nbs/16b_preemption.ipynb #4845c2dd
@@ -160,10 +160,10 @@ class SignalGuard:
         if not self.signums: return
         names = ', '.join(signal.Signals(s).name for s in self.signums)
         warn_user(f"{self.who}: this fit runs off the main thread ({threading.current_thread().name}; Ray "
-                      f"Train runs the training function so), where Python cannot catch signals: {names} "
-                      f"will not stop it at the end of a batch with an exact checkpoint. Its checkpoints "
-                      f"every_n_steps and at each epoch are still written; run the fit on the main thread to "
-                      f"stop exactly on a signal, or pass signals=() to silence this")
+                  f"Train runs the training function so), where Python cannot catch signals: {names} "
+                  f"will not stop it at the end of a batch with an exact checkpoint. Its checkpoints "
+                  f"every_n_steps and at each epoch are still written; run the fit on the main thread to "
+                  f"stop exactly on a signal, or pass signals=() to silence this")
 
     def stop_asked(self, wait=False):
         """Whether a signal caught on this rank (or, in a distributed run, on any rank: every rank at once)

@@ -166,7 +166,7 @@ class FsspecStore(CheckpointStore):
         try: import fsspec
         except ImportError as e:
             raise ImportError(f"checkpoints at {url} need fsspec (and s3fs for s3://): pip install "
-                                                   f"'learncb[s3]'") from e
+                              f"'learncb[s3]'") from e
         self.url,self.folder = url.rstrip('/'),url.rstrip('/')
         self.fs,self.root = fsspec.core.url_to_fs(self.url, **storage_options)
         stage = tempfile.mkdtemp(prefix='learncb-stage-')       # this process's own: nodes may share no disk
@@ -209,7 +209,7 @@ class FsspecStore(CheckpointStore):
         remote,marker = self._remote(name),self._marker_of(name)
         if not self.fs.exists(marker):
             raise CorruptFileError(f"the checkpoint {ref} is incomplete: it has no marker "
-            f"({Path(marker).name}), which is written last, once the upload is done")
+                                   f"({Path(marker).name}), which is written last, once the upload is done")
         local = Path(self._downloads)/name
         if self.collective:
             local.mkdir(parents=True, exist_ok=True)

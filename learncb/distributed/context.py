@@ -59,7 +59,7 @@ def _as_strategy(strategy, shard, device_ids, find_unused_parameters):
     if isinstance(strategy, Strategy):
         if shard is not None:
             raise ValueError(f"distrib_ctx: shard={shard!r} says how FSDP cuts the model, but the strategy "
-                                               f"is {strategy!r}: give it to the strategy, FSDP(shard=...)")
+                             f"is {strategy!r}: give it to the strategy, FSDP(shard=...)")
         return strategy
     if isinstance(strategy, type) and issubclass(strategy, Strategy): raise TypeError(
         f"distrib_ctx: strategy={strategy.__name__} is a class: pass an instance, "
@@ -128,7 +128,7 @@ def _start_group(learn, backend, timeout):
     try:
         dist.init_process_group(backend or ('nccl' if on_gpus else 'gloo'), store=store, rank=rank,
                                 world_size=world,
-                                 timeout=wait)
+                                timeout=wait)
     except dist.DistStoreError as e: raise _elastic_hint(e) from e
     return True
 

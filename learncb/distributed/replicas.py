@@ -88,8 +88,8 @@ class Lighthouse:
         exe = os.path.join(os.path.dirname(sys.executable), 'torchft_lighthouse')
         self.proc = subprocess.Popen([exe if os.path.exists(exe) else 'torchft_lighthouse', '--min_replicas',
             str(min_replicas), '--join_timeout_ms', str(int(join_timeout * 1000)), '--heartbeat_timeout_ms',
-            str(int(heartbeat_timeout * 1000)), '--bind', f'127.0.0.1:{self.port}'],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                      str(int(heartbeat_timeout * 1000)), '--bind', f'127.0.0.1:{self.port}'],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
         while True:
             try: return check_lighthouse(self.address, timeout=1.0)

@@ -244,10 +244,10 @@ def _export_program(m, xb):
     ep = torch.export.export(m, one)
     if not _agrees(m, ep, one):
         raise ValueError("the captured program gives other outputs than the model on a sample item (its "
-                                                 "forward depends on something fixed when it was traced)")
+                         "forward depends on something fixed when it was traced)")
     warn_user(f"export: the model's code depends on the batch size ({why}), so its program is captured for "
-                  f"batches of one item: a learner loaded from the file predicts one item at a time",
-                  UserWarning)
+              f"batches of one item: a learner loaded from the file predicts one item at a time",
+              UserWarning)
     return ep,1
 
 def _capture(model, xb, n_inp):
@@ -324,7 +324,7 @@ def export(self:Learner, fname='export.pt', with_program=True, sample=None):
     if program is None and with_program:
         warn_user(f"export: torch.export could not capture the model ({why}), so {path} holds its weights "
                   f"only: load it with load_learner(path, model=MyModel(...)), a model of its class",
-                      UserWarning)
+                  UserWarning)
     state = {'learncb_export': 1, 'model': weights, 'n_inp': self.n_inp, 'act': act, 'decodes': dec,
              'vocab': vocab, 'item_shapes': shapes, 'program_batch': batch, 'program_error': why,
              'torch_version': str(torch.__version__),

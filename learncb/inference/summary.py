@@ -115,14 +115,14 @@ def _first_batch(dl):
     "The first batch of the training dataloader `dl`, leaving `dl` and the random generators as they were"
     if dl is None:
         raise ValueError("learn.summary() runs the model on the first batch of the training dataloader, "
-                                    "but there is none: pass one in DataLoaders(train, valid)")
+                         "but there is none: pass one in DataLoaders(train, valid)")
     with rng_kept(), _dl_kept(dl):
         # the copy's iterator and workers end here
         it = iter(copy.copy(dl) if isinstance(dl, DataLoader) else dl)
         try: return next(it)
         except StopIteration:
             raise ValueError("the training dataloader yielded no batches, and learn.summary() "
-                                               "needs one: check its dataset and batch_size") from None
+                             "needs one: check its dataset and batch_size") from None
         finally: del it
 
 # %% ../../nbs/21_summary.ipynb #ff5fb547

@@ -51,12 +51,12 @@ class RayTrainReportCallback(Callback):
         if self.ckpt is None:
             raise ValueError("RayTrainReportCallback reports the checkpoints of a CheckpointCallback, "
             "and this fit has none: learn.fit(n, cbs=[CheckpointCallback(every_n_steps=...), "
-            "RayTrainReportCallback()])")
+                             "RayTrainReportCallback()])")
         if is_url(str(self.ckpt.folder)):
             raise ValueError(f"RayTrainReportCallback reports checkpoint files on this worker's disk, and "
             f"this CheckpointCallback writes to {self.ckpt.folder}: give it a local path (Ray copies each "
             f"reported checkpoint to its own storage_path, a bucket too), or keep the URL and resume='auto' "
-            f"without RayTrainReportCallback")
+                             f"without RayTrainReportCallback")
         self.train = import_optional('ray.train', 'ray', 'ray', 'RayTrainReportCallback')
         self._notice = getattr(self.train, 'get_preemption_info', None)  # Ray Train's current API (V2) only
         if self._notice is None and self.check_every: warn_user(

@@ -30,7 +30,7 @@ class _MissingPackage(ImportError):
 def _missing(package, extra, who, err=None):
     why = f" (importing it failed: {err})" if err is not None else ''
     return _MissingPackage(f"{who} needs the {package} package, which is not installed{why}: pip install "
-                       f"\"learncb[{extra}]\" (or pip install {package})")
+                           f"\"learncb[{extra}]\" (or pip install {package})")
 
 def check_installed(package, extra, who):
     """Raise an `ImportError` with the install command (`pip install \"learncb[extra]\"`) if `package` is not

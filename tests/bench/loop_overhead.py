@@ -334,7 +334,7 @@ def compile_table(short):
                   f"learn.compile() {cell('model')} (first {first['model']:.1f} s) | "
                   f"learn.compile(step=True) {cell('step')} "
                   f"(first {first['step']:.1f} s)" + ('' if short else f" | (step=True, "
-                f"trace_backward=False) {cell('step_engine')}")
+                                                      f"trace_backward=False) {cell('step_engine')}")
                   + (f" FELL BACK: {fell_back}" if fell_back else ''))
 
 def main(short=False):
@@ -377,7 +377,7 @@ def main(short=False):
     print(f"torch.compile (inductor), default cbs : compiled {c:7.1f} us/step, eager {e:7.1f} us/step, ratio "
           f"{c / e:.3f} (compiling took {compile_s:.1f} s, "
           f"not counted)" + (f"; FELL BACK TO EAGER: {failed}" if failed
-                                                                else ''))
+                             else ''))
     n_ddp, n_epoch_ddp, rounds_ddp = (150, 1, 3) if short else (600, 2, 5)
     res = ddp_us(n_ddp, n_epoch_ddp, rounds_ddp, timeout=60 if short else 300)
     if isinstance(res, str): print(f"2 processes (gloo, DDP)               : skipped: {res}")

@@ -26,7 +26,7 @@ class Wide(nn.Module):
     def __init__(self, limit=None, where='forward', hidden=2048):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(256, hidden),
-                                                                  nn.ReLU())
+                                  nn.ReLU())
         self.head = nn.Linear(hidden, 10)
         self.limit = limit
         self.where = where

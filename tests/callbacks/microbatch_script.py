@@ -149,7 +149,7 @@ def main():
             learn.fit(args.epochs, cbs=cbs)
     except Exception as e:
         (out/f'error{rank}.txt').write_text(''.join(traceback.format_exception(e)) + f'rooms: '
-            f'{rooms or cap.rooms}')
+                                            f'{rooms or cap.rooms}')
         sys.exit(3)
     weights = {k: v.clone() for k,v in learn.model.state_dict().items()}
     torch.save({'model': weights, 'train_iter': learn.train_iter, 'history': auto.history,

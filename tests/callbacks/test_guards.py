@@ -172,7 +172,7 @@ def test_terminate_on_nan_stops_at_the_bad_batch_with_the_weights_before_it(caps
     reason = (f'training loss is NaN or infinite at epoch 0, batch {BAD}: the fit stopped before it, so the '
               f'weights are those from before batch {BAD}')
     assert (learn.stop_reason == reason and capsys.readouterr().out.splitlines()[-1] == f'fit stopped: '
-        f'{reason}')
+            f'{reason}')
     assert (learn.epoch, learn.train_iter) == (0, BAD)          # no step on it: batches 0..BAD-1 counted
     before = regression_learner(regression(poison='inf'))
     before.fit(3, cbs=StopAfter(BAD))

@@ -126,7 +126,7 @@ def test_param_scheduler_leaves_validation_alone():
     ({'warmth': SchedNo(1., 1.)}, torch.optim.Adam, ValueError, r"cannot schedule 'warmth' on Adam: its "
                                                                 r"param groups have the keys \[.*'betas'"),
     ({'lr': lambda pos: [0.1, 0.2, 0.3]}, torch.optim.SGD, ValueError, "returns 3 values, but SGD has 1 "
-    "param group"),
+     "param group"),
     ({'lr': lambda pos: None}, torch.optim.SGD, TypeError, "must return a number .* returned None"),
 ])
 def test_param_scheduler_errors_at_before_fit(scheds, opt_func, err, match):

@@ -69,7 +69,7 @@ def test_loss_grad_is_replaced_not_changed_in_place():
         seen['orig'], seen['value'] = self.learn.loss_grad, self.learn.loss_grad.detach().clone()
     def after(self): seen['new'], seen['loss'] = self.learn.loss_grad, self.learn.loss
     learn = learner(bs=8, cbs=[GradientAccumulation(32), Callback(before_backward=before, order=4),
-                                Callback(before_backward=after, order=6)])
+                               Callback(before_backward=after, order=6)])
     learn.fit(1)
     assert seen['new'] is not seen['orig'] and torch.equal(seen['orig'].detach(), seen['value'])
     assert torch.allclose(seen['new'].detach(), seen['loss'] * 8 / 32)

@@ -48,7 +48,7 @@ class SaveAtEnd(Callback):
         if self.learn.exception is None and is_rank0():
             torch.save({'model': self.learn.model.state_dict(), 'losses': self.learn.recorder.losses,
                         'values': self.learn.recorder.values, 'train_iter': self.learn.train_iter},
-                        self.out/'final.pt')
+                       self.out/'final.pt')
 
 def run_fits(learn, n_fits=1, ckpt=False, kill_at=None, epochs=3, ckpt_path='checkpoints'):
     """Fit `n_fits` times (the first with checkpoints if `ckpt`, resumed with resume='auto'); what each fit

@@ -75,7 +75,7 @@ if args.torchmetrics:
     metrics = [accuracy, MulticlassAccuracy(num_classes=3, average='macro')]
 learn = Learner(DataLoaders(train, valid), model, nn.CrossEntropyLoss(), metrics=metrics, path=out,
                 opt_func=partial(torch.optim.AdamW, weight_decay=0.01) if args.adam
-                    else partial(torch.optim.SGD, momentum=0.9),
+                else partial(torch.optim.SGD, momentum=0.9),
                 lr=(1e-2 if args.adam else 0.05) if not args.early else 1e-9, device=args.device)
 learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
 

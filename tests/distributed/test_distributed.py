@@ -9,7 +9,7 @@ from conftest import run_script
 
 SCRIPT = Path(__file__).parent/'ddp_script.py'
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason='torch.distributed is not '
-    'available')
+                                'available')
 # pytest -n: the tests sharing a module fixture's runs go to one worker, which makes them once
 shared_runs = pytest.mark.xdist_group('ddp_one_and_two')
 

@@ -87,11 +87,11 @@ def test_elastic_world_shrinks_and_grows_and_the_run_ends_as_the_uninterrupted_o
             kill_node(b)                                            # a node lost: its agent and its worker
             killed = time.time()
             p = wait_for(out, lambda p: any(w == 1 and t > killed for w,_,t in p) and
-                                        sum(w == 1 for w,_,_ in p) >= 4, 'the run on the node left')
+                         sum(w == 1 for w,_,_ in p) >= 4, 'the run on the node left')
             procs.append(b2 := agent(out, port, lb2))               # the node comes back
             joined = time.time()
             p = wait_for(out, lambda p: any(w == 2 and t > joined for w,_,t in p), 'the run on both nodes '
-                'again')
+                         'again')
             assert (a.wait(timeout=300) == 0
                     and b2.wait(timeout=60) == 0), (tmp_path/'a.log').read_text()[-4000:]
         finally:

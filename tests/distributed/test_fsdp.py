@@ -7,7 +7,7 @@ import pytest, torch
 from test_distributed import free_port, run, result, ranks_said
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason='torch.distributed is not '
-    'available')
+                                'available')
 # pytest -n: the tests sharing a module fixture's runs go to one worker, which makes them once
 shared_runs = pytest.mark.xdist_group('fsdp_runs')
 
