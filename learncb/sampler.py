@@ -212,7 +212,7 @@ class SteeredBatches:
         learn,start = self.learn,self.start
         while start is not None:
             training,i = learn.training,start - 1
-            skip = {i for e,i in learn.skipped_batches if e == learn.epoch} if training else ()
+            skip = {b for e,b in learn.skipped_batches if e == learn.epoch} if training else ()
             for i,b in enumerate(self.fetch(start), start):
                 if i in skip: b = None
                 else:
