@@ -40,6 +40,7 @@ from .strategy import *
 from .distributed.strategy import *
 from .distributed.ddp import *
 from .distributed.fsdp import *
+from .distributed.model_parallel import *
 from .distributed.ft import *
 from .distributed.replicas import *
 from .distributed.context import *

@@ -417,13 +417,14 @@ def _over_ranks(learn, dl):
     if num_distrib() == 1: return dl,None
     strategy = learn.strategy          # a process group started without `distrib_ctx`: shared out in order
     user = strategy.user_dl(dl)
-    if is_stream(user): return strategy.shard_valid(user),_cat_over_ranks
+    if is_stream(user): return strategy.shard_valid(user),partial(_cat_over_ranks, group=strategy.dp_group)
     return strategy.shard_valid(user),partial(strategy.gather_in_order, n=len(user.dataset))
 
-def _cat_over_ranks(o):
-    "Every rank's `o` (tensors, tuples of them, `None`) on its own stream, joined in rank order"
-    if isinstance(o, (tuple, list)): return type(o)(_cat_over_ranks(t) for t in o)
-    parts = gather_objects(o)
+def _cat_over_ranks(o, group=None):
+    """Every rank's `o` (tensors, tuples of them, `None`) on its own stream, joined in rank order (`group`:
+    the data-parallel ranks')"""
+    if isinstance(o, (tuple, list)): return type(o)(_cat_over_ranks(t, group) for t in o)
+    parts = gather_objects(o, group)
     return None if o is None else torch.cat([p.to(o.device) for p in parts])
 
 @contextmanager

@@ -73,22 +73,24 @@ class PendingSum:
         self.work.wait()
         return self.out.to(self.device)
 
-def sum_across_ranks(t, wait=True):
-    """`t` summed over all ranks (a new tensor on `t`'s device; `t` itself without a process group);
-    `wait=False`: the collective started, a `PendingSum`, so that work goes on while it runs"""
+def sum_across_ranks(t, wait=True, group=None):
+    """`t` summed over all ranks, or those of process `group` (a new tensor on `t`'s device; `t` itself
+    without a process group); `wait=False`: the collective started, a `PendingSum`, so that work goes on while
+    it runs"""
     if num_distrib() == 1: return t
     import torch.distributed as dist
     out = t.detach().to(_collective_device(), copy=True)
-    if not wait: return PendingSum(out, dist.all_reduce(out, async_op=True), t.device)
-    dist.all_reduce(out)
+    if not wait: return PendingSum(out, dist.all_reduce(out, group=group, async_op=True), t.device)
+    dist.all_reduce(out, group=group)
     return out.to(t.device)
 
-def gather_objects(o):
-    "The list of every rank's `o`, in rank order (`[o]` without a process group)"
+def gather_objects(o, group=None):
+    """The list of every rank's `o` (of process `group`'s ranks), in rank order (`[o]` without a process
+    group)"""
     if num_distrib() == 1: return [o]
     import torch.distributed as dist
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, o)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, o, group=group)
     return out
 
 def free_port(host='127.0.0.1'):
@@ -225,10 +227,11 @@ def _fingerprint(batch):
     return tuple((tuple(t.shape), float(t.double().sum()), float(t.double().abs().sum()))
                  for t in tensors_of(batch))
 
-def check_own_streams(first, n, what):
-    """Raise unless the ranks read streams of their own: their first batches (`first`, `None` for none)
-    differ, and they give as many batches a pass (`n`, `None`: unknown); a collective, once a fit"""
-    seen = gather_objects((_fingerprint(first), n))
+def check_own_streams(first, n, what, group=None):
+    """Raise unless the ranks (of process `group`: the data-parallel ones) read streams of their own: their
+    first batches (`first`, `None` for none) differ, and they give as many batches a pass (`n`, `None`:
+    unknown); a collective, once a fit"""
+    seen = gather_objects((_fingerprint(first), n), group)
     prints,counts = [p for p,_ in seen],{c for _,c in seen if c is not None}
     if len(seen) > 1 and prints[0] is not None and all(p == prints[0] for p in prints): raise ValueError(
         f"every rank read the same first batch from the {what} IterableDataset: under distrib_ctx each rank "
@@ -249,11 +252,11 @@ def shard_in_order(dl, rank=None, world=None):
         f"validate or predict on; use more items, or validate in one process")
     return rebuild_dataloader(dl, ShardSampler(len(dl.dataset), rank, world))
 
-def gather_in_order(o, n):
+def gather_in_order(o, n, group=None):
     """Every rank's share of `n` items (tensors, tuples of them, `None`), gathered in dataset order on every
-    rank"""
-    if isinstance(o, (tuple, list)): return type(o)(gather_in_order(t, n) for t in o)
-    parts = gather_objects(o)
+    rank; `group`: of those ranks alone (the data-parallel ones, each with its own share)"""
+    if isinstance(o, (tuple, list)): return type(o)(gather_in_order(t, n, group) for t in o)
+    parts = gather_objects(o, group)
     if o is None or num_distrib() == 1: return o
     out = parts[0].new_empty((n, *parts[0].shape[1:]))
     for r,part in enumerate(parts): out[r::len(parts)] = part

@@ -39,7 +39,7 @@ class RankStream:
     """A dataloader `dl` over an `IterableDataset`, as this rank's own stream of a distributed fit: read as it
     is (its dataset yields this rank's part), checked at its first batch (`check_own_streams`: the ranks'
     first batches differ, as many batches each); its length and state (`state_dict`) are `dl`'s"""
-    def __init__(self, dl, what): self.dl,self.what,self.checked = dl,what,False
+    def __init__(self, dl, what, group=None): self.dl,self.what,self.group,self.checked = dl,what,group,False
     def __getattr__(self, name):
         if name == 'dl': raise AttributeError(name)             # not set yet (a copy being made)
         return getattr(self.dl, name)
@@ -49,7 +49,7 @@ class RankStream:
         it = iter(self.dl)
         if not self.checked:
             self.checked,first = True,next(it, None)
-            check_own_streams(first, n_batches(self.dl), self.what)
+            check_own_streams(first, n_batches(self.dl), self.what, self.group)
             if first is None: return
             yield first
         yield from it
@@ -70,14 +70,37 @@ class Strategy:
         process group's): for a strategy whose data-parallel ranks are some of the processes (a 2D mesh's
         `dp` dimension), the share of its data-parallel rank. The share knows `dl` as the user's
         (`user_dl`)"""
-        if is_stream(dl): return self._sharded(RankStream(dl, 'training'), dl)
+        rank,world = self.dp_rank if rank is None else rank,self.dp_size if world is None else world
+        if is_stream(dl): return self._sharded(RankStream(dl, 'training', self.dp_group), dl)
         return self._sharded(shard_train_dl(dl, rank, world, seed=self.seed), dl)
 
     def shard_valid(self, dl, rank=None, world=None):
         """This rank's share of dataloader `dl`, to validate or predict on: its items in order; a stream is
         this rank's own. `rank` of `world`: as `shard_train`'s"""
-        if is_stream(dl): return self._sharded(RankStream(dl, 'validation'), dl)
+        rank,world = self.dp_rank if rank is None else rank,self.dp_size if world is None else world
+        if is_stream(dl): return self._sharded(RankStream(dl, 'validation', self.dp_group), dl)
         return self._sharded(shard_in_order(dl, rank, world), dl)
+
+    def data_parallel_size(self, world):
+        """How many data-parallel ranks a run of `world` processes has, each reading its own share of the
+        data: all of them (DDP, FSDP); a 2D mesh's `dp` dimension (`ModelParallel`)"""
+        return world
+
+    @property
+    def dp_size(self):
+        "How many shares the data is cut into: the data-parallel ranks of the running process group"
+        return self.data_parallel_size(num_distrib())
+
+    @property
+    def dp_rank(self):
+        """Which share of the data this process reads (its rank among the data-parallel ranks): a stream's
+        dataset reads it to yield its own part"""
+        return rank_distrib()
+
+    @property
+    def dp_group(self):
+        "The process group of this process's data-parallel ranks (`None`: every process, the default group)"
+        return None
 
     def _shares(self):
         "`{share: the user's dataloader}`, made on first use (a subclass's `__init__` need not call this one)"
@@ -133,24 +156,25 @@ class Strategy:
 
     def gather_in_order(self, o, n):
         "Every rank's share of `n` items, predicted on `shard_valid`'s dataloaders, back in dataset order"
-        return gather_in_order(o, n)
+        return gather_in_order(o, n, self.dp_group)
 
     def global_items(self, n):
         """How many items the run's batch holds when this process's holds `n`:
-        every rank reads as many (DDP, FSDP)"""
-        return n * num_distrib()
+        every data-parallel rank reads as many (DDP, FSDP)"""
+        return n * self.dp_size
 
     def batch_items(self, n):
         """How many items the run's batch holds when this process's part holds `n`, an int or a tensor on the
         device (`Step.items`): rows as `global_items` counts them; items counted on the device summed over
         the processes"""
-        return self.global_items(n) if isinstance(n, int) else sum_across_ranks(n, wait=False)   # PendingSum
+        if isinstance(n, int): return self.global_items(n)
+        return sum_across_ranks(n, wait=False, group=self.dp_group)                    # a PendingSum
 
     def averages_over(self):
         """How many processes the reduction of the gradients averages over (DDP's mean, FSDP's): the step
         weighs each process's loss by it and by its part of the batch's items (`Step.piece_weight`); 1
         where it sums them"""
-        return num_distrib()
+        return self.dp_size
 
     reads_whole_batch = False
     """Whether every process reads the whole batch of the run and computes its share of it in the step (a

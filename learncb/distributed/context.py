@@ -75,7 +75,8 @@ def distrib_ctx(self:Learner, strategy='ddp', shard=None, backend=None, timeout=
     process"""
     strategy = _as_strategy(strategy, shard, device_ids, find_unused_parameters)
     world = num_distrib() if dist.is_initialized() else launched_world()
-    with _global_batch(self, global_batch, 1 if strategy.reads_whole_batch else world, strategy.seed):
+    shares = 1 if strategy.reads_whole_batch else strategy.data_parallel_size(world)
+    with _global_batch(self, global_batch, shares, strategy.seed):
         started = (_start_group(self, backend, timeout) if strategy.needs_group and launched_world() > 1
                    and not dist.is_initialized() else False)
         if num_distrib() == 1 and strategy.needs_group:

@@ -38,26 +38,36 @@ def _shard_rule(shard):
     raise TypeError(f"distrib_ctx: shard must be a function of a module that says whether to shard it, e.g. "
                     f"lambda m: isinstance(m, Block), a module class, or a set of them, not {shard!r}")
 
+def _children_with_forward(m):
+    "`m`'s children, those of a container without a forward (`ModuleList`, `ModuleDict`) in its stead"
+    for c in m.children():
+        if isinstance(c, (nn.ModuleList, nn.ModuleDict)): yield from _children_with_forward(c)
+        else: yield c
+
 def units_to_shard(model, shard=None):
     """The submodules of `model` FSDP shards as units, children before parents; `None`: each direct child with
-    parameters"""
-    if shard is None: return [m for m in model.children() if next(m.parameters(), None) is not None]
+    parameters (of a container without a forward, `ModuleList` or `ModuleDict`: each of its children)"""
+    if shard is None:
+        return [m for m in _children_with_forward(model) if next(m.parameters(), None) is not None]
     rule = _shard_rule(shard)
     return [m for m in _post_order(model) if m is not model and rule(m)]
 
 # %% ../../nbs/23b_fsdp.ipynb #115ca651
-def fsdp_model(model, shard=None, device=None, mp_policy=None):
+def fsdp_model(model, shard=None, device=None, mp_policy=None, mesh=None, parallelize=None):
     """A copy of `model` sharded over the ranks by FSDP2: `fully_shard` on the units `shard` picks, then the
-    root"""
+    root, over `mesh` (by default a 1-D mesh of every rank); `parallelize(copy)` first, on the meta device
+    (tensor parallel: `ModelParallel`)"""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard, FSDPModule
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, StateDictOptions
     device = torch.device(device) if device is not None else model_device(model, torch.device('cpu'))
-    kw = {'mesh': init_device_mesh(device.type, (num_distrib(),))}
+    kw = {'mesh': init_device_mesh(device.type, (num_distrib(),)) if mesh is None else mesh}
     if mp_policy is not None: kw['mp_policy'] = mp_policy
     out = meta_copy(model)
-    for unit in units_to_shard(out, shard): fully_shard(unit, **kw)
-    fully_shard(out, **kw)
+    if parallelize is not None: out = parallelize(out) or out
+    if kw['mesh'] is not False and not isinstance(out, FSDPModule):
+        for unit in units_to_shard(out, shard): fully_shard(unit, **kw)
+        fully_shard(out, **kw)
     out.to_empty(device=device)
     weights = model.state_dict()        # rank 0's are broadcast, as DDP does: every rank starts from the same
     set_model_state_dict(out, weights, options=StateDictOptions(full_state_dict=True,
@@ -73,10 +83,9 @@ def _check_plain(model):
     name = next((n for n,p in model.named_parameters() if is_sharded(p)), None)
     if name is not None: raise ValueError(
         f"FSDP() shards a plain model over every rank (a 1-D mesh), but the model's parameter {name} is a "
-        f"DTensor already (tensor parallel: parallelize_module, or fully_shard): learncb has no built-in "
-        f"strategy for a 2D mesh yet. Fit the plain model with FSDP(), or write a Strategy of your own that "
-        f"parallelizes it in wrap() and shards the data over its dp dimension with shard_train(dl, "
-        f"rank=dp_rank, world=dp_size) ('A strategy of your own' on the distributed page)")
+        f"DTensor already (tensor parallel: parallelize_module, or fully_shard). Give the plain model and "
+        f"say how to parallelize it: distrib_ctx(strategy=ModelParallel(mesh={{'dp': 2, 'tp': 2}}, "
+        f"plan=your_tp_plan)), or parallelize=fn(model, mesh) ('Tensor and 2D parallel')")
 
 def _rank0_buffers(model):
     """Give every rank rank 0's buffers (BatchNorm's running statistics), as DDP does: under FSDP each rank
@@ -116,7 +125,7 @@ class FSDP(Strategy):
             "partial(SGD, momentum=0.9)) and learn.opt = None")
         self._plain,self._plain_opt,self._mp = learn.model,learn.opt,self._precision(learn)
         self._plain_opt_state = map_tensors(torch.Tensor.cpu, self._plain_opt.state_dict())    # on an error
-        learn.model = fsdp_model(self._plain, self.shard, learn.device, self._policy())
+        learn.model = self.shard_model(self._plain, learn.device)
         # the same groups (splitter), of the sharded parameters; then the old state and hypers
         learn.create_opt()
         learn.opt.load_state_dict(opt_state_like(self._plain_opt.state_dict(), learn.opt))
@@ -125,6 +134,10 @@ class FSDP(Strategy):
         valid = learn.dls.valid
         counts = gather_objects(0 if valid is None else n_batches(valid))
         self._extra_forwards = max(counts) - counts[rank_distrib()]
+
+    def shard_model(self, model, device):
+        "The copy of plain `model` this strategy trains, on `device`: sharded by `fsdp_model`"
+        return fsdp_model(model, self.shard, device, self._policy())
 
     def user_model(self, model):
         "The plain model the sharded copy was made from (its weights wait out the fit on the CPU, stale)"
