@@ -32,7 +32,8 @@ class Attention(nn.Module):
         self.wq,self.wk,self.wv,self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
     def forward(self, x, cos, sin):
         bs,n,_ = x.shape
-        q,k,v = (local(w(x)).view(bs, n, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        heads = lambda w: local(w(x)).view(bs, n, -1, self.head_dim).transpose(1, 2)
+        q,k,v = heads(self.wq),heads(self.wk),heads(self.wv)
         cos,sin = local(cos),local(sin)
         out = F.scaled_dot_product_attention(rotary(q, cos, sin), rotary(k, cos, sin), v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(bs, n, -1))
@@ -40,8 +41,8 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, dim, hidden):
         super().__init__()
-        self.w1,self.w2,self.w3 = nn.Linear(dim, hidden, bias=False),nn.Linear(hidden, dim, bias=False),nn.Linear(
-            dim, hidden, bias=False)
+        self.w1,self.w3 = nn.Linear(dim, hidden, bias=False),nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
     def forward(self, x): return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 class Block(nn.Module):

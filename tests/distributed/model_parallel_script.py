@@ -1,6 +1,6 @@
-"""The fsdp_tp example (tests/llama_port.py) on a 2x2 mesh, 4 processes under torchrun (gloo): `--way example`,
-its own loop; `--way learncb`, learncb's port with `ModelParallel`. Each rank saves OUT/<way><rank>.pt, its
-whole weights after the fit."""
+"""The fsdp_tp example (tests/llama_port.py) on a 2x2 mesh, 4 processes under torchrun (gloo): `--way
+example`, its own loop; `--way learncb`, learncb's port with `ModelParallel`. Each rank saves
+OUT/<way><rank>.pt, its whole weights after the fit."""
 import argparse, os, sys
 from functools import partial
 from pathlib import Path
@@ -21,7 +21,8 @@ def ported():
     torch.manual_seed(0)
     strategy = ModelParallel(mesh={'dp': 2, 'tp': 2}, plan=tp_plan())
     learn = Learner(DataLoaders(DataLoader(Tokens(strategy), batch_size=None), None), Transformer(),
-                    loss_func=lambda out: out.sum(), opt_func=partial(torch.optim.AdamW, foreach=True), lr=3e-3)
+                    loss_func=lambda out: out.sum(), opt_func=partial(torch.optim.AdamW, foreach=True),
+                    lr=3e-3)
     with learn.distrib_ctx(strategy=strategy): learn.fit(1)
     return learn.model.state_dict()
 
