@@ -112,20 +112,22 @@ def _describe(shape):
     n,bs,items = (shape.get(k) for k in ('n_batches', 'batch_size', 'n_items'))
     return f"{n} batches per epoch, batch size {bs}, {items} items"
 
-def _processes(n): return f"{n} process{'es' if n > 1 else ''}"
+def _processes(n, what='process'):
+    "`n` processes, or `n` of `what` (a name whose plural takes an s)"
+    return f"{n} {what}" if n == 1 else f"{n} processes" if what == 'process' else f"{n} {what}s"
 
-def _check_global_batch(bs, world, now_bs, path):
-    """Refuse to go on over another number of processes unless the global batch (per-process batch x
-    processes) is kept"""
-    now_world = num_distrib()
-    if None in (bs, now_bs) or bs * world == now_bs * now_world: return
-    fix = (f"a batch size of {bs * world // now_world} per process" if bs * world % now_world == 0 else
-           f"{_processes(world)}")
-    raise ValueError(f"{path} was taken with a global batch of {bs * world} ({bs} per process x "
-                     f"{_processes(world)}), but this run's is {now_bs * now_world} ({now_bs} x "
-                     f"{_processes(now_world)}): a run goes on over another number of processes only with "
-                     f"the same global batch, so that it sees the same batches in the same order. Resume "
-                     f"with {fix}")
+def _check_global_batch(bs, shares, now_bs, now_shares, path):
+    """Refuse to go on over another number of data-parallel ranks (the processes, or a mesh's `dp` dimension)
+    unless the global batch (batch per rank x ranks) is kept"""
+    if None in (bs, now_bs) or bs * shares == now_bs * now_shares: return
+    what = 'process' if now_shares == num_distrib() else 'data-parallel rank'
+    fix = (f"a batch size of {bs * shares // now_shares} per {what}" if bs * shares % now_shares == 0 else
+           f"{_processes(shares, what)}")
+    raise ValueError(f"{path} was taken with a global batch of {bs * shares} ({bs} per {what} x "
+                     f"{_processes(shares, what)}), but this run's is {now_bs * now_shares} ({now_bs} x "
+                     f"{_processes(now_shares, what)}): a run goes on over another number of "
+                     f"{_processes(2, what)[2:]} only with the same global batch, so that it sees the same "
+                     f"batches in the same order. Resume with {fix}")
 
 def check_same_run(learn, state, path):
     """Refuse checkpoint `state` if it is of another run: another number of epochs, another global batch,
@@ -136,8 +138,9 @@ def check_same_run(learn, state, path):
                          f"resume the same run with learn.fit({n_epoch}, resume=...)")
     saved,now = state.get('data_shape') or {},data_shape(user_train_dl(learn))
     # each process has its own batches: the global batch counts
-    if state.get('world_size', 1) != num_distrib():
-        _check_global_batch(saved.get('batch_size'), state.get('world_size', 1), now['batch_size'], path)
+    shares,now_shares = state.get('data_shares', state.get('world_size', 1)),learn.strategy.dp_size
+    if shares != now_shares:
+        _check_global_batch(saved.get('batch_size'), shares, now['batch_size'], now_shares, path)
         saved,now = {'n_items': saved.get('n_items')},{'n_items': now['n_items']}
     if any(saved.get(k) is not None and v is not None and saved[k] != v for k,v in now.items()):
         raise ValueError(f"{path} was taken with training data of {_describe(saved)}, but the training data "

@@ -135,6 +135,7 @@ class StateHost:
                            if p.grad is not None},
                  'loop': loop_state(self),
                  'rng': rng_state(), 'world_size': num_distrib(),
+                 'data_shares': self.strategy.dp_size,        # the data-parallel ranks, of world_size
                  'data': None if sampler is None else sampler.state_dict(),
                  'loader': dl.state_dict() if has_state(dl) else None,
                  'data_shape': data_shape(user_train_dl(self)),
