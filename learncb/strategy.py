@@ -134,6 +134,11 @@ class Strategy:
         parameters are whole already: nothing to do"""
         yield
 
+    def layout(self, model, device=None):
+        """The copy of `model` each rank trains, on the `meta` device, laid out as this strategy lays it out
+        (sharded, parallelized): its shapes without memory, for `rank_memory`. Here: the whole model"""
+        return meta_copy(model)
+
     def wrap(self, learn):
         "Put the model the ranks train in `learn.model` when the fit starts (here: the plain model, as it is)"
 
