@@ -136,18 +136,21 @@ def shard_like(t, like):
     return distribute_tensor(t.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
 
 @torch.compiler.disable
-def mean_across_ranks(ts):
-    """Make each tensor of `ts` its mean over the ranks, in place: one all-reduce per dtype and device, of
-    their values flattened together, each divided by the ranks before the sum (as DDP's reduction is)"""
+def mean_across_ranks(ts, group=None):
+    """Make each tensor of `ts` its mean over the ranks (of process group `group`, by default all), in place:
+    one all-reduce per dtype and device, of their values flattened together, each divided by the ranks before
+    the sum (as DDP's reduction is). Of a `DTensor` (tensor parallel's), each rank's local part"""
     import torch.distributed as dist
-    world,groups = dist.get_world_size(),{}
-    for t in ts: groups.setdefault((t.device, t.dtype), []).append(t)
-    for group in groups.values():
-        flat = torch.cat([t.reshape(-1) for t in group]).div_(world)
+    world,kinds = dist.get_world_size(group),{}
+    for t in ts:
+        t = t.to_local() if is_sharded(t) else t
+        kinds.setdefault((t.device, t.dtype), []).append(t)
+    for same in kinds.values():
+        flat = torch.cat([t.reshape(-1) for t in same]).div_(world)
         on = flat.to(_collective_device())
-        dist.all_reduce(on)
+        dist.all_reduce(on, group=group)
         if on is not flat: flat.copy_(on)
-        for t,f in zip(group, flat.split([t.numel() for t in group])): t.copy_(f.view_as(t))
+        for t,f in zip(same, flat.split([t.numel() for t in same])): t.copy_(f.view_as(t))
 
 def opt_state_like(state, opt):
     """Optimizer `state` (from `state_dict`) with its whole per-parameter tensors cut to fit `opt`'s sharded

@@ -152,8 +152,8 @@ class Strategy:
         "Called after each validation of the fit"
 
     def reduce(self, t):
-        "`t` summed over the ranks"
-        return sum_across_ranks(t)
+        "`t` summed over the data-parallel ranks"
+        return sum_across_ranks(t, group=self.dp_group)
 
     def gather(self, o):
         "The list of every rank's `o`, in rank order"
@@ -201,9 +201,9 @@ class Strategy:
 
     _syncs = True
     def reduce_grads(self, params):
-        """Make the gradients of `params` their mean over the ranks, in place (one collective per dtype and
-        device)"""
-        if num_distrib() > 1: mean_across_ranks([p.grad for p in params if p.grad is not None])
+        """Make the gradients of `params` their mean over the data-parallel ranks, in place (one collective
+        per dtype and device)"""
+        if self.dp_size > 1: mean_across_ranks([p.grad for p in params if p.grad is not None], self.dp_group)
 
     def local_model(self, model):
         "The model this rank computes with, without a wrapper that reduces gradients (`model` itself here)"

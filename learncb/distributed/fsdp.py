@@ -92,6 +92,10 @@ def _device_type(model, device=None):
     "The kind of device (`'cpu'`, `'cuda'`) of `device`, or else of `model`'s parameters"
     return torch.device(device).type if device is not None else model_device(model, torch.device('cpu')).type
 
+def _full(t):
+    "A tensor parallel's `DTensor` gathered whole (a collective over its mesh); a plain tensor as it is"
+    return t.full_tensor() if is_sharded(t) else t
+
 def _check_plain(model):
     "Raise if `model` is parallelized already (a parameter is a `DTensor`): `FSDP` shards a plain model"
     name = next((n for n,p in model.named_parameters() if is_sharded(p)), None)
@@ -190,9 +194,9 @@ class FSDP(Strategy):
         finally:
             names,whole = zip(*model.named_parameters()) if ok and reduce else ((), ())
             grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in whole]
-            if grads: mean_across_ranks(grads)
+            if grads: mean_across_ranks(grads, self.dp_group)
             # this rank's shard of each whole parameter, before the whole ones are freed
-            kept = {n: shard_like(p.detach(), sharded[n]).clone() for n,p in model.named_parameters()
+            kept = {n: shard_like(_full(p.detach()), sharded[n]).clone() for n,p in model.named_parameters()
                     if ok and keep}
             # the whole ones: none left for the next time
             for _,p in model.named_parameters(): p.grad = None
@@ -201,7 +205,7 @@ class FSDP(Strategy):
                 for n,v in kept.items(): sharded[n].copy_(v)
             for n,g in zip(names, grads):
                 p = sharded[n]
-                shard = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+                shard = distribute_tensor(_full(g), p.device_mesh, p.placements, src_data_rank=None)
                 p.grad = shard if p.grad is None else p.grad.add_(shard)
             for m in units:       # as `fully_shard` left them (the root as FSDP has it: whole after forward)
                 m.set_reshard_after_forward(m is not model, recurse=False)

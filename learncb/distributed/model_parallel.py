@@ -80,31 +80,54 @@ class ModelParallel(FSDP):
 
     @property
     def dp_group(self):
-        "The process group of the mesh's `dp` dimension through this process (`None` outside a process group)"
-        if num_distrib() == 1 or 'dp' not in self.mesh_sizes: return None
+        """The process group of the mesh's `dp` dimension through this process (`None` outside a process
+        group); on a mesh without one, this process alone"""
+        if num_distrib() == 1: return None
         return self.device_mesh()['dp'].get_group()
 
     def device_mesh(self):
-        "The device mesh of the run, its dimensions named as `mesh` (made once, on the collectives' device)"
+        """The device mesh of the run, its dimensions named as `mesh` (made once, on the collectives' device);
+        without a `dp` dimension, one of size 1 first (each process its own data-parallel group)"""
         if self.mesh is None:
             import torch.distributed as dist
             from torch.distributed.device_mesh import init_device_mesh
             dims,kind = self._dims(),'cuda' if dist.get_backend() == 'nccl' else 'cpu'
+            if 'dp' not in dims: dims = {'dp': 1, **dims}
             self.mesh = init_device_mesh(kind, tuple(dims.values()), mesh_dim_names=tuple(dims))
         return self.mesh
 
     def _tensor_parallel(self, model):
         "Parallelize `model` (a meta copy) on the mesh: the user's function, or `plan` on its `tp` dimension"
-        if self.parallelize is not None: return self.parallelize(model, self.mesh)
-        if self.plan is None or 'tp' not in self.mesh.mesh_dim_names: return model
+        mesh = self.device_mesh()
+        if self.parallelize is not None: return self.parallelize(model, mesh)
+        if self.plan is None or 'tp' not in mesh.mesh_dim_names: return model
         from torch.distributed.tensor.parallel import parallelize_module
-        return parallelize_module(model, self.mesh['tp'], self.plan)
+        return parallelize_module(model, mesh['tp'], self.plan)
 
     def layout(self, model, device=None):
         "The copy of `model` each rank trains, on the `meta` device: parallelized on `tp`, FSDP2's on `dp`"
-        mesh = self.device_mesh()
-        dp = mesh['dp'] if 'dp' in mesh.mesh_dim_names else False
+        dp = self.device_mesh()['dp'] if 'dp' in self.mesh_sizes else False
         return fsdp_layout(model, self.shard, self._policy(), mesh=dp, parallelize=self._tensor_parallel)
+
+    def sharded_blocks(self, model):
+        """The blocks compiled one by one (`learn.compile`): FSDP's units, or on a mesh of `tp` alone the
+        units FSDP would shard (`units_to_shard`)"""
+        if 'dp' in self.mesh_sizes: return super().sharded_blocks(model)
+        return units_to_shard(model, self.shard)
+
+    @contextmanager
+    def whole_params(self, model, reduce=True, keep=False):
+        """The parameters gathered over `dp` (FSDP's `whole_params`; tensor parallel's stay cut over `tp`): a
+        capability's pieces of a batch (`AutoMicrobatch`'s micro-batches, a closure's calls) run through the
+        tensor-parallel model, which computes each whole; on a mesh of `tp` alone, the model as it is"""
+        if 'dp' not in self.mesh_sizes: yield
+        else:
+            with super().whole_params(model, reduce, keep): yield
+
+    def casts_model(self, dtype):
+        """Whether the model casts itself for `MixedPrecision`: by FSDP's policy, on a mesh with a `dp`
+        dimension; on `tp` alone, autocast casts, as in one process"""
+        return 'dp' in self.mesh_sizes and super().casts_model(dtype)
 
     @contextmanager
     def session(self, learn):

@@ -2,11 +2,13 @@
 same weights and data, under one strategy; every result saved for the test to hold against the one-process
 fit.
 
-python tests/distributed/matrix_script.py OUT --strategy one|ddp|fsdp|plain|torchft|torchft_fsdp [--only A,B]
+python tests/distributed/matrix_script.py OUT --strategy one|ddp|fsdp|plain|torchft|torchft_fsdp|tp|fsdp_tp
+                                         [--only A,B]
 'one': this process, `distrib_ctx(global_batch=64)` (the order the others are held against); 'ddp', 'fsdp':
 two processes (learncb's `launch`, gloo); 'plain': two processes under a strategy registered with no override;
 'torchft': two replica groups of one process under a lighthouse of their own (`launch_replicas`);
-'torchft_fsdp': two replica groups of two ranks each, FSDP within a group. Each process saves
+'torchft_fsdp': two replica groups of two ranks each, FSDP within a group; 'tp', 'fsdp_tp': four processes
+under `ModelParallel`, a mesh of tp 4 and one of dp 2 x tp 2. Each process saves
 OUT/<strategy><rank>.pt: `{capability: {'weights', 'steps', 'refused', 'train_iter', 'skipped', 'losses',
 'graphs'}}`, where `refused` is the error of a fit refused before its first batch (else `None`)."""
 import argparse, os
@@ -104,6 +106,17 @@ def learner(cls=Learner, lm=False, double=False, poison=(), **kwargs):
     return cls(dls, model, loss_func=CrossEntropyLossFlat() if lm else nn.MSELoss(), default_cbs=False,
                cbs=[TrainEvalCallback(), Recorder()], **{'opt_func': torch.optim.Adam, 'lr': 3e-3, **kwargs})
 
+def tensor_parallel(model, mesh):
+    """The matrix's models cut over the mesh's `tp` dimension: the body's linear by columns, the head by rows
+    (its output whole); the language model's head by columns, its logits whole"""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import parallelize_module, ColwiseParallel, RowwiseParallel
+    plan = ({'head': ColwiseParallel(output_layouts=Replicate())} if isinstance(model, TinyLM) else
+            {'0.lin': ColwiseParallel(), '1': RowwiseParallel()})
+    return parallelize_module(model, mesh['tp'], plan)
+
+model_parallel = {'tp': {'tp': 4}, 'fsdp_tp': {'dp': 2, 'tp': 2}}     # 4 processes: the meshes
+
 def fit(cap, strategy, out, rank):
     "One fit with capability `cap`: what it computed, or why it was refused"
     learn,steps = learner(**learner_kwargs.get(cap, {})),StepCount()
@@ -111,7 +124,8 @@ def fit(cap, strategy, out, rank):
     folder = out/'ckpt'/strategy/(str(rank) if strategy.startswith('torchft') else '')/cap
     refused,before = None,{k: v.clone() for k,v in learn.model.state_dict().items()}
     graphs = torch._dynamo.utils.counters['stats']['unique_graphs']
-    ft = {'torchft': TorchFT(timeout=30), 'torchft_fsdp': TorchFT('fsdp', timeout=30)}
+    ft = {'torchft': TorchFT(timeout=30), 'torchft_fsdp': TorchFT('fsdp', timeout=30),
+          **{k: ModelParallel(mesh=m, parallelize=tensor_parallel) for k,m in model_parallel.items()}}
     ctx = learn.distrib_ctx(global_batch=GLOBAL_BATCH) if strategy == 'one' else learn.distrib_ctx(
         strategy=ft.get(strategy, strategy), global_batch=GLOBAL_BATCH)
     try:
@@ -127,7 +141,8 @@ def fit(cap, strategy, out, rank):
 def run_all(out, strategy, caps):
     rank = int(os.environ.get('REPLICA_GROUP_ID', os.environ.get('RANK', 0)))
     torch.set_num_threads(1)
-    group = strategy in ('ddp', 'fsdp', 'plain', 'torchft_fsdp')     # one process group for all the fits
+    # one process group for all the fits
+    group = strategy in ('ddp', 'fsdp', 'plain', 'torchft_fsdp', *model_parallel)
     if group: torch.distributed.init_process_group('gloo')
     try: results = {cap: fit(cap, strategy, out, rank) for cap in caps}
     finally:
@@ -151,4 +166,4 @@ if __name__ == '__main__':
     elif args.strategy == 'torchft_fsdp':
         with Lighthouse(min_replicas=2, **quick) as lh:
             launch_replicas(run_all, out, 'torchft_fsdp', caps, n=2, ranks=2, lighthouse=lh, timeout=900)
-    else: launch(run_all, out, args.strategy, caps, nprocs=2)
+    else: launch(run_all, out, args.strategy, caps, nprocs=4 if args.strategy in model_parallel else 2)

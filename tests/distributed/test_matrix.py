@@ -1,7 +1,8 @@
 """The capability x strategy matrix: every built-in callback that acts on the step, in one process and under
 DDP, FSDP, a strategy registered with no override ('plain') and torchft (two processes or replica groups,
-gloo; 'torchft_fsdp': two replica groups of two ranks, FSDP within each), each fit held against the same fit
-in one process, or refused by name before its first batch. One launch per strategy runs every capability in
+gloo; 'torchft_fsdp': two replica groups of two ranks, FSDP within each), and `ModelParallel` on 4 processes
+('tp': a mesh of tp 4; 'fsdp_tp': dp 2 x tp 2), each fit held against the same fit in one process, or
+refused by name before its first batch. One launch per strategy runs every capability in
 turn (matrix_script.py)."""
 from pathlib import Path
 import pytest, torch
@@ -13,8 +14,9 @@ pytestmark = pytest.mark.xdist_group('matrix')  # the one-process fits, made onc
 
 # The cells a strategy refuses today, and who is named: a cell refused or run that is not in this table fails
 # the test. None is refused
-refused = {'ddp': {}, 'plain': {}, 'torchft': {}, 'fsdp': {}, 'torchft_fsdp': {}}
-named = {'torchft_fsdp': 'torchft'}           # the name a refusal gives the strategy
+refused = {'ddp': {}, 'plain': {}, 'torchft': {}, 'fsdp': {}, 'torchft_fsdp': {}, 'tp': {}, 'fsdp_tp': {}}
+named = {'torchft_fsdp': 'torchft', 'tp': 'model_parallel',   # the name a refusal gives the strategy
+         'fsdp_tp': 'model_parallel'}
 tolerance = {'precision': 1e-2}       # bf16: equal to its rounding; every other cell to float32's (1e-5)
 
 def matrix(out, strategy):
@@ -43,7 +45,7 @@ def max_rel(a, b):
     return max(((a[k] - w).abs().max() / w.abs().max()).item() for k,w in b.items())
 
 @pytest.mark.slow
-@pytest.mark.parametrize('strategy', ['ddp', 'fsdp', 'plain', 'torchft', 'torchft_fsdp'])
+@pytest.mark.parametrize('strategy', ['ddp', 'fsdp', 'plain', 'torchft', 'torchft_fsdp', 'tp', 'fsdp_tp'])
 def test_every_capability_means_the_same_under_every_strategy(strategy, one, tmp_path):
     """Each cell: the one-process fit's optimizer steps and weights, or a refusal before the first batch
     naming who and why"""
