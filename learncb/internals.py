@@ -9,7 +9,7 @@ __all__ = ['batchnorm_types', 'instancenorm_types', 'conv_types', 'public_only',
            'flag_non_finite', 'skips_on_device', 'set_found_inf', 'take_found_inf', 'param_hooks', 'grad_version',
            'fused_devices', 'autocast_enabled', 'state_metadata', 'set_state_metadata', 'free_dtensor_caches',
            'compiled_wrapped', 'compile_settings', 'restore_compile_settings', 'recompile_limit', 'compiler_error',
-           'recompile_limit_hit', 'own_function']
+           'recompile_limit_hit', 'own_function', 'fake_process_group', 'fake_tensors', 'storage_key']
 
 # %% ../nbs/01d_internals.ipynb #0a4b8cbc
 import contextlib
@@ -203,3 +203,30 @@ def own_function(fn):
         FunctionType)
                                      else c for c in fn.__closure__)
     return FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, cells)
+
+# %% ../nbs/01d_internals.ipynb #4c53dd81
+@contextlib.contextmanager
+def fake_process_group(world, rank):
+    """Context manager: a process group of `world` processes that exchange nothing (torch's fake one), this
+    process its `rank`; ended after the block"""
+    import torch.distributed as dist
+    try: from torch.testing._internal.distributed.fake_pg import FakeStore      # registers the 'fake' backend
+    except ImportError as e: raise RuntimeError(
+        f"torch {torch.__version__} has no fake process group (torch.testing._internal.distributed.fake_pg), "
+        f"which rank_memory needs: {e}") from e
+    dist.init_process_group('fake', store=FakeStore(), rank=rank, world_size=world)
+    try: yield
+    finally: dist.destroy_process_group()
+
+def fake_tensors():
+    """torch's `FakeTensorMode` (tensors of shapes and dtypes, no values, no memory), which lets real tensors
+    in (a batch)"""
+    try: from torch._subclasses.fake_tensor import FakeTensorMode
+    except ImportError as e: raise RuntimeError(
+        f"torch {torch.__version__} has no FakeTensorMode (torch._subclasses.fake_tensor), which rank_memory "
+        f"needs: {e}") from e
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+def storage_key(st):
+    "What tells storage `st` apart from others while it lives (a fake tensor's storage has no address)"
+    return st._cdata if _use(hasattr(st, '_cdata')) else id(st)

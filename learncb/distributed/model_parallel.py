@@ -16,6 +16,7 @@ from ..ranks import *
 from ..strategy import *
 from .strategy import *
 from .fsdp import *
+from ..internals import fake_process_group, fake_tensors, storage_key
 
 # %% ../../nbs/23g_model_parallel.ipynb #e1ac6882
 _known_dims = {'dp': 'data parallel, sharded by FSDP2', 'tp': "tensor parallel, by the plan's styles"}
@@ -143,7 +144,7 @@ register_strategy('model_parallel', ModelParallel)
 # %% ../../nbs/23g_model_parallel.ipynb #8a2f072d
 def _local(t):
     "A `DTensor`'s part on this rank (a plain tensor as it is)"
-    return getattr(t, '_local_tensor', t)
+    return t.to_local() if is_sharded(t) else t
 
 def tensor_bytes(tensors):
     "The bytes `tensors` take on this rank: of each `DTensor` its local part"
@@ -158,8 +159,8 @@ class SavedForBackward:
     local part); `nbytes(model)`: their bytes, without the parameters' own"""
     def __init__(self): self.storages = {}
     def _pack(self, t):
-        st = _local(t).untyped_storage()
-        self.storages[st._cdata] = st
+        with torch.no_grad(): st = _local(t).untyped_storage()
+        self.storages[storage_key(st)] = st
         return t
     def __enter__(self):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -168,50 +169,42 @@ class SavedForBackward:
     def __exit__(self, *exc): self._hooks.__exit__(*exc)
     def nbytes(self, model):
         "The bytes of the storages saved (a freed one counts 0: FSDP's gathered weights), less `model`'s"
-        own = {_local(p).untyped_storage()._cdata for p in model.parameters()}
+        with torch.no_grad(): own = {storage_key(_local(p).untyped_storage()) for p in model.parameters()}
         return sum(st.nbytes() for k,st in self.storages.items() if k not in own)
 
 @contextmanager
-def _fake_ranks(world, rank):
-    "A process group of `world` processes that exchange nothing, this process its `rank`, for the block"
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized(): raise RuntimeError(
-        "rank_memory runs before launch, in a process without a process group: call it outside distrib_ctx "
-        "(and before init_process_group)")
-    try: from torch.testing._internal.distributed.fake_pg import FakeStore   # it registers the 'fake' backend
-    except ImportError as e: raise RuntimeError(
-        f"rank_memory needs torch's fake process group (torch.testing._internal.distributed.fake_pg), which "
-        f"torch {torch.__version__} does not have: {e}") from e
-    dist.init_process_group('fake', store=FakeStore(), rank=rank, world_size=world)
-    try: yield
-    finally: dist.destroy_process_group()
-
-_borrowed = ('model', 'opt', 'batch', 'xb', 'yb', '_dict_batch', 'training', '_out_loss', '_batch_device')
-
-@contextmanager
 def _lent(learn, model):
-    "`learn` with `model` in place of its own, in training, for the block; as it was after it"
-    before = {k: getattr(learn, k, None) for k in _borrowed}
-    learn.model,learn.opt,learn.training,learn._batch_device = model,None,True,None
+    "`learn` with `model` in place of its own, in training, for the block; as it was in every attribute after"
+    before = dict(vars(learn))
+    learn.model,learn.opt,learn.training = model,None,True
     try: yield learn
     finally:
-        for k,v in before.items(): setattr(learn, k, v)
+        vars(learn).clear()
+        vars(learn).update(before)
 
 def _one_step(learn, model, batch):
-    "One training step of `learn`'s on `model` and `batch` (fake tensors): the bytes each part of it holds"
+    """One training step of `learn`'s on `model` and `batch` (fake tensors), by the learner's own step
+    (without callbacks): the bytes each part of it holds"""
     with _lent(learn, model):
         learn.create_opt()
         learn.set_batch(batch)
+        step = learn.step_class(learn, hooks=False)
         with SavedForBackward() as saved:
-            pred = learn.forward_batch(model)
-            loss_func = learn._batch_loss_func()
-            loss = loss_func(pred, *learn.yb)
+            step.predict()
+            step.compute_loss()
         out = {'params': tensor_bytes(model.parameters()), 'activations': saved.nbytes(model)}
-        loss.backward()
+        learn.loss_grad.backward()
         out['grads'] = tensor_bytes(p.grad for p in model.parameters())
         learn.opt.step()
         out['opt_state'] = opt_state_bytes(learn.opt)
     return out
+
+def _check_no_group():
+    "Raise inside a process group: `rank_memory` makes its own, of fake processes"
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized(): raise RuntimeError(
+        "rank_memory runs before launch, in a process without a process group: call it outside distrib_ctx "
+        "(and before init_process_group)")
 
 def rank_memory(learn, strategy, world, rank=0, batch=None):
     """What process `rank` of a run of `world` processes under `strategy` will hold for `learn`'s fit, in
@@ -219,17 +212,17 @@ def rank_memory(learn, strategy, world, rank=0, batch=None):
     batch (`batch`, by default the first of `learn.dls.train`, as each process reads it). Found here, before
     launch: the model laid out by the strategy (`layout`) on the meta device over a fake process group of
     `world`, then one step on fake tensors; nothing is allocated or trained"""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     check_int(world, 'world', ge=1, who='rank_memory', hint='the number of processes of the run, e.g. 4')
     check_int(rank, 'rank', ge=0, who='rank_memory', hint=f'a rank of the run, 0 to {world - 1}')
     if rank >= world: raise ValueError(f"rank_memory: rank={rank} is not a rank of a run of world={world} "
                                        f"processes: give one of 0 to {world - 1}")
     if isinstance(strategy, str): strategy = strategy_named(strategy)
     if batch is None: batch = next(iter(learn.dls.train))
-    with _fake_ranks(world, rank), strategy.session(learn):
+    _check_no_group()
+    with fake_process_group(world, rank), strategy.session(learn):
         layout = strategy.layout(learn.model)
         try:
-            with FakeTensorMode(allow_non_fake_inputs=True):
+            with fake_tensors():
                 layout.to_empty(device=model_device(learn.model, torch.device('cpu')))
                 out = _one_step(learn, layout, batch)
         except Exception as e: raise RuntimeError(
