@@ -19,13 +19,14 @@ from .fsdp import *
 from ..internals import fake_process_group, fake_tensors, storage_key
 
 # %% ../../nbs/23g_model_parallel.ipynb #e1ac6882
-_known_dims = {'dp': 'data parallel, sharded by FSDP2', 'tp': "tensor parallel, by the plan's styles"}
-_not_yet = {'cp': 'context parallel', 'pp': 'pipeline parallel',
-            'dp_replicate': 'replicated data parallel (HSDP)'}
+_known_dims = {'dp_replicate': 'data parallel, replicated (HSDP: FSDP2 shards within, replicates across)',
+               'dp': 'data parallel, sharded by FSDP2', 'tp': "tensor parallel, by the plan's styles"}
+_not_yet = {'cp': 'context parallel', 'pp': 'pipeline parallel'}
 
 def mesh_dims(mesh, world):
     """`mesh` (`{name: size}`, one size `-1`: the rest of the `world` processes) as `{name: size}` whose sizes
-    multiply to `world`; a clear error for an unknown name, two `-1`s or sizes that do not fit"""
+    multiply to `world`, in the order the ranks are laid out (outer to inner: `dp_replicate`, `dp`, `tp`); a
+    clear error for an unknown name, two `-1`s or sizes that do not fit"""
     if not isinstance(mesh, dict) or not mesh: raise TypeError(
         f"ModelParallel: mesh must be a dict of named dimensions and their sizes, e.g. {{'dp': 2, 'tp': 2}}, "
         f"not {mesh!r}")
@@ -38,7 +39,7 @@ def mesh_dims(mesh, world):
     rest = [n for n,s in mesh.items() if s == -1]
     known = math.prod(s for s in mesh.values() if s != -1)
     if len(rest) > 1: raise ValueError(f"ModelParallel: mesh={mesh!r} has two sizes of -1: give one at most")
-    out = {n: (world // known if s == -1 else s) for n,s in mesh.items()}
+    out = {n: (world // known if mesh[n] == -1 else mesh[n]) for n in _known_dims if n in mesh}
     if math.prod(out.values()) != world: raise ValueError(
         f"ModelParallel: mesh={mesh!r} needs {known} processes{' times a whole number' if rest else ''}, but "
         f"the run has {world}: launch {known} (torchrun --nproc-per-node {known}), or give sizes that "
@@ -48,12 +49,13 @@ def mesh_dims(mesh, world):
 # %% ../../nbs/23g_model_parallel.ipynb #46242f4c
 class ModelParallel(FSDP):
     """Tensor parallel on the mesh's `tp` dimension (torch's `parallelize_module` with `plan`, or
-    `parallelize(model, mesh)` of your own), FSDP2 on its `dp` dimension, the data cut over `dp` alone: the
-    ranks of one `tp` group read the same batches"""
+    `parallelize(model, mesh)` of your own), FSDP2 on its `dp` dimension (HSDP with `dp_replicate`), the data
+    cut over the data-parallel dimensions alone: the ranks of one `tp` group read the same batches"""
     def __init__(self, mesh=None, plan=None, parallelize=None, shard=None, seed=0):
-        """`mesh`: `{'dp': n, 'tp': m}`, dimensions in that order (one size `-1`: the rest); `plan`: `{module
-        path (with `*`): a ParallelStyle}`; `parallelize`: instead, `fn(model, mesh)` that parallelizes
-        `model` in place (a meta copy); `shard`: FSDP's units, as `FSDP`'s; `seed`: of the training order"""
+        """`mesh`: `{'dp': n, 'tp': m}`, or with `'dp_replicate'` (HSDP), one size `-1` (the rest); `plan`:
+        `{module path (with `*`): a ParallelStyle}`; `parallelize`: instead, `fn(model, mesh)` that
+        parallelizes `model` in place (a meta copy); `shard`: FSDP's units, as `FSDP`'s; `seed`: of the
+        training order"""
         super().__init__(shard, seed)
         self.mesh_sizes = {'dp': -1, 'tp': 2} if mesh is None else dict(mesh)
         mesh_dims(self.mesh_sizes, math.prod(s for s in self.mesh_sizes.values() if s != -1))
@@ -62,29 +64,36 @@ class ModelParallel(FSDP):
             "parallelize (a function of yours), not both")
         if parallelize is not None and not callable(parallelize): raise TypeError(
             f"ModelParallel: parallelize must be a function fn(model, mesh), not {parallelize!r}")
-        self.plan,self.parallelize,self.mesh = plan,parallelize,None
+        self.plan,self.parallelize,self.mesh,self._dp_group = plan,parallelize,None,None
 
     def _dims(self): return mesh_dims(self.mesh_sizes, num_distrib())
 
+    @property
+    def _fsdp(self):
+        "Whether FSDP2 shards the model: on a mesh with a data-parallel dimension"
+        return 'dp' in self.mesh_sizes or 'dp_replicate' in self.mesh_sizes
+
     def data_parallel_size(self, world):
-        "The size of the mesh's `dp` dimension in a run of `world` processes (1 without one, or alone)"
-        return 1 if world == 1 else mesh_dims(self.mesh_sizes, world).get('dp', 1)
+        """The data-parallel ranks of a run of `world` processes: the mesh's `dp_replicate` x `dp` (1 without
+        them, or alone)"""
+        if world == 1: return 1
+        dims = mesh_dims(self.mesh_sizes, world)
+        return dims.get('dp_replicate', 1) * dims.get('dp', 1)
 
     @property
     def dp_rank(self):
-        "This process's place along the mesh's `dp` dimension (the ranks laid out row-major, as the mesh)"
+        """This process's place among the data-parallel ranks (the ranks laid out row-major, as the mesh, `tp`
+        innermost: the ranks of a `tp` group are neighbours)"""
         if num_distrib() == 1: return 0                            # no run of processes: the first
-        dims = self._dims()
-        if 'dp' not in dims: return 0
-        inner = math.prod(list(dims.values())[list(dims).index('dp') + 1:])
-        return rank_distrib() // inner % dims['dp']
+        return rank_distrib() // self._dims().get('tp', 1)
 
     @property
     def dp_group(self):
-        """The process group of the mesh's `dp` dimension through this process (`None` outside a process
-        group); on a mesh without one, this process alone"""
+        """The process group of this process's data-parallel ranks (`dp_replicate` x `dp`; `None` outside a
+        process group); on a mesh without them, this process alone"""
         if num_distrib() == 1: return None
-        return self.device_mesh()['dp'].get_group()
+        self.device_mesh()
+        return self._dp_group
 
     def device_mesh(self):
         """The device mesh of the run, its dimensions named as `mesh` (made once, on the collectives' device);
@@ -93,9 +102,26 @@ class ModelParallel(FSDP):
             import torch.distributed as dist
             from torch.distributed.device_mesh import init_device_mesh
             dims,kind = self._dims(),'cuda' if dist.get_backend() == 'nccl' else 'cpu'
-            if 'dp' not in dims: dims = {'dp': 1, **dims}
+            if 'dp' not in dims: dims = {**{k: v for k,v in dims.items() if k != 'tp'}, 'dp': 1,
+                                         'tp': dims.get('tp', 1)}
             self.mesh = init_device_mesh(kind, tuple(dims.values()), mesh_dim_names=tuple(dims))
+            self._dp_group = self._data_parallel_group(dims)
         return self.mesh
+
+    def _data_parallel_group(self, dims):
+        """The group of this process's data-parallel ranks: the mesh's `dp` group, or with `dp_replicate`
+        the ranks of its `tp` place over both (made by every process, now)"""
+        if 'dp_replicate' not in dims: return self.mesh['dp'].get_group()
+        import torch.distributed as dist
+        tp,n_dp = dims.get('tp', 1),dims['dp_replicate'] * dims['dp']
+        group,_ = dist.new_subgroups_by_enumeration([[d * tp + t for d in range(n_dp)] for t in range(tp)])
+        return group
+
+    def _fsdp_mesh(self):
+        "The mesh FSDP2 shards over: `dp`, with `dp_replicate` 2-D (HSDP); `False`: none"
+        if not self._fsdp: return False
+        mesh = self.device_mesh()
+        return mesh['dp_replicate', 'dp'] if 'dp_replicate' in self.mesh_sizes else mesh['dp']
 
     def _tensor_parallel(self, model):
         "Parallelize `model` (a meta copy) on the mesh: the user's function, or `plan` on its `tp` dimension"
@@ -107,13 +133,13 @@ class ModelParallel(FSDP):
 
     def layout(self, model, device=None):
         "The copy of `model` each rank trains, on the `meta` device: parallelized on `tp`, FSDP2's on `dp`"
-        dp = self.device_mesh()['dp'] if 'dp' in self.mesh_sizes else False
-        return fsdp_layout(model, self.shard, self._policy(), mesh=dp, parallelize=self._tensor_parallel)
+        return fsdp_layout(model, self.shard, self._policy(), mesh=self._fsdp_mesh(),
+                           parallelize=self._tensor_parallel)
 
     def sharded_blocks(self, model):
         """The blocks compiled one by one (`learn.compile`): FSDP's units, or on a mesh of `tp` alone the
         units FSDP would shard (`units_to_shard`)"""
-        if 'dp' in self.mesh_sizes: return super().sharded_blocks(model)
+        if self._fsdp: return super().sharded_blocks(model)
         return units_to_shard(model, self.shard)
 
     @contextmanager
@@ -121,20 +147,20 @@ class ModelParallel(FSDP):
         """The parameters gathered over `dp` (FSDP's `whole_params`; tensor parallel's stay cut over `tp`): a
         capability's pieces of a batch (`AutoMicrobatch`'s micro-batches, a closure's calls) run through the
         tensor-parallel model, which computes each whole; on a mesh of `tp` alone, the model as it is"""
-        if 'dp' not in self.mesh_sizes: yield
+        if not self._fsdp: yield
         else:
             with super().whole_params(model, reduce, keep): yield
 
     def casts_model(self, dtype):
         """Whether the model casts itself for `MixedPrecision`: by FSDP's policy, on a mesh with a `dp`
         dimension; on `tp` alone, autocast casts, as in one process"""
-        return 'dp' in self.mesh_sizes and super().casts_model(dtype)
+        return self._fsdp and super().casts_model(dtype)
 
     @contextmanager
     def session(self, learn):
         "Around the `distrib_ctx` block: the mesh made in it is forgotten after it (its process group ends)"
         try: yield
-        finally: self.mesh = None
+        finally: self.mesh = self._dp_group = None
 
     def __repr__(self): return f'ModelParallel(mesh={self.mesh_sizes!r})'
 

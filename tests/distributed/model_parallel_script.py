@@ -2,7 +2,8 @@
 mesh; `--way learncb`: learncb's port with `ModelParallel`; each rank saves OUT/<way><rank>.pt, its whole
 weights after the fit. `--way all` (4 processes, under `--max-restarts=1`): both, then a language-model fit
 of the example's model on a 2x2 mesh uninterrupted (OUT/whole) and checkpointed every step, killed once,
-resumed by itself (OUT/killed). `--way down --ckpt CKPT` (2 processes): that fit resumed from checkpoint CKPT
+resumed by itself (OUT/killed); HSDP, alone (OUT/hsdp) and with tensor parallel
+(OUT/hsdp_tp). `--way down --ckpt CKPT` (2 processes): that fit resumed from checkpoint CKPT
 on a 1x2 mesh."""
 import argparse, os, signal, sys
 from functools import partial
@@ -46,8 +47,9 @@ def lm_fit(folder, mesh, bs, cbs=(), resume=None):
     rows = torch.randint(VOCAB, (32, SEQ + 1), generator=g)
     train = DataLoader(TensorDataset(rows[:, :-1], rows[:, 1:]), batch_size=bs, shuffle=True)
     torch.manual_seed(0)
+    # eps=1e-5: AdamW divides a small gradient by its own size, and the meshes sum gradients in other orders
     learn = Learner(DataLoaders(train, None), Transformer(), next_token_loss, path=folder, lr=3e-3,
-                    opt_func=partial(torch.optim.AdamW, foreach=True))
+                    opt_func=partial(torch.optim.AdamW, foreach=True, eps=1e-5))
     with learn.distrib_ctx(strategy=ModelParallel(mesh=mesh, plan=tp_plan())):
         learn.fit(2, cbs=list(cbs), resume=resume)
     return learn.model.state_dict()
@@ -70,6 +72,9 @@ def all_ways(out):
         save(ported(), out, 'learncb')
         every_epoch = [CheckpointCallback(keep_last=2)]
         save(lm_fit(Path(out)/'whole', {'dp': 2, 'tp': 2}, 4, every_epoch), out, 'whole')
+    if not (Path(out)/f"hsdp{os.environ['RANK']}.pt").exists():        # HSDP: 4 data-parallel ranks, 2 each
+        save(lm_fit(Path(out)/'hsdp', {'dp_replicate': 2, 'dp': 2}, 2), out, 'hsdp')
+        save(lm_fit(Path(out)/'hsdp_tp', {'dp_replicate': 2, 'tp': 2}, 4), out, 'hsdp_tp')
     killed = [CheckpointCallback(every_n_steps=1), KillOnce(Path(out)/'killed.flag')]
     save(lm_fit(Path(out)/'killed', {'dp': 2, 'tp': 2}, 4, killed, resume='auto'), out, 'killed')
 

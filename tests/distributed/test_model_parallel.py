@@ -57,3 +57,12 @@ def test_another_global_batch_on_another_mesh_is_refused(runs):
     said = (runs[0]/'refused.txt').read_text()
     assert 'global batch of 8 (4 per data-parallel rank x 2 data-parallel ranks)' in said
     assert "this run's is 4 (4 x 1 data-parallel rank)" in said and 'a batch size of 8 per' in said
+
+@pytest.mark.parametrize('way', ['hsdp', 'hsdp_tp'])
+def test_hsdp_trains_as_the_2x2_mesh(runs, way):
+    """dp_replicate 2 x dp 2 (batches of 2), or dp_replicate 2 x tp 2 (of 4): the global batch of the 2x2 fit,
+    within float32's rounding (the gradients are summed in another order)"""
+    out,_,_ = runs
+    ref = weights(out, 'whole', [0])[0]
+    for got in weights(out, way):
+        for k,v in ref.items(): torch.testing.assert_close(got[k], v, atol=1e-5, rtol=1e-5)
