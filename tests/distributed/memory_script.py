@@ -1,7 +1,8 @@
 """What each rank holds, estimated before launch and measured in the run: the fsdp_tp example's model
 (tests/llama_port.py) as a language model, 4 processes under torchrun (gloo), three layouts: FSDP over 4,
 tensor parallel over 4, 2D (2x2). Each rank, for each layout: `rank_memory` for its rank (before the process
-group starts), then a fit whose callback measures the second batch's tensors; OUT/memory<rank>.pt."""
+group starts), then a fit whose callback measures the second batch's tensors; OUT/memory<rank>.pt. Run by
+model_parallel_script.py's launch (test_model_parallel.py), or alone: torchrun --nproc-per-node 4 this OUT."""
 import os, sys
 from pathlib import Path
 import torch, torch.nn.functional as F
@@ -35,13 +36,17 @@ def lm_learner():
 layouts = {'fsdp': lambda: FSDP(), 'tp': lambda: ModelParallel(mesh={'tp': 4}, plan=tp_plan()),
            '2d': lambda: ModelParallel(mesh={'dp': 2, 'tp': 2}, plan=tp_plan())}
 
-if __name__ == '__main__':
-    torch.set_num_threads(1)
-    rank,out = int(os.environ['RANK']),{}
+def measure_memory(out):
+    "Each process, each layout: `rank_memory` for its rank, then the fit's measure; OUT/memory<rank>.pt"
+    rank,found = int(os.environ['RANK']),{}
     for name,make in layouts.items():
         learn = lm_learner()
         estimate = rank_memory(learn, make(), 4, rank=rank)
         measure = MeasureMemory()
         with learn.distrib_ctx(strategy=make()): learn.fit(1, cbs=[measure])
-        out[name] = {'estimate': estimate, 'measured': measure.got}
-    torch.save(out, Path(sys.argv[1])/f'memory{rank}.pt')
+        found[name] = {'estimate': estimate, 'measured': measure.got}
+    torch.save(found, Path(out)/f'memory{rank}.pt')
+
+if __name__ == '__main__':
+    torch.set_num_threads(1)
+    measure_memory(sys.argv[1])

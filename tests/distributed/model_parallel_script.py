@@ -2,9 +2,9 @@
 mesh; `--way learncb`: learncb's port with `ModelParallel`; each rank saves OUT/<way><rank>.pt, its whole
 weights after the fit. `--way all` (4 processes, under `--max-restarts=1`): both, then a language-model fit
 of the example's model on a 2x2 mesh uninterrupted (OUT/whole) and checkpointed every step, killed once,
-resumed by itself (OUT/killed); HSDP, alone (OUT/hsdp) and with tensor parallel
-(OUT/hsdp_tp). `--way down --ckpt CKPT` (2 processes): that fit resumed from checkpoint CKPT
-on a 1x2 mesh."""
+resumed by itself (OUT/killed); what each rank holds (memory_script.py); HSDP, alone (OUT/hsdp)
+and with tensor parallel (OUT/hsdp_tp). `--way down --ckpt CKPT` (2 processes): that fit resumed from
+checkpoint CKPT on a 1x2 mesh."""
 import argparse, os, signal, sys
 from functools import partial
 from pathlib import Path
@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from learncb.all import *
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from llama_port import Transformer, tp_plan, tokens, example_loop, ITERS, VOCAB, SEQ
+from memory_script import measure_memory
 
 class Tokens(IterableDataset):
     "The example's batches, as a stream of this data-parallel rank's own (the strategy says which it is)"
@@ -64,7 +65,9 @@ def save(weights, out, name):
     torch.save(weights, Path(out)/f"{name}{os.environ['RANK']}.pt")
 
 def all_ways(out):
-    "The example, its port, the whole LM fit and the one killed (again after the restart: none is left half)"
+    """What each rank holds (estimated before the process group starts, then measured), the example, its port,
+    the whole LM fit and the one killed (again after the restart: none is left half)"""
+    if not (Path(out)/f"memory{os.environ['RANK']}.pt").exists(): measure_memory(out)
     if not (Path(out)/f"learncb{os.environ['RANK']}.pt").exists():
         torch.distributed.init_process_group('gloo')
         save(example_loop(), out, 'example')

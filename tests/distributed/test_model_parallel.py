@@ -1,6 +1,8 @@
 """`ModelParallel` on a 2x2 mesh (4 processes, torchrun, gloo): PyTorch's fsdp_tp example ported, held against
 the example's own loop; a language-model fit of its model killed and resumed by itself; its checkpoint resumed
-on a 1x2 mesh (tests/distributed/model_parallel_script.py). One launch of each layout."""
+on a 1x2 mesh (tests/distributed/model_parallel_script.py); `rank_memory`'s estimate, made in each process
+before its process group starts (a fake one, fake tensors), held against what the run's ranks hold for FSDP
+over 4, tensor parallel over 4 and 2D (memory_script.py). One launch of each layout."""
 import sys
 from pathlib import Path
 import pytest, torch
@@ -9,7 +11,8 @@ from learncb.ranks import free_port
 
 SCRIPT = Path(__file__).parent/'model_parallel_script.py'
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.distributed.is_available(),
-                                                   reason='torch.distributed is not available')]
+                                                   reason='torch.distributed is not available'),
+              pytest.mark.xdist_group('model_parallel')]     # pytest -n: one worker makes the runs, once
 
 def check(res, what):
     assert res.returncode == 0, f'{what}: exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}'
@@ -66,3 +69,25 @@ def test_hsdp_trains_as_the_2x2_mesh(runs, way):
     ref = weights(out, 'whole', [0])[0]
     for got in weights(out, way):
         for k,v in ref.items(): torch.testing.assert_close(got[k], v, atol=1e-5, rtol=1e-5)
+
+# What each rank holds: estimated before launch, measured in the run
+PARTS = ('params', 'grads', 'opt_state', 'activations')
+
+def memory(runs): return [torch.load(runs[0]/f'memory{r}.pt') for r in range(4)]
+
+@pytest.mark.parametrize('layout', ['fsdp', 'tp', '2d'])
+def test_the_estimate_is_within_20_percent_of_what_each_rank_holds(runs, layout):
+    per_rank = memory(runs)
+    for r,both in enumerate(per_rank):
+        est,got = both[layout]['estimate'],both[layout]['measured']
+        for part in PARTS: assert abs(est[part] - got[part]) <= 0.2 * got[part], (r, layout, part, est, got)
+        assert est['total'] == sum(est[p] for p in PARTS)
+
+def test_the_layouts_cut_what_they_should(runs):
+    "FSDP cuts the weights, not the activations; tensor parallel cuts both; 2D in between"
+    per_rank = memory(runs)
+    from llama_port import Transformer
+    whole = sum(p.numel() * 4 for p in Transformer().parameters())
+    got = {k: v['measured'] for k,v in per_rank[0].items()}
+    assert got['fsdp']['params'] == pytest.approx(whole / 4, rel=0.05)
+    assert got['tp']['activations'] < got['2d']['activations'] < got['fsdp']['activations']
