@@ -65,8 +65,13 @@ class ModelParallel(FSDP):
         if parallelize is not None and not callable(parallelize): raise TypeError(
             f"ModelParallel: parallelize must be a function fn(model, mesh), not {parallelize!r}")
         self.plan,self.parallelize,self.mesh,self._dp_group = plan,parallelize,None,None
+        self._dims_of = (None, None)                       # (world, its sizes): read every batch
 
-    def _dims(self): return mesh_dims(self.mesh_sizes, num_distrib())
+    def _dims(self, world=None):
+        "The mesh's sizes in a run of `world` processes (by default this run's), checked once per world"
+        world = num_distrib() if world is None else world
+        if self._dims_of[0] != world: self._dims_of = (world, mesh_dims(self.mesh_sizes, world))
+        return self._dims_of[1]
 
     @property
     def _fsdp(self):
@@ -77,7 +82,7 @@ class ModelParallel(FSDP):
         """The data-parallel ranks of a run of `world` processes: the mesh's `dp_replicate` x `dp` (1 without
         them, or alone)"""
         if world == 1: return 1
-        dims = mesh_dims(self.mesh_sizes, world)
+        dims = self._dims(world)
         return dims.get('dp_replicate', 1) * dims.get('dp', 1)
 
     @property
