@@ -1,4 +1,4 @@
-import os, sys
+import os, sys, threading
 from collections import Counter
 from pathlib import Path
 import pytest, torch
@@ -42,21 +42,30 @@ def _run_as_main(argv, env, cwd, out, err):
             run_name='__main__')
     finally: atexit._run_exitfuncs()      # as at the end of a process (multiprocessing's children skip them)
 
+# multiprocessing reads a child's exit status once, from a pipe, and `Process.start` polls every other live
+# child: a start in one thread can take the status a `wait` in another thread was to read, which then sees
+# the pipe's end and reports 255. Starts and polls go one at a time.
+_polling = threading.Lock()
+
 class ForkedProcess:
     """A process `start_forked` started, as `subprocess.Popen` shows one: `pid`, `poll`, `wait`, `kill`,
-    `returncode`"""
+    `returncode`; safe to start and wait on from several threads"""
     def __init__(self, proc, argv): self.proc, self.args = proc, [sys.executable, *argv]
     @property
     def pid(self): return self.proc.pid
     @property
-    def returncode(self): return self.proc.exitcode
-    def poll(self): return self.proc.exitcode
+    def returncode(self): return self.poll()
+    def poll(self):
+        with _polling:
+            if self.proc.exitcode is not None: self.proc.join(0)    # and multiprocessing forgets it
+            return self.proc.exitcode
     def kill(self): self.proc.kill()
     def wait(self, timeout=None):
         import subprocess
-        self.proc.join(timeout)
-        if self.proc.exitcode is None: raise subprocess.TimeoutExpired(self.args, timeout)
-        return self.proc.exitcode
+        from multiprocessing.connection import wait
+        wait([self.proc.sentinel], timeout)
+        if self.poll() is None: raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.poll()
 
 def start_forked(*argv, out, err=None, env=None):
     """`subprocess.Popen([python, *argv], stdout=out, stderr=err or out, env=env)` with `out` and `err` file
@@ -72,7 +81,7 @@ def start_forked(*argv, out, err=None, env=None):
     argv = [str(a) for a in argv]
     proc = _forkserver[0].Process(target=_run_as_main, args=(argv, dict(os.environ if env is None else env),
                                                              os.getcwd(), str(out), str(err or out)))
-    proc.start()
+    with _polling: proc.start()
     return ForkedProcess(proc, argv)
 
 def run_forked(*argv, timeout=300, env=None):
