@@ -8,7 +8,11 @@ python tests/distributed/matrix_script.py OUT --strategy one|ddp|fsdp|plain|torc
 two processes (learncb's `launch`, gloo); 'plain': two processes under a strategy registered with no override;
 'torchft': two replica groups of one process under a lighthouse of their own (`launch_replicas`);
 'torchft_fsdp': two replica groups of two ranks each, FSDP within a group; 'tp', 'fsdp_tp': four processes
-under `ModelParallel`, a mesh of tp 4 and one of dp 2 x tp 2. Each process saves
+under `ModelParallel`, a mesh of tp 4 and one of dp 2 x tp 2. The compiled step compiles with the
+'aot_eager' backend: what the matrix holds is the meaning of the callbacks in learncb's compiled step
+(dynamo's trace of it, the backward AOTAutograd makes), not inductor's kernels, which test_compile.py, the
+compiled resume and the compiled DDP step check, and whose C++ build would be most of each launch's time on
+a machine without inductor's cache. Each process saves
 OUT/<strategy><rank>.pt: `{capability: {'weights', 'steps', 'refused', 'train_iter', 'skipped', 'losses',
 'graphs'}}`, where `refused` is the error of a fit refused before its first batch (else `None`)."""
 import argparse, os
@@ -120,7 +124,7 @@ model_parallel = {'tp': {'tp': 4}, 'fsdp_tp': {'dp': 2, 'tp': 2}}     # 4 proces
 def fit(cap, strategy, out, rank):
     "One fit with capability `cap`: what it computed, or why it was refused"
     learn,steps = learner(**learner_kwargs.get(cap, {})),StepCount()
-    if cap == 'compiled_step': learn.compile(step=True, fallback=False)
+    if cap == 'compiled_step': learn.compile(step=True, fallback=False, backend='aot_eager')
     folder = out/'ckpt'/strategy/(str(rank) if strategy.startswith('torchft') else '')/cap
     refused,before = None,{k: v.clone() for k,v in learn.model.state_dict().items()}
     graphs = torch._dynamo.utils.counters['stats']['unique_graphs']

@@ -1,6 +1,6 @@
 """Distributed training on the CPU with gloo: 2 processes launched by torchrun, each run bounded by a timeout.
 Runs tests/distributed/ddp_script.py; rank 0 saves its results, which are compared with a 1-process run."""
-import random, re
+import re
 from pathlib import Path
 import pytest, torch
 # free_port: the other test modules import it from here
@@ -81,12 +81,14 @@ def test_an_error_on_rank_1_ends_both_processes(tmp_path):
     assert not (tmp_path/'result.pt').exists()
 
 @pytest.mark.slow
-def test_sigkill_at_5_batches_then_resume_is_exact(tmp_path):
+def test_sigkill_at_3_batches_then_resume_is_exact(tmp_path):
+    """Rank 1 SIGKILLed in the forward of training batch k (from 0; 3 epochs of 4 batches per rank): the
+    first of the second epoch, one in its middle, the last of the run; each run resumed equals the run never
+    killed"""
     common = ('--bs', '8', '--ckpt', '--shuffle', '--dropout', '0.2')
     run(tmp_path/'ref', *common)
     ref = result(tmp_path/'ref')
-    points = random.Random(10).sample(range(1, 12), 5)                       # 3 epochs of 4 batches per rank
-    for k in points:
+    for k in (4, 6, 11):
         out = tmp_path/f'kill{k}'
         killed = run(out, *common, '--kill-at', str(k), check=False)
         assert killed.returncode != 0, k
