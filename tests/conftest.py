@@ -98,12 +98,16 @@ def run_forked(*argv, timeout=300, env=None):
             raise subprocess.TimeoutExpired(p.args, timeout, said(out), said(err)) from None
         return subprocess.CompletedProcess(p.args, p.returncode, said(out), said(err))
 
+def torchrun(nproc, *options):
+    """The start of `run_forked`'s arguments for torchrun with `nproc` workers on a free port (and `options`),
+    the workers forked from its agent (tests/forked_torchrun.py)"""
+    from learncb.ranks import free_port
+    return (TESTS/'forked_torchrun.py', f'--nproc_per_node={nproc}', f'--master-port={free_port()}', *options)
+
 def run_script(script, *args, nproc=1, timeout=240, env=None):
     """`python script *args`, or `torchrun --nproc_per_node=nproc script *args` when `nproc` > 1, forked
-    (`run_forked`)"""
-    from learncb.ranks import free_port
-    torchrun = ('-m', 'torch.distributed.run', f'--nproc_per_node={nproc}', f'--master-port={free_port()}')
-    return run_forked(*(torchrun if nproc > 1 else ()), script, *args, timeout=timeout, env=env)
+    (`run_forked`, `torchrun`)"""
+    return run_forked(*(torchrun(nproc) if nproc > 1 else ()), script, *args, timeout=timeout, env=env)
 
 @pytest.fixture
 def learner(): return synth_learner()

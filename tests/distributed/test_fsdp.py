@@ -4,7 +4,8 @@ to shard."""
 import shutil, subprocess, sys
 from pathlib import Path
 import pytest, torch
-from test_distributed import free_port, run, result, ranks_said
+from conftest import run_forked, torchrun
+from test_distributed import run, result, ranks_said
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason='torch.distributed is not '
                                 'available')
@@ -150,9 +151,7 @@ def test_an_incomplete_checkpoint_folder_is_skipped(runs, killed, tmp_path, remo
 @pytest.mark.slow
 def test_lr_find_fine_tune_and_batchnorm_agree_on_every_rank(tmp_path):
     script = Path(__file__).parent/'fsdp_extras_script.py'
-    res = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2',
-                          f'--master-port={free_port()}',
-                          str(script), str(tmp_path)], capture_output=True, text=True, timeout=180)
+    res = run_forked(*torchrun(2), script, tmp_path, timeout=180)
     assert res.returncode == 0, res.stderr[-5000:]
     r0, r1 = (torch.load(tmp_path/f'rank{r}.pt', weights_only=False) for r in (0, 1))
     # one curve: the loss of both ranks

@@ -3,11 +3,9 @@ the example's own loop; a language-model fit of its model killed and resumed by 
 on a 1x2 mesh (tests/distributed/model_parallel_script.py); `rank_memory`'s estimate, made in each process
 before its process group starts (a fake one, fake tensors), held against what the run's ranks hold for FSDP
 over 4, tensor parallel over 4 and 2D (memory_script.py). One launch of each layout."""
-import sys
 from pathlib import Path
 import pytest, torch
-from conftest import run_forked, run_script
-from learncb.ranks import free_port
+from conftest import run_forked, run_script, torchrun
 
 SCRIPT = Path(__file__).parent/'model_parallel_script.py'
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.distributed.is_available(),
@@ -22,8 +20,7 @@ def check(res, what):
 def runs(tmp_path_factory):
     "One launch on 2x2 (4 processes, one restart allowed: the killed fit's), then one on 1x2 (2 processes)"
     out = tmp_path_factory.mktemp('mp')
-    res = check(run_forked('-m', 'torch.distributed.run', '--nproc_per_node=4', '--max-restarts=1',
-                           f'--master-port={free_port()}', SCRIPT, out, '--way', 'all', timeout=600), '2x2')
+    res = check(run_forked(*torchrun(4, '--max-restarts=1'), SCRIPT, out, '--way', 'all', timeout=600), '2x2')
     ckpt = out/'whole'/'checkpoints'/'checkpoint_00000004_epoch_end'       # the end of epoch 1 (of 2)
     down = check(run_script(SCRIPT, out, '--way', 'down', '--ckpt', ckpt, nproc=2, timeout=300), '1x2')
     return out, res, down
