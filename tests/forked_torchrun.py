@@ -7,8 +7,9 @@
 starts in milliseconds instead of after the 3 to 4 s of CPU its imports take (a launch of two: from about
 20 s of CPU to 4). A worker's output goes line by line, as under `python -u`, so what it printed before it
 was killed is there, and its signal handlers are those of before the agent set its own (a new Python's).
-The tests of torchrun's own agent (test_elastic.py, the restart of test_preemption.py) and those whose
-environment must be set before Python starts (test_microbatch.py's allocator) run the real command."""
+The tests of torchrun's own agent (test_elastic.py, the restart of test_preemption.py) and the runs whose
+environment must be set before Python starts (test_microbatch.py's capped ones: the allocator) run the real
+command."""
 import os, signal, sys
 from pathlib import Path
 import torch

@@ -3,20 +3,23 @@ out"""
 import os, subprocess, sys
 from pathlib import Path
 import pytest, torch
+from conftest import run_script
 
 SCRIPT = Path(__file__).parent/'microbatch_script.py'
 # every large allocation its own mapping, freed at once, and one malloc arena: what the process maps follows
-# what it holds
-ENV = {**os.environ, 'MALLOC_MMAP_THRESHOLD_': '65536', 'MALLOC_ARENA_MAX': '1'}
+# what it holds. Read when Python starts: a forked process has its parent's heap, whose free room a cap misses
+MALLOC_ENV = {**os.environ, 'MALLOC_MMAP_THRESHOLD_': '65536', 'MALLOC_ARENA_MAX': '1'}
 
 def run(out, *args, nproc=1, timeout=300):
-    "The script in `nproc` processes (torchrun, gloo) or in one, never longer than `timeout`; its exit status"
-    from test_distributed import free_port
-    launcher = ([sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}',
-                 f'--master-port={free_port()}']
-                if nproc > 1 else [sys.executable])
-    res = subprocess.run([*launcher, str(SCRIPT), str(out), *args], capture_output=True, text=True,
-                         timeout=timeout, env=ENV)
+    """The script in `nproc` processes (torchrun, gloo) or in one, never longer than `timeout`; its exit
+    status and stderr. A capped run in new Pythons with `MALLOC_ENV` (the real torchrun), the others forked"""
+    if '--cap' not in args: res = run_script(SCRIPT, out, *args, nproc=nproc, timeout=timeout)
+    else:
+        from learncb.ranks import free_port
+        launcher = ([sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}',
+                     f'--master-port={free_port()}'] if nproc > 1 else [sys.executable])
+        res = subprocess.run([*launcher, str(SCRIPT), str(out), *args], capture_output=True, text=True,
+                             timeout=timeout, env=MALLOC_ENV)
     return res.returncode, res.stderr
 
 def result(out, rank=0): return torch.load(Path(out)/f'rank{rank}.pt', weights_only=False)
