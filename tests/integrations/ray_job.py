@@ -1,7 +1,10 @@
 """What tests/integrations/test_ray.py gives the Ray recipe of the cluster page: transparent_script's learner,
 whose rank 1 fails once after a given step, and whose rank 0 saves its weights and history when the fit
-ends."""
-import os
+ends.
+
+`torchrun --nproc_per_node=2 ray_job.py OUT [--fsdp]`: the recipe's fit without Ray (nothing to report to),
+the run in which no worker failed that the tests compare Ray's runs with."""
+import os, sys
 from pathlib import Path
 import torch
 from learncb.all import *
@@ -41,3 +44,12 @@ def fsdp_train_func(config):
     with learn.distrib_ctx(strategy='fsdp', global_batch=16):
         learn.fit(config['n_epoch'], resume=ray_checkpoint(config.get('checkpoint')),
                   cbs=[CheckpointCallback(every_n_steps=5, signals=()), RayTrainReportCallback()])
+
+def fit_without_ray(out, fsdp=False):
+    """The recipe's fit (`fsdp`: `fsdp_train_func`'s) on the ranks torchrun started, its checkpoints reported
+    to none"""
+    learn = job_learner(out)
+    with learn.distrib_ctx(**(dict(strategy='fsdp', global_batch=16) if fsdp else {})):
+        learn.fit(3, cbs=[CheckpointCallback(every_n_steps=5, signals=())])
+
+if __name__ == '__main__': fit_without_ray(sys.argv[1], fsdp='--fsdp' in sys.argv)
