@@ -289,7 +289,7 @@ def default_opt(opt_cls):
     "learncb's default for `opt_cls`: its default `fast_adam` for Adam, else the class as given"
     return fast_adam if opt_cls is torch.optim.Adam else opt_cls
 
-def compile_rows(make_model, shape, n_classes, opt_cls, n_batches, rounds, short_rows=False):
+def compile_rows(make_model, shape, n_classes, opt_cls, n_batches, rounds):
     "us/step of each way to run the step, and the seconds of each first (compiling) epoch"
     train, valid = premade(n_batches, shape, n_classes)
     runners = {'raw': raw_runner(make_model, opt_cls, train, valid, False),
@@ -297,9 +297,8 @@ def compile_rows(make_model, shape, n_classes, opt_cls, n_batches, rounds, short
                'default': learncb_runner(make_model, default_opt(opt_cls), train, valid)[0],
                'model': learncb_runner(make_model, opt_cls, train, valid, {})[0]}
     runners['step'], learn = learncb_runner(make_model, opt_cls, train, valid, {'step': True})
-    if not short_rows:
-        runners['step_engine'] = learncb_runner(make_model, opt_cls, train, valid, {'step': True,
-            'trace_backward': False})[0]
+    runners['step_engine'] = learncb_runner(make_model, opt_cls, train, valid, {'step': True,
+        'trace_backward': False})[0]
     first = {}
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
@@ -309,33 +308,29 @@ def compile_rows(make_model, shape, n_classes, opt_cls, n_batches, rounds, short
     best = best_times(runners, rounds)
     return {k: v / n_steps * 1e6 for k, v in best.items()}, first, learn.compiler.fell_back
 
-def compile_table(short):
+def compile_table():
     """Side by side: the hand-written loop eager and compiled, learncb eager (fused), `learn.compile()`,
-    `(step=True)`"""
+    `(step=True)`, each first compile without inductor's cache (a minute and more: the full run only)"""
     import torch._dynamo
     torch._dynamo.config.recompile_limit = 64  # every learner here compiles its own graphs: no eager fallback
     torch._inductor.config.force_disable_caches = True  # the first compile's time as in a new environment
-    models = [('16-16-2 MLP', make_model, (16,), 2, 300)]
-    if not short:
-        models += [('16-512-512-2 MLP', wide_model, (16,), 2, 150), ('CNN (gpu_cnn.py), CPU', cnn_model,
-                                                                     (3, 32, 32), 10, 12)]
-    # short: Adam alone (its row compiles three steps, without inductor's cache: a CI minute for both)
-    opts = [torch.optim.Adam] if short else [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW]
-    rounds = 3 if short else 5
+    models = [('16-16-2 MLP', make_model, (16,), 2, 300), ('16-512-512-2 MLP', wide_model, (16,), 2, 150),
+              ('CNN (gpu_cnn.py), CPU', cnn_model, (3, 32, 32), 10, 12)]
+    opts,rounds = [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW],5
     print(f"compiling, side by side: batches of 32 made ahead (a list), an epoch of training and validation, "
           f"best of {rounds}, 1 thread; x: times faster than the hand-written eager loop (its optimizer as "
           f"it comes); first: the first epoch, which compiles")
     for name, make, shape, n_classes, n in models:
         for opt_cls in opts:
-            us, first, fell_back = compile_rows(make, shape, n_classes, opt_cls, n, rounds, short)
+            us, first, fell_back = compile_rows(make, shape, n_classes, opt_cls, n, rounds)
             cell = lambda k: f"{us[k]:7.0f} us {us['raw'] / us[k]:4.2f}x"
             print(f"{name:<22} {opt_cls.__name__:<5}: hand-written {us['raw']:7.0f} us | its step compiled "
                   f"{cell('raw_compiled')} "
                   f"(first {first['raw_compiled']:.1f} s) | learncb default {cell('default')} | "
                   f"learn.compile() {cell('model')} (first {first['model']:.1f} s) | "
                   f"learn.compile(step=True) {cell('step')} "
-                  f"(first {first['step']:.1f} s)" + ('' if short else f" | (step=True, "
-                                                      f"trace_backward=False) {cell('step_engine')}")
+                  f"(first {first['step']:.1f} s) | (step=True, trace_backward=False) "
+                  f"{cell('step_engine')}"
                   + (f" FELL BACK: {fell_back}" if fell_back else ''))
 
 def main(short=False):
@@ -389,7 +384,8 @@ def main(short=False):
     g = {k: v / n_steps * 1e6 for k, v in guarded_step_us(train, valid, n_epoch, rounds).items()}
     print(f"learn.compile(step=True) + SpikeGuard  : {g['guarded']:7.1f} us/step, hand-written loop (torch "
           f"Adam) {g['raw']:7.1f} us/step: {g['raw'] / g['guarded']:.2f}x faster than the hand-written loop")
-    compile_table(short)
+    if short: print("compiling, side by side (each way, without inductor's cache): the full run only")
+    else: compile_table()
 
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__)
