@@ -24,6 +24,7 @@ from ..strategy import *
 from .strategy import *
 from .fsdp import FSDP
 from .replicas import *
+from .diloco import semi_sync, semi_synced
 
 # %% ../../nbs/23e_ft.ipynb #a1f0e003
 def _share(n, k, r):
@@ -42,12 +43,15 @@ class TorchFT(Strategy):
     quorum each step, the global batch shared among the groups present and in a group among its ranks"""
     reads_whole_batch = True      # every rank of every group: its share is known after the step's quorum
     def __init__(self, within='ddp', shard=None, timeout=60, quorum_timeout=120, connect_timeout=30,
-                 quorum_every=1.0, allow_untested=False):
+                 quorum_every=1.0, allow_untested=False, sync='step', sync_every=None, outer_opt=None):
         """`within`: how a replica group of many ranks trains, `'ddp'` (the whole model on each rank) or
         `'fsdp'` (sharded over the group's ranks, `shard` as `FSDP` takes it). Timeouts in seconds: `timeout`
         for a collective and a heal, `quorum_timeout` for a quorum to form. `quorum_every`: the most seconds
         between two quorums while no step fails (a replica that starts joins at the next; 0: a quorum every
-        step)"""
+        step). `sync`: `'step'`, the gradients summed over the groups at every step; `'diloco'`, each group
+        takes `sync_every` steps of its own, then the groups average their pseudo-gradients and `outer_opt`
+        (a function of the parameters that makes an optimizer; `nesterov_outer` by default) steps the global
+        weights; `'local_sgd'`, the groups' weights averaged every `sync_every` steps (`SemiSync`)"""
         check_choice(within, 'within', ('ddp', 'fsdp'), who='TorchFT',
                      hint="how a replica group of many ranks trains: the whole model on each rank or sharded")
         if shard is not None and within != 'fsdp': raise ValueError(
@@ -57,6 +61,7 @@ class TorchFT(Strategy):
                         connect_timeout=connect_timeout).items():
             check_number(v, k, gt=0, who='TorchFT', hint='seconds')
         self.quorum_every = check_number(quorum_every, 'quorum_every', ge=0, who='TorchFT', hint='seconds')
+        self.semi = semi_sync(sync, sync_every, outer_opt)     # `None`: the groups sync every step
         self._quorum_due,self._last_quorum = True,0.
         self.within = within
         self.shard = shard
@@ -84,8 +89,10 @@ class TorchFT(Strategy):
 
     @property
     def reduces(self):
-        "In the step, at its quorum's vote (`sum_and_commit`); within a group under FSDP also in the backward"
-        return 'step' if self.inner is None else 'backward'
+        """In the step, at its quorum's vote (`sum_and_commit`); within a group under FSDP also in the
+        backward; between the syncs of `sync='diloco'` nowhere (a group of one process)"""
+        if self.inner is not None: return 'backward'
+        return 'step' if self.semi is None else None
 
     def reduce_grads(self, params):
         "Within FSDP the group's mean (of whole parameters: a closure's step); else none: the vote sums them"
@@ -136,6 +143,10 @@ class TorchFT(Strategy):
         given = {k: os.environ[k] for k in ('REPLICA_GROUP_ID', 'NUM_REPLICA_GROUPS') if k in os.environ}
         self.settings = replica_settings({**os.environ, **ray_replica_env(self.group_world), **given})
         self.inner = FSDP(self.shard) if self.within == 'fsdp' and self.group_world > 1 else None
+        if self.semi is not None and self.group_world > 1: raise NotImplementedError(
+            f"TorchFT({self.semi}) trains replica groups of one process for now, and this group has "
+            f"{self.group_world} ranks: start a process per group (launch_replicas(..., ranks=1)), or "
+            f"sync='step'")
         import_torchft(self.allow_untested)
         check_lighthouse(self.settings[0], timeout=self.connect_timeout)
         self.learn,self._first_fit = learn,True
@@ -185,6 +196,8 @@ class TorchFT(Strategy):
         self._quorum(heal=True)
         self._ready = True
         state,self._received = self._received,None
+        if self.semi is not None:
+            return self.semi.join(learn.model, self.manager, state, self._quorum, self._sum_over_quorum)
         if state is not None and self.inner is not None:      # this rank's shards, laid out as the model's
             mesh = next(p.device_mesh for p in learn.model.parameters() if is_sharded(p))
             state = shards_like(state, mesh)
@@ -277,7 +290,9 @@ class TorchFT(Strategy):
         (gradients kept from before the batch may be views of it). Under FSDP, which makes its own, nothing"""
         if self.inner is None: self._grads.give(params, fresh)
 
-    def __repr__(self): return f'TorchFT(timeout={self.timeout}, quorum_timeout={self.quorum_timeout})'
+    def __repr__(self):
+        semi = '' if self.semi is None else f', {self.semi}'
+        return f'TorchFT(timeout={self.timeout}, quorum_timeout={self.quorum_timeout}{semi})'
 
 def _weights_sum(params):
     "A float64 sum of every weight: replicas whose sums differ have different models"
@@ -467,5 +482,8 @@ class ReplicaCallback(Callback):
     def before_fetch(self):
         if self.learn.training: self.rng = rng_state()
 
-    def make_step(self): return fault_tolerant(self.learn.step_class)(self.learn, self.strategy)
+    def make_step(self):
+        "The fault-tolerant step over the learner's (`sync='step'`), or the semi-synced one"
+        make = fault_tolerant if self.strategy.semi is None else semi_synced
+        return make(self.learn.step_class)(self.learn, self.strategy)
 

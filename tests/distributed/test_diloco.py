@@ -1,0 +1,98 @@
+"""DiLoCo over replica groups (`TorchFT(sync='diloco')`, CPU, gloo, a lighthouse on loopback): one group that
+syncs every step with an outer SGD of lr 1 is the plain fit; two groups are the DiLoCo loop written by hand in
+plain torch (each group's inner AdamW on its half of every batch, the pseudo-gradients averaged every H steps,
+Nesterov SGD on the global weights); `sync='local_sgd'` averages the weights."""
+import copy, os
+from functools import partial
+from pathlib import Path
+import pytest, torch
+from torch import nn
+torchft = pytest.importorskip('torchft')
+from learncb.all import *
+from learncb.distributed.replicas import Lighthouse, replica_env
+from learncb.distributed.diloco import nesterov_outer, averaging_outer
+from conftest import start_forked
+from diloco_script import N, BS, LR, EPOCHS, batches, make_model, make_learner
+
+SCRIPT = Path(__file__).parent/'diloco_script.py'
+WAIT = 240          # seconds any one wait may take, on a loaded 2-core machine
+
+def hand_written(sync_every, n_groups=2, outer=nesterov_outer):
+    """DiLoCo in plain torch: each group's copy of the model and its AdamW on its rows of every batch; every
+    `sync_every` steps the mean of `global - local` as the global weights' gradient, the outer step, every
+    group from the new global weights"""
+    x, y = batches()
+    glob = make_model()
+    outer_opt = outer(list(glob.parameters()))
+    models = [copy.deepcopy(glob) for _ in range(n_groups)]
+    inner = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
+    t = 0
+    for _ in range(EPOCHS):
+        for i in range(0, N, BS):
+            xb, yb = x[i:i + BS], y[i:i + BS]
+            for g, (m, opt) in enumerate(zip(models, inner)):
+                lo, hi = g * len(xb) // n_groups, (g + 1) * len(xb) // n_groups
+                nn.functional.cross_entropy(m(xb[lo:hi]), yb[lo:hi]).backward()
+                opt.step(); opt.zero_grad()
+            t += 1
+            if t % sync_every: continue
+            for gp, *local in zip(glob.parameters(), *(m.parameters() for m in models)):
+                total = sum(gp.detach() - p.detach() for p in local)
+                gp.grad = total / n_groups
+            outer_opt.step(); outer_opt.zero_grad(set_to_none=True)
+            for m in models: m.load_state_dict(glob.state_dict())
+    return glob.state_dict()
+
+def max_rel(a, b): return max(((a[k] - b[k]).abs().max() / b[k].abs().max()).item() for k in b)
+
+@pytest.fixture
+def group_env(monkeypatch):
+    "This process as replica group 0 of 1 under a lighthouse of its own"
+    with Lighthouse() as lh:
+        for k in ('WORLD_SIZE', 'RANK'): monkeypatch.delenv(k, raising=False)
+        for k,v in {**replica_env(lh, 0, 1), 'RUST_LOG': 'warn'}.items(): monkeypatch.setenv(k, v)
+        yield lh
+
+def test_one_group_syncing_every_step_with_an_outer_sgd_of_lr_1_is_the_plain_fit(group_env):
+    plain = make_learner()
+    plain.fit(EPOCHS)
+    learn = make_learner()
+    ft = TorchFT(sync='diloco', sync_every=1, outer_opt=partial(torch.optim.SGD, lr=1.))
+    with learn.distrib_ctx(strategy=ft): learn.fit(EPOCHS)
+    assert learn.train_iter == plain.train_iter == 12 and ft.semi.inner_steps == 12      # a sync after each
+    assert max_rel(learn.model.state_dict(), plain.model.state_dict()) <= 1e-6
+    assert learn.recorder.losses == pytest.approx(plain.recorder.losses, rel=1e-6)
+    assert not torch.equal(learn.model[0].weight, make_model()[0].weight)            # it trained
+
+@pytest.mark.parametrize('sync,sync_every', [('diloco', 4), ('local_sgd', 3)])
+def test_two_groups_are_the_hand_written_loop(tmp_path, sync, sync_every):
+    """Two groups of one process from the same start: each group's weights at the end (a sync) within 1e-6
+    of the hand-written loop's global weights"""
+    with Lighthouse(min_replicas=2, join_timeout=10, heartbeat_timeout=2) as lh:
+        procs = [start_forked(SCRIPT, tmp_path, sync, sync_every, out=tmp_path/f'log{g}',
+                              env={**os.environ, **replica_env(lh, g, 2), 'RUST_LOG': 'warn'})
+                 for g in range(2)]
+        try: codes = [p.wait(WAIT) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None: p.kill()
+    assert codes == [0, 0], [(tmp_path/f'log{g}').read_text()[-3000:] for g in range(2)]
+    ref = hand_written(sync_every, outer=nesterov_outer if sync == 'diloco' else averaging_outer)
+    a, b = [torch.load(tmp_path/f'group{g}.pt', weights_only=False) for g in range(2)]
+    assert a['train_iter'] == b['train_iter'] == 12
+    assert all(torch.equal(a['model'][k], b['model'][k]) for k in ref)     # every group: the global weights
+    assert max_rel(a['model'], ref) <= 1e-6
+    assert a['losses'] != b['losses']                # between syncs each group trains on its own half
+
+def test_the_settings_are_checked():
+    with pytest.raises(ValueError, match="sync must be .* not 'bogus'"): TorchFT(sync='bogus')
+    with pytest.raises(ValueError, match='needs sync_every'): TorchFT(sync='diloco')
+    with pytest.raises(ValueError, match='sync_every must be a positive int, not 0'):
+        TorchFT(sync='diloco', sync_every=0)
+    with pytest.raises(ValueError, match="pass sync='diloco'"): TorchFT(sync_every=8)
+    with pytest.raises(ValueError, match='averages the weights themselves'):
+        TorchFT(sync='local_sgd', sync_every=2, outer_opt=nesterov_outer)
+    ft = TorchFT(sync='diloco', sync_every=8)
+    assert ft.semi.outer_opt is nesterov_outer and ft.reduces is None and 'sync_every=8' in repr(ft)
+    assert TorchFT().reduces == 'step'
+    assert TorchFT(sync='local_sgd', sync_every=2).semi.outer_opt is averaging_outer
