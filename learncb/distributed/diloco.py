@@ -7,14 +7,14 @@ Docs: https://learncb.github.io/learncb/diloco.html.md"""
 # %% auto #0
 __all__ = ['nesterov_outer', 'averaging_outer', 'OuterStep', 'SemiSync', 'semi_sync', 'SemiSyncStep', 'semi_synced']
 
-# %% ../../nbs/23h_diloco.ipynb #5011452c
+# %% ../../nbs/23h_diloco.ipynb #accebc65
 import functools
 import torch
 from ..core import *
 from ..utils import *
 from ..step import Step
 
-# %% ../../nbs/23h_diloco.ipynb #056cc6cb
+# %% ../../nbs/23h_diloco.ipynb #8a039d38
 def nesterov_outer(params):
     "The outer optimizer of the DiLoCo paper: Nesterov SGD, lr 0.7, momentum 0.9 (`TorchFT(outer_opt=...)`)"
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
@@ -24,7 +24,7 @@ def averaging_outer(params):
     makes the weights the groups' mean"""
     return torch.optim.SGD(params, lr=1.)
 
-# %% ../../nbs/23h_diloco.ipynb #9c0e8783
+# %% ../../nbs/23h_diloco.ipynb #66f85df7
 class OuterStep:
     """The global weights of a semi-synchronous fit (the weights every group had at the last sync) and the
     outer optimizer that steps them with the groups' mean pseudo-gradient: the change of the weights since
@@ -61,14 +61,14 @@ class OuterStep:
             for g,s in zip(self.globals, state['globals']): g.copy_(s)
         self.opt.load_state_dict(state['opt'])
 
-# %% ../../nbs/23h_diloco.ipynb #3d878ea0
+# %% ../../nbs/23h_diloco.ipynb #840d3891
 class SemiSync:
     """What the replica groups of `TorchFT(sync='diloco')` do besides training: the global weights and the
     outer optimizer (`OuterStep`), the inner steps counted and a sync every `sync_every` of them, each group's
     rows of a batch until the next sync (the quorum's shares, as `TorchFT` shares a batch)"""
     def __init__(self, sync, sync_every, outer_opt):
         self.sync,self.sync_every,self.outer_opt = sync,sync_every,outer_opt
-        self.outer,self.inner_steps,self.groups = None,0,(0, 1)
+        self.outer,self.inner_steps,self.groups,self._saved = None,0,(0, 1),None
 
     def join(self, model, manager, state, quorum, sum_over_quorum):
         """The first quorum of the group (torchft's `manager`): the global weights are `model`'s, the shares
@@ -81,6 +81,7 @@ class SemiSync:
         self.manager,self._quorum,self._sum_over_quorum = manager,quorum,sum_over_quorum
         self.outer,self.inner_steps = OuterStep(model.parameters(), self.outer_opt),0
         self.groups = manager.participating_rank(),manager.num_participants()
+        if self._saved is not None: self._restore()          # a checkpoint's, loaded before the quorum
 
     def share(self, n):
         "`(lo, hi)`: the rows of a batch of `n` this group trains on until the next sync"
@@ -107,6 +108,20 @@ class SemiSync:
         else: self.outer.roll_back()
         self.groups = m.participating_rank(),m.num_participants()
 
+    def state_dict(self):
+        "The global weights, the outer optimizer's state and the inner steps: what a checkpoint holds of it"
+        return {} if self.outer is None else {**self.outer.state_dict(), 'inner_steps': self.inner_steps}
+
+    def load_state_dict(self, state):
+        "Put back what `state_dict` returned (before the group's first quorum: at it)"
+        self._saved = state
+        if self.outer is not None: self._restore()
+
+    def _restore(self):
+        state,self._saved = self._saved,None
+        self.outer.load_state_dict(state)
+        self.inner_steps = state['inner_steps']
+
     def __repr__(self): return f'sync={self.sync!r}, sync_every={self.sync_every}'
 
 def semi_sync(sync='step', sync_every=None, outer_opt=None):
@@ -129,7 +144,7 @@ def semi_sync(sync='step', sync_every=None, outer_opt=None):
         f"pass sync='diloco' with outer_opt")
     return SemiSync(sync, sync_every, outer_opt or (nesterov_outer if sync == 'diloco' else averaging_outer))
 
-# %% ../../nbs/23h_diloco.ipynb #ff79aa6a
+# %% ../../nbs/23h_diloco.ipynb #bb31e764
 class SemiSyncStep(Step):
     """The step of a replica group under `TorchFT(sync='diloco')`: the learner's step on this group's rows of
     the global batch, with no collective (the group trains alone); after every `sync_every` steps of the

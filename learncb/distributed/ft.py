@@ -482,6 +482,13 @@ class ReplicaCallback(Callback):
     def before_fetch(self):
         if self.learn.training: self.rng = rng_state()
 
+    def state_dict(self):
+        "Under `sync='diloco'`: the global weights, the outer optimizer's state, the inner steps (`SemiSync`)"
+        return {} if self.strategy.semi is None else self.strategy.semi.state_dict()
+
+    def load_state_dict(self, state):
+        if state and self.strategy.semi is not None: self.strategy.semi.load_state_dict(state)
+
     def make_step(self):
         "The fault-tolerant step over the learner's (`sync='step'`), or the semi-synced one"
         make = fault_tolerant if self.strategy.semi is None else semi_synced

@@ -18,12 +18,13 @@ def make_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
 
-def make_learner():
+def make_learner(path='.'):
     "Batches in order (no shuffle), AdamW as torch has it: what the hand-written loop does alike"
     x, y = batches()
     dls = DataLoaders(DataLoader(TensorDataset(x, y), batch_size=BS),
                       DataLoader(TensorDataset(x, y), batch_size=32))
-    learn = Learner(dls, make_model(), nn.CrossEntropyLoss(), lr=LR, opt_func=torch.optim.AdamW, device='cpu')
+    learn = Learner(dls, make_model(), nn.CrossEntropyLoss(), lr=LR, opt_func=torch.optim.AdamW, device='cpu',
+                    path=path)
     learn.remove_cb(ProgressCallback)
     learn.logger = lambda row: None
     return learn

@@ -11,7 +11,7 @@ torchft = pytest.importorskip('torchft')
 from learncb.all import *
 from learncb.distributed.replicas import Lighthouse, replica_env
 from learncb.distributed.diloco import nesterov_outer, averaging_outer
-from conftest import start_forked
+from conftest import start_forked, CrashAt
 from diloco_script import N, BS, LR, EPOCHS, batches, make_model, make_learner
 
 SCRIPT = Path(__file__).parent/'diloco_script.py'
@@ -63,6 +63,24 @@ def test_one_group_syncing_every_step_with_an_outer_sgd_of_lr_1_is_the_plain_fit
     assert max_rel(learn.model.state_dict(), plain.model.state_dict()) <= 1e-6
     assert learn.recorder.losses == pytest.approx(plain.recorder.losses, rel=1e-6)
     assert not torch.equal(learn.model[0].weight, make_model()[0].weight)            # it trained
+
+def fit_one_group(path, crash_at=None, resume=None):
+    "One group's fit, H = 4, Nesterov outer, a checkpoint each step; `crash_at`: an error after that step"
+    learn,ft = make_learner(path),TorchFT(sync='diloco', sync_every=4)
+    cbs = [CheckpointCallback(every_n_steps=1)] + ([CrashAt(crash_at)] if crash_at else [])
+    with learn.distrib_ctx(strategy=ft): learn.fit(EPOCHS, cbs=cbs, resume=resume)
+    return learn,ft
+
+def test_a_fit_stopped_between_syncs_resumes_exactly(group_env, tmp_path):
+    """A fit that fails after step 6: its checkpoint holds the inner weights and AdamW of step 6, the global
+    weights of step 4 and the outer momentum; resumed, it ends as the fit never stopped, bit for bit"""
+    ref,_ = fit_one_group(tmp_path/'ref')
+    with pytest.raises(RuntimeError, match='the machine went away'): fit_one_group(tmp_path/'run', crash_at=6)
+    got,ft = fit_one_group(tmp_path/'run', resume='auto')
+    assert got.train_iter == ref.train_iter == 12 and ft.semi.inner_steps == 12
+    assert all(torch.equal(a, b) for a,b in zip(got.model.state_dict().values(),
+                                                ref.model.state_dict().values()))
+    assert got.recorder.losses[-6:] == ref.recorder.losses[-6:]
 
 @pytest.mark.parametrize('sync,sync_every', [('diloco', 4), ('local_sgd', 3)])
 def test_two_groups_are_the_hand_written_loop(tmp_path, sync, sync_every):
