@@ -1,6 +1,8 @@
 """The cost of fault tolerance per step: the same fit under DDP (2 processes, gloo) and under
 `strategy='torchft'` (2 replica groups, gloo, a lighthouse on this machine), global batch 64, for a small and
-a larger MLP.
+a larger MLP. Then across a slow link (a delay added to each exchange between the groups): the bytes each
+group puts into the exchange per inner step and the time per inner step of TorchFT syncing every step and of
+DiLoCo (`sync='diloco'`, H = 8), against a group training alone on its share (batches of 32, no exchange).
 
 `python tests/bench/ft.py` for the full run (DDP and torchft in turn, twice each: the best epoch of each, on a
 machine whose other work comes and goes), `--short` for the quick one CI runs. Prints figures; asserts
@@ -40,17 +42,40 @@ def ddp_worker(rank, world, port, width, n_items, n_epoch, out):
     per_step = timed_fit(make_learner(width, n_items), n_epoch)
     if rank == 0: write_figures({'per_step': per_step}, out)
 
-def ft_worker(width, n_items, n_epoch, out):
-    per_step = timed_fit(make_learner(width, n_items), n_epoch, strategy='torchft')
-    if os.environ['REPLICA_GROUP_ID'] == '0': write_figures({'per_step': per_step}, out)
+class SlowLink(TorchFT):
+    """TorchFT whose exchange between groups waits `delay` seconds more (a slow link), and counts the bytes
+    this group puts into it"""
+    def __init__(self, delay=0., **kwargs):
+        super().__init__(**kwargs)
+        self.delay,self.sent = delay,0
+    def _sum_over_quorum(self, flat):
+        time.sleep(self.delay)
+        self.sent += flat.numel() * flat.element_size()
+        super()._sum_over_quorum(flat)
 
-def torchft_figures(width, n_items, n_epoch, timeout):
+def ft_worker(width, n_items, n_epoch, out, delay=None, sync_kw=None):
+    "A replica group: plain `strategy='torchft'`, or with `delay` a `SlowLink` (`sync_kw`: DiLoCo's)"
+    learn = make_learner(width, n_items)
+    strategy = 'torchft' if delay is None else SlowLink(delay, **(sync_kw or {}))
+    per_step = timed_fit(learn, n_epoch, strategy=strategy)
+    sent = 0 if delay is None else strategy.sent / (n_epoch * learn.n_iter)
+    if os.environ['REPLICA_GROUP_ID'] == '0': write_figures({'per_step': per_step, 'sent': sent}, out)
+
+def alone_per_step(width, n_items, n_epoch):
+    "A group training alone on its share: the same learner on batches of 32, no exchange"
+    learn = make_learner(width, n_items // 2)
+    learn.dls = DataLoaders(DataLoader(learn.dls.train.dataset, batch_size=32), None)
+    timer = StepTimer()
+    learn.fit(n_epoch, cbs=timer)
+    return min(timer.per_step[1:])
+
+def torchft_figures(width, n_items, n_epoch, timeout, *extra):
     out = os.path.join(tempfile.mkdtemp(), 'figures.json')
     # min_replicas=2: the first quorum waits for both (else on a loaded machine one trains alone while the
     # other starts)
     try:
         with Lighthouse(min_replicas=2) as lighthouse:
-            launch_replicas(ft_worker, width, n_items, n_epoch, out, n=2, lighthouse=lighthouse,
+            launch_replicas(ft_worker, width, n_items, n_epoch, out, *extra, n=2, lighthouse=lighthouse,
                             timeout=timeout)
     except Exception as e: return f'{type(e).__name__}: {e}'
     with open(out) as fh: return json.load(fh)
@@ -77,5 +102,21 @@ def main():
         best = (n_epoch - 1) * rounds
         print(f"MLP width {width}, global batch 64, 2 processes, gloo, best epoch of {best}: "
               f"DDP {d:.2f} ms/step, torchft {f:.2f} ms/step: +{f - d:.2f} ms/step ({f / d:.2f}x)")
+    slow_link(512, n_items, n_epoch, delay=0.01)
+
+def slow_link(width, n_items, n_epoch, delay):
+    "TorchFT and DiLoCo (H = 8) over a link `delay` seconds slower per exchange, against a group alone"
+    step = torchft_figures(width, n_items, n_epoch, 300, delay)
+    diloco = torchft_figures(width, n_items, n_epoch, 300, delay, {'sync': 'diloco', 'sync_every': 8})
+    failed = [r for r in (step, diloco) if isinstance(r, str)]
+    if failed:
+        print(f'slow link: no figures ({failed[0]})')
+        return
+    alone = alone_per_step(width, n_items, n_epoch) * 1e3
+    for name,r in (('torchft, a sync each step', step), ('DiLoCo, a sync every 8 steps', diloco)):
+        ms = r['per_step'] * 1e3
+        print(f"MLP width {width}, a link {delay * 1e3:.0f} ms slower per exchange, {name:<28}: "
+              f"{r['sent'] / 2**10:7.1f} KiB per inner step, {ms:6.2f} ms per inner step, "
+              f"{ms / alone:.2f}x a group alone ({alone:.2f} ms/step)")
 
 if __name__ == '__main__': main()
