@@ -7,14 +7,14 @@ Docs: https://learncb.github.io/learncb/diloco.html.md"""
 # %% auto #0
 __all__ = ['nesterov_outer', 'averaging_outer', 'OuterStep', 'SemiSync', 'semi_sync', 'SemiSyncStep', 'semi_synced']
 
-# %% ../../nbs/23h_diloco.ipynb #accebc65
-import functools
+# %% ../../nbs/23h_diloco.ipynb #ed130bf8
+import functools, time
 import torch
 from ..core import *
 from ..utils import *
 from ..step import Step
 
-# %% ../../nbs/23h_diloco.ipynb #8a039d38
+# %% ../../nbs/23h_diloco.ipynb #daa7e63e
 def nesterov_outer(params):
     "The outer optimizer of the DiLoCo paper: Nesterov SGD, lr 0.7, momentum 0.9 (`TorchFT(outer_opt=...)`)"
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
@@ -24,7 +24,7 @@ def averaging_outer(params):
     makes the weights the groups' mean"""
     return torch.optim.SGD(params, lr=1.)
 
-# %% ../../nbs/23h_diloco.ipynb #66f85df7
+# %% ../../nbs/23h_diloco.ipynb #321b3345
 class OuterStep:
     """The global weights of a semi-synchronous fit (the weights every group had at the last sync) and the
     outer optimizer that steps them with the groups' mean pseudo-gradient: the change of the weights since
@@ -61,7 +61,7 @@ class OuterStep:
             for g,s in zip(self.globals, state['globals']): g.copy_(s)
         self.opt.load_state_dict(state['opt'])
 
-# %% ../../nbs/23h_diloco.ipynb #840d3891
+# %% ../../nbs/23h_diloco.ipynb #65c00f86
 class SemiSync:
     """What the replica groups of `TorchFT(sync='diloco')` do besides training: the global weights and the
     outer optimizer (`OuterStep`), the inner steps counted and a sync every `sync_every` of them, each group's
@@ -70,15 +70,17 @@ class SemiSync:
         self.sync,self.sync_every,self.outer_opt = sync,sync_every,outer_opt
         self.outer,self.inner_steps,self.groups,self._saved = None,0,(0, 1),None
 
-    def join(self, model, manager, state, quorum, sum_over_quorum):
+    def join(self, model, manager, state, quorum, sum_over_quorum, quorum_every=1.):
         """The first quorum of the group (torchft's `manager`): the global weights are `model`'s, the shares
-        the quorum's; `quorum` and `sum_over_quorum` are the strategy's, for the syncs. A group that starts
-        behind the others (a `state` to heal from) is not built yet"""
+        the quorum's; `quorum` and `sum_over_quorum` are the strategy's, for the syncs, which form a new
+        quorum when one of the groups asks (its last more than `quorum_every` seconds ago, or a sync not
+        committed). A group that starts behind the others (a `state` to heal from) is not built yet"""
         if state is not None: raise NotImplementedError(
             f"TorchFT(sync={self.sync!r}): this replica group started behind the run (the quorum says to "
             f"heal from a live group), and a heal between syncs is not built yet: start every group at once, "
             f"or sync='step'")
         self.manager,self._quorum,self._sum_over_quorum = manager,quorum,sum_over_quorum
+        self.quorum_every,self._quorum_next,self._last_quorum = quorum_every,False,time.monotonic()
         self.outer,self.inner_steps = OuterStep(model.parameters(), self.outer_opt),0
         self.groups = manager.participating_rank(),manager.num_participants()
         if self._saved is not None: self._restore()          # a checkpoint's, loaded before the quorum
@@ -98,14 +100,18 @@ class SemiSync:
         if self.inner_steps % self.sync_every == 0: self.sync_groups()
 
     def sync_groups(self):
-        """A quorum, the groups' pseudo-gradients summed over it (one all-reduce) and averaged, the outer
-        step if the quorum commits, else the weights back to the global ones; the next shares the quorum's"""
+        """A new quorum if one was asked, the groups' pseudo-gradients summed over it (one all-reduce, with
+        each group's ask for a quorum at the next sync) and averaged, the outer step if the quorum commits,
+        else the weights back to the global ones; the next shares the quorum's"""
         m = self.manager
-        self._quorum()
-        flat = self.outer.pseudo_grads()
+        if self._quorum_next: self._quorum(); self._last_quorum = time.monotonic()
+        asks = float(time.monotonic() - self._last_quorum >= self.quorum_every)
+        flat = torch.cat([self.outer.pseudo_grads(), torch.tensor([asks])])
         self._sum_over_quorum(flat)
-        if m.should_commit(): self.outer.apply(flat / m.num_participants())
+        committed = m.should_commit()
+        if committed: self.outer.apply(flat[:-1] / m.num_participants())
         else: self.outer.roll_back()
+        self._quorum_next = not committed or flat[-1].item() > 0  # the same sums in every group: they agree
         self.groups = m.participating_rank(),m.num_participants()
 
     def state_dict(self):
@@ -144,7 +150,7 @@ def semi_sync(sync='step', sync_every=None, outer_opt=None):
         f"pass sync='diloco' with outer_opt")
     return SemiSync(sync, sync_every, outer_opt or (nesterov_outer if sync == 'diloco' else averaging_outer))
 
-# %% ../../nbs/23h_diloco.ipynb #bb31e764
+# %% ../../nbs/23h_diloco.ipynb #40ff78a2
 class SemiSyncStep(Step):
     """The step of a replica group under `TorchFT(sync='diloco')`: the learner's step on this group's rows of
     the global batch, with no collective (the group trains alone); after every `sync_every` steps of the

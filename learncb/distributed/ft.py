@@ -197,7 +197,8 @@ class TorchFT(Strategy):
         self._ready = True
         state,self._received = self._received,None
         if self.semi is not None:
-            return self.semi.join(learn.model, self.manager, state, self._quorum, self._sum_over_quorum)
+            return self.semi.join(learn.model, self.manager, state, self._quorum, self._sum_over_quorum,
+                                  self.quorum_every)
         if state is not None and self.inner is not None:      # this rank's shards, laid out as the model's
             mesh = next(p.device_mesh for p in learn.model.parameters() if is_sharded(p))
             state = shards_like(state, mesh)
