@@ -488,6 +488,7 @@ class ReplicaCallback(Callback):
         return {} if self.strategy.semi is None else self.strategy.semi.state_dict()
 
     def load_state_dict(self, state):
+        "Put back what `state_dict` returned (nothing under `sync='step'`)"
         if state and self.strategy.semi is not None: self.strategy.semi.load_state_dict(state)
 
     def make_step(self):
