@@ -7,14 +7,14 @@ Docs: https://learncb.github.io/learncb/diloco.html.md"""
 # %% auto #0
 __all__ = ['nesterov_outer', 'averaging_outer', 'OuterStep', 'SemiSync', 'semi_sync', 'SemiSyncStep', 'semi_synced']
 
-# %% ../../nbs/23h_diloco.ipynb #ed130bf8
+# %% ../../nbs/23h_diloco.ipynb #bbec63c9
 import functools, time
 import torch
 from ..core import *
 from ..utils import *
 from ..step import Step
 
-# %% ../../nbs/23h_diloco.ipynb #daa7e63e
+# %% ../../nbs/23h_diloco.ipynb #0e6c0ebf
 def nesterov_outer(params):
     "The outer optimizer of the DiLoCo paper: Nesterov SGD, lr 0.7, momentum 0.9 (`TorchFT(outer_opt=...)`)"
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
@@ -24,7 +24,7 @@ def averaging_outer(params):
     makes the weights the groups' mean"""
     return torch.optim.SGD(params, lr=1.)
 
-# %% ../../nbs/23h_diloco.ipynb #321b3345
+# %% ../../nbs/23h_diloco.ipynb #e542a575
 class OuterStep:
     """The global weights of a semi-synchronous fit (the weights every group had at the last sync) and the
     outer optimizer that steps them with the groups' mean pseudo-gradient: the change of the weights since
@@ -61,7 +61,7 @@ class OuterStep:
             for g,s in zip(self.globals, state['globals']): g.copy_(s)
         self.opt.load_state_dict(state['opt'])
 
-# %% ../../nbs/23h_diloco.ipynb #65c00f86
+# %% ../../nbs/23h_diloco.ipynb #3974d861
 class SemiSync:
     """What the replica groups of `TorchFT(sync='diloco')` do besides training: the global weights and the
     outer optimizer (`OuterStep`), the inner steps counted and a sync every `sync_every` of them, each group's
@@ -106,7 +106,8 @@ class SemiSync:
         m = self.manager
         if self._quorum_next: self._quorum(); self._last_quorum = time.monotonic()
         asks = float(time.monotonic() - self._last_quorum >= self.quorum_every)
-        flat = torch.cat([self.outer.pseudo_grads(), torch.tensor([asks])])
+        pseudo = self.outer.pseudo_grads()
+        flat = torch.cat([pseudo, pseudo.new_tensor([asks])])       # on the model's device, in its dtype
         self._sum_over_quorum(flat)
         committed = m.should_commit()
         if committed: self.outer.apply(flat[:-1] / m.num_participants())
@@ -150,7 +151,7 @@ def semi_sync(sync='step', sync_every=None, outer_opt=None):
         f"pass sync='diloco' with outer_opt")
     return SemiSync(sync, sync_every, outer_opt or (nesterov_outer if sync == 'diloco' else averaging_outer))
 
-# %% ../../nbs/23h_diloco.ipynb #40ff78a2
+# %% ../../nbs/23h_diloco.ipynb #7a0f5a2e
 class SemiSyncStep(Step):
     """The step of a replica group under `TorchFT(sync='diloco')`: the learner's step on this group's rows of
     the global batch, with no collective (the group trains alone); after every `sync_every` steps of the

@@ -481,7 +481,8 @@ class ReplicaCallback(Callback):
         self.heal = None
 
     def before_fetch(self):
-        if self.learn.training: self.rng = rng_state()
+        "The random state before a training batch, for a peer that heals mid-step (`sync='step'`'s alone)"
+        if self.learn.training and self.strategy.semi is None: self.rng = rng_state()
 
     def state_dict(self):
         "Under `sync='diloco'`: the global weights, the outer optimizer's state, the inner steps (`SemiSync`)"

@@ -63,6 +63,7 @@ def test_one_group_syncing_every_step_with_an_outer_sgd_of_lr_1_is_the_plain_fit
     assert max_rel(learn.model.state_dict(), plain.model.state_dict()) <= 1e-6
     assert learn.recorder.losses == pytest.approx(plain.recorder.losses, rel=1e-6)
     assert not torch.equal(learn.model[0].weight, make_model()[0].weight)            # it trained
+    assert ft._replica.rng is None            # no random state taken per batch: no heal happens mid-step
 
 def fit_one_group(path, crash_at=None, resume=None):
     "One group's fit, H = 4, Nesterov outer, a checkpoint each step; `crash_at`: an error after that step"
