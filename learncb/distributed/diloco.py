@@ -85,6 +85,10 @@ class SemiSync:
         self.groups = manager.participating_rank(),manager.num_participants()
         if self._saved is not None: self._restore()          # a checkpoint's, loaded before the quorum
 
+    def leave(self):
+        "The end of the group's run: the manager and the strategy's quorum functions let go"
+        self.manager,self._quorum,self._sum_over_quorum = None,None,None
+
     def share(self, n):
         "`(lo, hi)`: the rows of a batch of `n` this group trains on until the next sync"
         rank,groups = self.groups

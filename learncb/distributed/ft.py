@@ -8,7 +8,7 @@ Docs: https://learncb.github.io/learncb/ft.html.md"""
 __all__ = ['TorchFT', 'FaultTolerantStep', 'fault_tolerant', 'ReplicaCallback']
 
 # %% ../../nbs/23e_ft.ipynb #a1f0e001
-import copy, datetime, functools, os, socket, time
+import copy, datetime, functools, gc, os, socket, time
 from contextlib import contextmanager
 import torch
 import torch.distributed as dist
@@ -181,8 +181,13 @@ class TorchFT(Strategy):
         return where[0]
 
     def _shutdown(self):
-        if self.manager is not None: self.manager.shutdown(wait=False)
-        self.manager,self.learn,self._store = None,None,None
+        """End the manager and free it and gloo's process group now, in this process: left to the garbage
+        collector, they could be freed in a forked DataLoader worker, which has no copy of their threads to
+        join (a hang, or an abort)"""
+        if self.manager is not None: self.manager.shutdown(wait=False); self._pg.shutdown()
+        if self.semi is not None: self.semi.leave()
+        self.manager,self.learn,self._store,self._pg = None,None,None,None
+        gc.collect()
 
     def join(self, learn):
         """The first quorum of this process, before the first batch: the state of a live peer to heal from, or

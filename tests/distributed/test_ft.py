@@ -5,7 +5,7 @@ undisturbed run.
 Each replica group is a process running `tests/distributed/ft_script.py`: forked from one that imported
 learncb (no 2 to 3 s of imports each), or the plain `python ft_script.py` of a user (the new replica that
 joins a running one); every wait is bounded by a timeout."""
-import os, subprocess, sys, time
+import gc, os, subprocess, sys, time
 from pathlib import Path
 import pytest, torch
 
@@ -344,3 +344,26 @@ def test_a_replica_alone_trains_and_nothing_callable_is_set_on_the_learner(monke
     assert isinstance(learn.model, nn.Linear) and learn.opt_func is opt_func
     assert type(learn.strategy).__name__ == 'SingleProcess'
 
+
+class CollectingData(torch.utils.data.Dataset):
+    "Rows whose first read collects the garbage (in a DataLoader worker: what the forked copy inherited)"
+    def __len__(self): return 8
+    def __getitem__(self, i):
+        if i == 0: gc.collect()
+        return torch.full((2,), float(i))
+
+@pytest.mark.parametrize('sync', ['step', 'diloco'])
+def test_a_dataloader_worker_forked_after_a_fit_frees_nothing_of_it(monkeypatch, sync):
+    """After a fit under torchft, the manager and gloo's process group are freed in this process: a forked
+    DataLoader worker that collects the garbage neither hangs (on gloo's or the manager's threads, which it
+    has no copy of) nor aborts"""
+    with Lighthouse() as lh:
+        for k,v in {**replica_env(lh, 0, 1), 'RUST_LOG': 'warn'}.items(): monkeypatch.setenv(k, v)
+        learn = tiny_learner()
+        ft = TorchFT(sync=sync, sync_every=None if sync == 'step' else 2)
+        with learn.distrib_ctx(strategy=ft): learn.fit(1)
+    assert learn.train_iter == 4
+    del learn, ft
+    dl = torch.utils.data.DataLoader(CollectingData(), batch_size=4, num_workers=1, timeout=120,
+                                     multiprocessing_context='fork')
+    assert [b[:, 0].tolist() for b in dl] == [[0., 1., 2., 3.], [4., 5., 6., 7.]]
