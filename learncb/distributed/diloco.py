@@ -69,21 +69,24 @@ class SemiSync:
     def __init__(self, sync, sync_every, outer_opt):
         self.sync,self.sync_every,self.outer_opt = sync,sync_every,outer_opt
         self.outer,self.inner_steps,self.groups,self._saved = None,0,(0, 1),None
+        self.quorum_due,self.rolled_back = False,0                   # the syncs not committed, undone
 
     def join(self, model, manager, state, quorum, sum_over_quorum, quorum_every=1.):
-        """The first quorum of the group (torchft's `manager`): the global weights are `model`'s, the shares
-        the quorum's; `quorum` and `sum_over_quorum` are the strategy's, for the syncs, which form a new
-        quorum when one of the groups asks (its last more than `quorum_every` seconds ago, or a sync not
-        committed). A group that starts behind the others (a `state` to heal from) is not built yet"""
-        if state is not None: raise NotImplementedError(
-            f"TorchFT(sync={self.sync!r}): this replica group started behind the run (the quorum says to "
-            f"heal from a live group), and a heal between syncs is not built yet: start every group at once, "
-            f"or sync='step'")
+        """After the first quorum of the group (torchft's `manager`): the global weights are `model`'s, the
+        shares the quorum's; `quorum` and `sum_over_quorum` are the strategy's, for the syncs, after which the
+        next step forms a new quorum when one of the groups asks (its last more than `quorum_every` seconds
+        ago, or a sync not committed). Returns `state`: a live group's, at the start of a period (the global
+        weights, the outer optimizer's state and its inner state), for a group that starts behind the others
+        to heal from"""
         self.manager,self._quorum,self._sum_over_quorum = manager,quorum,sum_over_quorum
-        self.quorum_every,self._quorum_next,self._last_quorum = quorum_every,False,time.monotonic()
+        self.quorum_every,self.quorum_due,self._last_quorum = quorum_every,False,time.monotonic()
         self.outer,self.inner_steps = OuterStep(model.parameters(), self.outer_opt),0
         self.groups = manager.participating_rank(),manager.num_participants()
         if self._saved is not None: self._restore()          # a checkpoint's, loaded before the quorum
+        # torchft's step counts the commits: a group that joins its first quorum commits one, so that a group
+        # that starts later, before the first sync, is behind it (and heals) by torchft's count too
+        if state is None: manager.should_commit()
+        return state
 
     def leave(self):
         "The end of the group's run: the manager and the strategy's quorum functions let go"
@@ -103,21 +106,26 @@ class SemiSync:
         self.inner_steps += 1
         if self.inner_steps % self.sync_every == 0: self.sync_groups()
 
+    def new_quorum(self):
+        """The quorum a sync asked for, at the start of the next step: a group that joins heals there, from a
+        live group's state after the sync; the shares the quorum's until the next sync"""
+        self._quorum()
+        m,self._last_quorum,self.quorum_due = self.manager,time.monotonic(),False
+        self.groups = m.participating_rank(),m.num_participants()
+
     def sync_groups(self):
-        """A new quorum if one was asked, the groups' pseudo-gradients summed over it (one all-reduce, with
-        each group's ask for a quorum at the next sync) and averaged, the outer step if the quorum commits,
-        else the weights back to the global ones; the next shares the quorum's"""
+        """The groups' pseudo-gradients summed over the quorum (one all-reduce, with each group's ask for a
+        quorum at the next step) and averaged, the outer step if the quorum commits, else the weights back to
+        the global ones"""
         m = self.manager
-        if self._quorum_next: self._quorum(); self._last_quorum = time.monotonic()
         asks = float(time.monotonic() - self._last_quorum >= self.quorum_every)
         pseudo = self.outer.pseudo_grads()
         flat = torch.cat([pseudo, pseudo.new_tensor([asks])])       # on the model's device, in its dtype
         self._sum_over_quorum(flat)
         committed = m.should_commit()
         if committed: self.outer.apply(flat[:-1] / m.num_participants())
-        else: self.outer.roll_back()
-        self._quorum_next = not committed or flat[-1].item() > 0  # the same sums in every group: they agree
-        self.groups = m.participating_rank(),m.num_participants()
+        else: self.outer.roll_back(); self.rolled_back += 1
+        self.quorum_due = not committed or flat[-1].item() > 0    # the same sums in every group: they agree
 
     def state_dict(self):
         "The global weights, the outer optimizer's state and the inner steps: what a checkpoint holds of it"
@@ -165,9 +173,11 @@ class SemiSyncStep(Step):
         self.semi = strategy.semi
 
     def run(self):
-        "The batch's step as `Step` runs it, in training on this group's rows of the batch; the sync if due"
+        """The batch's step as `Step` runs it, in training after the quorum a sync asked for, on this group's
+        rows of the batch; the sync if due"""
         learn = self.learn
         if not learn.training: return super().run()
+        if self.semi.quorum_due: self.semi.new_quorum()
         lo,hi = self.semi.share(find_bs(learn.yb or learn.xb))
         learn.xb,learn.yb = [map_tensors(lambda t: t[lo:hi], b) for b in (learn.xb, learn.yb)]
         super().run()

@@ -247,7 +247,8 @@ class TorchFT(Strategy):
         state['loop'] = {**state['loop'], 'iter': learn.iter - 1}
         state['at'] = 'batch'
         if self._replica.rng is not None: state['rng'] = self._replica.rng     # as before this batch was read
-        return state
+        # under DiLoCo a copy: no collective holds this group back from its next inner steps while a peer reads
+        return state if self.semi is None else map_tensors(torch.clone, state)
 
     def averages_over(self):
         "Summed over the quorum and in a group over its ranks; FSDP within a group averages over its ranks"
@@ -486,8 +487,10 @@ class ReplicaCallback(Callback):
         self.heal = None
 
     def before_fetch(self):
-        "The random state before a training batch, for a peer that heals mid-step (`sync='step'`'s alone)"
-        if self.learn.training and self.strategy.semi is None: self.rng = rng_state()
+        """The random state before a training batch whose step forms a quorum, for a peer that heals there
+        (every batch under `sync='step'`; after a sync that asks for one under `sync='diloco'`)"""
+        semi = self.strategy.semi
+        if self.learn.training and (semi is None or semi.quorum_due): self.rng = rng_state()
 
     def state_dict(self):
         "Under `sync='diloco'`: the global weights, the outer optimizer's state, the inner steps (`SemiSync`)"

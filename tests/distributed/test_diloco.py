@@ -63,7 +63,7 @@ def test_one_group_syncing_every_step_with_an_outer_sgd_of_lr_1_is_the_plain_fit
     assert max_rel(learn.model.state_dict(), plain.model.state_dict()) <= 1e-6
     assert learn.recorder.losses == pytest.approx(plain.recorder.losses, rel=1e-6)
     assert not torch.equal(learn.model[0].weight, make_model()[0].weight)            # it trained
-    assert ft._replica.rng is None            # no random state taken per batch: no heal happens mid-step
+    assert ft.semi.rolled_back == 0
 
 def fit_one_group(path, crash_at=None, resume=None):
     "One group's fit, H = 4, Nesterov outer, a checkpoint each step; `crash_at`: an error after that step"
@@ -115,3 +115,71 @@ def test_the_settings_are_checked():
     assert ft.semi.outer_opt is nesterov_outer and ft.reduces is None and 'sync_every=8' in repr(ft)
     assert TorchFT().reduces == 'step'
     assert TorchFT(sync='local_sgd', sync_every=2).semi.outer_opt is averaging_outer
+
+def hand_written_with_a_fault(steps, sync_every, outer=nesterov_outer):
+    """The DiLoCo loop of `hand_written` over the steps each group took (`steps`: a group's role to its
+    `(train_iter, rank, groups, rolled_back)` at each step): a group trains at the steps it took, on the
+    rows of its rank among that step's groups; one that joins late starts as a copy of a group that took the
+    step before (its weights, which are then the global ones, and its AdamW); a sync that the steady group
+    rolled back puts every group back to the global weights, and a sync kept is the outer step on the mean
+    over the groups that took that step"""
+    x, y = batches()
+    glob = make_model()
+    outer_opt = outer(list(glob.parameters()))
+    at = {role: {t: (rank, n, rolled) for t,rank,n,rolled in s} for role,s in steps.items()}
+    models, inner = {}, {}
+    for t in range(1, max(at['steady']) + 1):
+        i = (t - 1) % (N // BS) * BS
+        xb, yb = x[i:i + BS], y[i:i + BS]
+        took = [role for role in at if t in at[role]]
+        for role in took:
+            if role in models: continue
+            source = next((r for r in models if t - 1 in at[r]), None)      # None: the start
+            models[role] = copy.deepcopy(glob if source is None else models[source])
+            inner[role] = torch.optim.AdamW(models[role].parameters(), lr=LR)
+            if source: inner[role].load_state_dict(copy.deepcopy(inner[source].state_dict()))
+        for role in took:
+            rank, n, _ = at[role][t]
+            assert n >= len(took), (t, role, at[role][t], took)       # fewer: a group died in the period
+            lo, hi = rank * len(xb) // n, (rank + 1) * len(xb) // n
+            nn.functional.cross_entropy(models[role](xb[lo:hi]), yb[lo:hi]).backward()
+            inner[role].step(); inner[role].zero_grad()
+        if t % sync_every: continue
+        rolled = at['steady'][t][2] > at['steady'].get(t - 1, (0, 0, 0))[2]
+        if not rolled:
+            for gp, *local in zip(glob.parameters(), *(models[r].parameters() for r in took)):
+                gp.grad = sum(gp.detach() - p.detach() for p in local) / len(took)
+            outer_opt.step(); outer_opt.zero_grad(set_to_none=True)
+        for role in took: models[role].load_state_dict(glob.state_dict())
+    return glob.state_dict()
+
+def test_a_group_lost_between_syncs_is_rolled_back_and_healed_and_the_run_is_its_definition(tmp_path):
+    """Two groups, H = 4, a new quorum asked at every sync (it forms at the start of the next period), a
+    lighthouse that waits for two: group 1 SIGKILLs itself after step 2, in the middle of the first period;
+    group 0's sync at step 4 fails (its peer is gone) and is rolled back; group 1 started again heals at the
+    quorum of step 5 from group 0's state (the global weights, the outer optimizer's state, its AdamW, the
+    loop's position), and both train to the end. Each group's weights at the end: the global weights of the
+    hand-written loop over the steps each group took, within 1e-6"""
+    with Lighthouse(min_replicas=2, join_timeout=10, heartbeat_timeout=2) as lh:
+        start = lambda g, role: start_forked(SCRIPT, tmp_path, 'diloco', 4, role, out=tmp_path/f'log-{role}',
+                                             env={**os.environ, **replica_env(lh, g, 2), 'RUST_LOG': 'warn'})
+        procs = {'steady': start(0, 'steady'), 'dies': start(1, 'dies')}
+        try:
+            assert procs['dies'].wait(WAIT) == -9, (tmp_path/'log-dies').read_text()[-3000:]
+            procs['restarted'] = start(1, 'restarted')
+            codes = [procs[r].wait(WAIT) for r in ('steady', 'restarted')]
+        finally:
+            for p in procs.values():
+                if p.poll() is None: p.kill()
+    logs = {r: (tmp_path/f'log-{r}').read_text()[-3000:] for r in procs}
+    assert codes == [0, 0], logs
+    got = {r: torch.load(tmp_path/f'{r}.pt', weights_only=False) for r in procs}
+    steady, restarted = got['steady'], got['restarted']
+    assert [t for t,*_ in got['dies']['steps']] == [1, 2]
+    assert steady['train_iter'] == restarted['train_iter'] == 24
+    rolled = {t: r for t,_,_,r in steady['steps']}
+    assert rolled[3] == 0 and rolled[4] == rolled[24] == 1, steady['steps']        # the sync at 4 alone
+    assert [t for t,*_ in restarted['steps']] == list(range(5, 25))                # healed at step 5
+    assert all(torch.equal(steady['model'][k], restarted['model'][k]) for k in steady['model'])
+    ref = hand_written_with_a_fault({r: g['steps'] for r,g in got.items()}, 4)
+    assert max_rel(steady['model'], ref) <= 1e-6
