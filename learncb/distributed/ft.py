@@ -247,7 +247,7 @@ class TorchFT(Strategy):
         state['loop'] = {**state['loop'], 'iter': learn.iter - 1}
         state['at'] = 'batch'
         if self._replica.rng is not None: state['rng'] = self._replica.rng     # as before this batch was read
-        # under DiLoCo a copy: no collective holds this group back from its next inner steps while a peer reads
+        # under DiLoCo a copy: no collective holds this group back from its inner steps while a peer reads
         return state if self.semi is None else map_tensors(torch.clone, state)
 
     def averages_over(self):

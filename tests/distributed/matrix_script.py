@@ -2,13 +2,16 @@
 same weights and data, under one strategy; every result saved for the test to hold against the one-process
 fit.
 
-python tests/distributed/matrix_script.py OUT --strategy one|ddp|fsdp|plain|torchft|torchft_fsdp|tp|fsdp_tp
-                                         [--only A,B]
+python tests/distributed/matrix_script.py OUT
+    --strategy one|ddp|fsdp|plain|torchft|torchft_fsdp|tp|fsdp_tp|diloco [--only A,B]
 'one': this process, `distrib_ctx(global_batch=64)` (the order the others are held against); 'ddp', 'fsdp':
 two processes (learncb's `launch`, gloo); 'plain': two processes under a strategy registered with no override;
 'torchft': two replica groups of one process under a lighthouse of their own (`launch_replicas`);
 'torchft_fsdp': two replica groups of two ranks each, FSDP within a group; 'tp', 'fsdp_tp': four processes
-under `ModelParallel`, a mesh of tp 4 and one of dp 2 x tp 2. The compiled step compiles with the
+under `ModelParallel`, a mesh of tp 4 and one of dp 2 x tp 2; 'diloco': one replica group of one process
+under `TorchFT(sync='diloco')`, a sync after every inner step with an outer SGD of lr 1 (DiLoCo's loop that
+is the plain one: each capability acts on the inner step, and the sync adds `global - (global - local)`,
+float32's rounding). The compiled step compiles with the
 'aot_eager' backend: what the matrix holds is the meaning of the callbacks in learncb's compiled step
 (dynamo's trace of it, the backward AOTAutograd makes), not inductor's kernels, which test_compile.py, the
 compiled resume and the compiled DDP step check, and whose C++ build would be most of each launch's time on
@@ -129,7 +132,9 @@ def fit(cap, strategy, out, rank):
     refused,before = None,{k: v.clone() for k,v in learn.model.state_dict().items()}
     graphs = torch._dynamo.utils.counters['stats']['unique_graphs']
     ft = {'torchft': TorchFT(timeout=30), 'torchft_fsdp': TorchFT('fsdp', timeout=30),
-          **{k: ModelParallel(mesh=m, parallelize=tensor_parallel) for k,m in model_parallel.items()}}
+          **{k: ModelParallel(mesh=m, parallelize=tensor_parallel) for k,m in model_parallel.items()},
+          'diloco': TorchFT(timeout=30, sync='diloco', sync_every=1,
+                            outer_opt=partial(torch.optim.SGD, lr=1.))}
     ctx = learn.distrib_ctx(global_batch=GLOBAL_BATCH) if strategy == 'one' else learn.distrib_ctx(
         strategy=ft.get(strategy, strategy), global_batch=GLOBAL_BATCH)
     try:
@@ -167,6 +172,9 @@ if __name__ == '__main__':
     elif args.strategy == 'torchft':
         with Lighthouse(min_replicas=2, **quick) as lh:
             launch_replicas(run_all, out, 'torchft', caps, n=2, lighthouse=lh, timeout=900)
+    elif args.strategy == 'diloco':
+        with Lighthouse(min_replicas=1, **quick) as lh:
+            launch_replicas(run_all, out, 'diloco', caps, n=1, lighthouse=lh, timeout=900)
     elif args.strategy == 'torchft_fsdp':
         with Lighthouse(min_replicas=2, **quick) as lh:
             launch_replicas(run_all, out, 'torchft_fsdp', caps, n=2, ranks=2, lighthouse=lh, timeout=900)

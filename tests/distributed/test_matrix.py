@@ -1,7 +1,9 @@
 """The capability x strategy matrix: every built-in callback that acts on the step, in one process and under
 DDP, FSDP, a strategy registered with no override ('plain') and torchft (two processes or replica groups,
 gloo; 'torchft_fsdp': two replica groups of two ranks, FSDP within each), and `ModelParallel` on 4 processes
-('tp': a mesh of tp 4; 'fsdp_tp': dp 2 x tp 2), each fit held against the same fit in one process, or
+('tp': a mesh of tp 4; 'fsdp_tp': dp 2 x tp 2), and one DiLoCo group syncing after each inner step
+with an outer SGD of lr 1 ('diloco': DiLoCo's definition, which is then the plain loop), each
+fit held against the same fit in one process, or
 refused by name before its first batch. One launch per strategy runs every capability in
 turn (matrix_script.py)."""
 from pathlib import Path
@@ -14,9 +16,10 @@ pytestmark = pytest.mark.xdist_group('matrix')  # the one-process fits, made onc
 
 # The cells a strategy refuses today, and who is named: a cell refused or run that is not in this table fails
 # the test. None is refused
-refused = {'ddp': {}, 'plain': {}, 'torchft': {}, 'fsdp': {}, 'torchft_fsdp': {}, 'tp': {}, 'fsdp_tp': {}}
+refused = {'ddp': {}, 'plain': {}, 'torchft': {}, 'fsdp': {}, 'torchft_fsdp': {}, 'tp': {}, 'fsdp_tp': {},
+           'diloco': {}}
 named = {'torchft_fsdp': 'torchft', 'tp': 'model_parallel',   # the name a refusal gives the strategy
-         'fsdp_tp': 'model_parallel'}
+         'fsdp_tp': 'model_parallel', 'diloco': 'torchft'}
 tolerance = {'precision': 1e-2}       # bf16: equal to its rounding; every other cell to float32's (1e-5)
 
 def matrix(out, strategy):
@@ -45,7 +48,8 @@ def max_rel(a, b):
     return max(((a[k] - w).abs().max() / w.abs().max()).item() for k,w in b.items())
 
 @pytest.mark.slow
-@pytest.mark.parametrize('strategy', ['ddp', 'fsdp', 'plain', 'torchft', 'torchft_fsdp', 'tp', 'fsdp_tp'])
+@pytest.mark.parametrize('strategy', ['ddp', 'fsdp', 'plain', 'torchft', 'torchft_fsdp', 'tp', 'fsdp_tp',
+                                      'diloco'])
 def test_every_capability_means_the_same_under_every_strategy(strategy, one, tmp_path):
     """Each cell: the one-process fit's optimizer steps and weights, or a refusal before the first batch
     naming who and why"""
