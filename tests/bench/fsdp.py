@@ -1,8 +1,8 @@
 """FSDP2 on the CPU (gloo, 2 processes): the memory each rank holds, and learncb's time per step against a
 hand-written FSDP2 loop doing the same work (shard the model, train, validate, reduce the epoch's means).
 
-`python tests/bench/fsdp.py` for the full run, `--short` for the quick one CI runs (without the compiled step's
-line, whose first fit compiles). Prints figures; asserts nothing."""
+`python tests/bench/fsdp.py` for the full run, `--short` for the quick one CI runs (without the compiled
+step's line, whose first fit compiles). Prints figures; asserts nothing."""
 import argparse, time
 import torch, torch.distributed as dist
 from torch import nn
