@@ -20,28 +20,10 @@ WAIT = 240          # seconds any one wait may take, on a loaded 2-core machine
 def hand_written(sync_every, n_groups=2, outer=nesterov_outer):
     """DiLoCo in plain torch: each group's copy of the model and its AdamW on its rows of every batch; every
     `sync_every` steps the mean of `global - local` as the global weights' gradient, the outer step, every
-    group from the new global weights"""
-    x, y = batches()
-    glob = make_model()
-    outer_opt = outer(list(glob.parameters()))
-    models = [copy.deepcopy(glob) for _ in range(n_groups)]
-    inner = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
-    t = 0
-    for _ in range(EPOCHS):
-        for i in range(0, N, BS):
-            xb, yb = x[i:i + BS], y[i:i + BS]
-            for g, (m, opt) in enumerate(zip(models, inner)):
-                lo, hi = g * len(xb) // n_groups, (g + 1) * len(xb) // n_groups
-                nn.functional.cross_entropy(m(xb[lo:hi]), yb[lo:hi]).backward()
-                opt.step(); opt.zero_grad()
-            t += 1
-            if t % sync_every: continue
-            for gp, *local in zip(glob.parameters(), *(m.parameters() for m in models)):
-                total = sum(gp.detach() - p.detach() for p in local)
-                gp.grad = total / n_groups
-            outer_opt.step(); outer_opt.zero_grad(set_to_none=True)
-            for m in models: m.load_state_dict(glob.state_dict())
-    return glob.state_dict()
+    group from the new global weights (`hand_written_with_a_fault` with every group at every step)"""
+    steps = range(1, EPOCHS * N // BS + 1)
+    return hand_written_with_a_fault({'steady' if g == 0 else g: [(t, g, n_groups, 0) for t in steps]
+                                      for g in range(n_groups)}, sync_every, outer)
 
 def max_rel(a, b): return max(((a[k] - b[k]).abs().max() / b[k].abs().max()).item() for k in b)
 
@@ -117,7 +99,7 @@ def test_the_settings_are_checked():
     assert TorchFT(sync='local_sgd', sync_every=2).semi.outer_opt is averaging_outer
 
 def hand_written_with_a_fault(steps, sync_every, outer=nesterov_outer):
-    """The DiLoCo loop of `hand_written` over the steps each group took (`steps`: a group's role to its
+    """DiLoCo in plain torch over the steps each group took (`steps`: a group's role to its
     `(train_iter, rank, groups, rolled_back)` at each step): a group trains at the steps it took, on the
     rows of its rank among that step's groups; one that joins late starts as a copy of a group that took the
     step before (its weights, which are then the global ones, and its AdamW); a sync that the steady group
