@@ -57,11 +57,11 @@ class ResumeCallback(Callback):
         elif sampler_of(dl) is not None: replay_pass(learn, dl, start, rng)
         else:
             if epoch_rng is None: warn_user(
-                f"the training dataloader cannot skip batches ({cannot_resume_reason(dl)}), and this "
-                f"checkpoint does not hold the random state its epoch started with (an older learncb wrote "
-                f"it): the first {start} batches are read again from the random state at hand and dropped, "
-                f"so the order is the same only if it does not depend on the random state. Checkpoints "
-                f"written now resume exactly")
+                f"the training dataloader cannot skip batches ({cannot_resume_reason(dl)}), and {self.path} "
+                f"does not hold the random state its epoch started with (a checkpoint of an older learncb, "
+                f"or a live peer's state in a fit without a CheckpointCallback): the first {start} batches "
+                f"are read again from the random state at hand and dropped, so the order is the same only if "
+                f"it does not depend on the random state. Checkpoints written now resume exactly")
             learn.dl = replayed_from(dl, start, epoch_rng, rng)
 
 # %% ../nbs/16f_resume.ipynb #6b9f7b89
