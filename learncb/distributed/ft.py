@@ -43,7 +43,8 @@ class TorchFT(Strategy):
     quorum each step, the global batch shared among the groups present and in a group among its ranks"""
     reads_whole_batch = True      # every rank of every group: its share is known after the step's quorum
     def __init__(self, within='ddp', shard=None, timeout=60, quorum_timeout=120, connect_timeout=30,
-                 quorum_every=1.0, allow_untested=False, sync='step', sync_every=None, outer_opt=None):
+                 quorum_every=1.0, allow_untested=False, sync='step', sync_every=None, outer_opt=None,
+                 num_fragments=1, fragment_sync_delay=0, fragment_update_alpha=0.):
         """`within`: how a replica group of many ranks trains, `'ddp'` (the whole model on each rank) or
         `'fsdp'` (sharded over the group's ranks, `shard` as `FSDP` takes it). Timeouts in seconds: `timeout`
         for a collective and a heal, `quorum_timeout` for a quorum to form. `quorum_every`: the most seconds
@@ -51,7 +52,10 @@ class TorchFT(Strategy):
         step). `sync`: `'step'`, the gradients summed over the groups at every step; `'diloco'`, each group
         takes `sync_every` steps of its own, then the groups average their pseudo-gradients and `outer_opt`
         (a function of the parameters that makes an optimizer; `nesterov_outer` by default) steps the global
-        weights; `'local_sgd'`, the groups' weights averaged every `sync_every` steps (`SemiSync`)"""
+        weights; `'local_sgd'`, the groups' weights averaged every `sync_every` steps (`SemiSync`).
+        Streaming DiLoCo: the model cut in `num_fragments` fragments, one synced every `sync_every /
+        num_fragments` steps in turn, its exchange started `fragment_sync_delay` steps before (it runs while
+        the group trains), `fragment_update_alpha` of the weights kept as they were at its sync"""
         check_choice(within, 'within', ('ddp', 'fsdp'), who='TorchFT',
                      hint="how a replica group of many ranks trains: the whole model on each rank or sharded")
         if shard is not None and within != 'fsdp': raise ValueError(
@@ -61,7 +65,8 @@ class TorchFT(Strategy):
                         connect_timeout=connect_timeout).items():
             check_number(v, k, gt=0, who='TorchFT', hint='seconds')
         self.quorum_every = check_number(quorum_every, 'quorum_every', ge=0, who='TorchFT', hint='seconds')
-        self.semi = semi_sync(sync, sync_every, outer_opt)     # `None`: the groups sync every step
+        self.semi = semi_sync(sync, sync_every, outer_opt, num_fragments, fragment_sync_delay,
+                              fragment_update_alpha)                   # `None`: the groups sync every step
         self._quorum_due,self._last_quorum = True,0.
         self.within = within
         self.shard = shard
@@ -90,13 +95,17 @@ class TorchFT(Strategy):
     @property
     def reduces(self):
         """In the step, at its quorum's vote (`sum_and_commit`); within a group under FSDP also in the
-        backward; between the syncs of `sync='diloco'` nowhere (a group of one process)"""
+        backward; between the syncs of `sync='diloco'` only within a group of many ranks (FSDP's in the
+        backward, else the step's mean over the group's ranks), nowhere in a group of one process"""
         if self.inner is not None: return 'backward'
-        return 'step' if self.semi is None else None
+        return 'step' if self.semi is None or self.group_world > 1 else None
 
     def reduce_grads(self, params):
-        "Within FSDP the group's mean (of whole parameters: a closure's step); else none: the vote sums them"
+        """Within FSDP the group's mean (of whole parameters: a closure's step); under `sync='diloco'`, the
+        mean over the group's ranks; else none: the vote sums them"""
         if self.inner is not None: self.inner.reduce_grads(params)
+        elif self.semi is not None and self.group_world > 1:
+            mean_across_ranks([p.grad for p in params if p.grad is not None])
 
     def grad_sync_switch(self, model): return None     # nothing to turn: each batch is summed at the vote
 
@@ -143,10 +152,6 @@ class TorchFT(Strategy):
         given = {k: os.environ[k] for k in ('REPLICA_GROUP_ID', 'NUM_REPLICA_GROUPS') if k in os.environ}
         self.settings = replica_settings({**os.environ, **ray_replica_env(self.group_world), **given})
         self.inner = FSDP(self.shard) if self.within == 'fsdp' and self.group_world > 1 else None
-        if self.semi is not None and self.group_world > 1: raise NotImplementedError(
-            f"TorchFT({self.semi}) trains replica groups of one process for now, and this group has "
-            f"{self.group_world} ranks: start a process per group (launch_replicas(..., ranks=1)), or "
-            f"sync='step'")
         import_torchft(self.allow_untested)
         check_lighthouse(self.settings[0], timeout=self.connect_timeout)
         self.learn,self._first_fit = learn,True
@@ -202,8 +207,8 @@ class TorchFT(Strategy):
         self._ready = True
         state,self._received = self._received,None
         if self.semi is not None:
-            return self.semi.join(learn.model, self.manager, state, self._quorum, self._sum_over_quorum,
-                                  self.quorum_every)
+            state = self.semi.join(learn.model, self.manager, state, self._quorum, self._start_sum,
+                                   self.quorum_every)
         if state is not None and self.inner is not None:      # this rank's shards, laid out as the model's
             mesh = next(p.device_mesh for p in learn.model.parameters() if is_sharded(p))
             state = shards_like(state, mesh)
@@ -251,8 +256,9 @@ class TorchFT(Strategy):
         return state if self.semi is None else map_tensors(torch.clone, state)
 
     def averages_over(self):
-        "Summed over the quorum and in a group over its ranks; FSDP within a group averages over its ranks"
-        return 1 if self.inner is None else self.group_world
+        """Summed over the quorum and in a group over its ranks; FSDP within a group averages over its ranks,
+        and so does a group of many ranks under `sync='diloco'`"""
+        return 1 if self.inner is None and self.semi is None else self.group_world
 
     def sum_and_commit(self, learn, params, loss):
         """Sum the gradients and `loss` over the quorum (one all-reduce); the global batch's loss if the
@@ -284,12 +290,23 @@ class TorchFT(Strategy):
         """Sum `flat` over the quorum on the process group the manager configures for it: torchft's all-reduce
         without its wrappers (their annotations and futures, 0.4 ms a step on a CPU). An error is the
         manager's to know: its vote fails, and the step is computed again"""
+        self._start_sum(flat)()
+
+    def _start_sum(self, flat):
+        """Start `_sum_over_quorum` of `flat`, in place; returns the function that waits for its end (the
+        sum runs meanwhile: streaming DiLoCo's exchange)"""
         m = self.manager
-        if m.errored() is not None: return
+        if m.errored() is not None: return _nothing
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        try: self._pg.allreduce([flat], opts).wait()
-        except Exception as e: m.report_error(e)
+        try: work = self._pg.allreduce([flat], opts)
+        except Exception as e:
+            m.report_error(e)
+            return _nothing
+        def wait():
+            try: work.wait()
+            except Exception as e: m.report_error(e)
+        return wait
 
     def grads_in_buffer(self, params, fresh=False):
         """Give `params` (not sharded) gradients that are zero views of one flat buffer (`FlatGrads`), which
@@ -300,6 +317,8 @@ class TorchFT(Strategy):
     def __repr__(self):
         semi = '' if self.semi is None else f', {self.semi}'
         return f'TorchFT(timeout={self.timeout}, quorum_timeout={self.quorum_timeout}{semi})'
+
+def _nothing(): pass          # the wait of a sum not started
 
 def _weights_sum(params):
     "A float64 sum of every weight: replicas whose sums differ have different models"

@@ -43,15 +43,18 @@ def ddp_worker(rank, world, port, width, n_items, n_epoch, out):
     if rank == 0: write_figures({'per_step': per_step}, out)
 
 class SlowLink(TorchFT):
-    """TorchFT whose exchange between groups waits `delay` seconds more (a slow link), and counts the bytes
-    this group puts into it"""
+    """TorchFT whose exchange between groups ends `delay` seconds later (a slow link: its latency, which an
+    exchange that runs while the group trains hides), and counts the bytes this group puts into it"""
     def __init__(self, delay=0., **kwargs):
         super().__init__(**kwargs)
         self.delay,self.sent = delay,0
-    def _sum_over_quorum(self, flat):
-        time.sleep(self.delay)
+    def _start_sum(self, flat):
         self.sent += flat.numel() * flat.element_size()
-        super()._sum_over_quorum(flat)
+        wait,ends = super()._start_sum(flat),time.monotonic() + self.delay
+        def slow_wait():
+            time.sleep(max(0., ends - time.monotonic()))
+            wait()
+        return slow_wait
 
 def ft_worker(width, n_items, n_epoch, out, delay=None, sync_kw=None):
     "A replica group: plain `strategy='torchft'`, or with `delay` a `SlowLink` (`sync_kw`: DiLoCo's)"

@@ -9,8 +9,9 @@ import pytest, torch
 from torch import nn
 torchft = pytest.importorskip('torchft')
 from learncb.all import *
+from learncb.files import load_torch_file
 from learncb.distributed.replicas import Lighthouse, replica_env
-from learncb.distributed.diloco import nesterov_outer, averaging_outer
+from learncb.distributed.diloco import nesterov_outer, averaging_outer, model_fragments
 from conftest import start_forked, CrashAt
 from diloco_script import N, BS, LR, EPOCHS, batches, make_model, make_learner
 
@@ -47,9 +48,10 @@ def test_one_group_syncing_every_step_with_an_outer_sgd_of_lr_1_is_the_plain_fit
     assert not torch.equal(learn.model[0].weight, make_model()[0].weight)            # it trained
     assert ft.semi.rolled_back == 0
 
-def fit_one_group(path, crash_at=None, resume=None):
-    "One group's fit, H = 4, Nesterov outer, a checkpoint each step; `crash_at`: an error after that step"
-    learn,ft = make_learner(path),TorchFT(sync='diloco', sync_every=4)
+def fit_one_group(path, crash_at=None, resume=None, **streams):
+    """One group's fit, H = 4, Nesterov outer (`streams`: streaming DiLoCo's settings), a checkpoint each
+    step; `crash_at`: an error after that step"""
+    learn,ft = make_learner(path),TorchFT(sync='diloco', sync_every=4, **streams)
     cbs = [CheckpointCallback(every_n_steps=1)] + ([CrashAt(crash_at)] if crash_at else [])
     with learn.distrib_ctx(strategy=ft): learn.fit(EPOCHS, cbs=cbs, resume=resume)
     return learn,ft
@@ -64,6 +66,27 @@ def test_a_fit_stopped_between_syncs_resumes_exactly(group_env, tmp_path):
     assert all(torch.equal(a, b) for a,b in zip(got.model.state_dict().values(),
                                                 ref.model.state_dict().values()))
     assert got.recorder.losses[-6:] == ref.recorder.losses[-6:]
+
+def found(o, key):
+    "Every value of `key` in the dicts and lists of `o`"
+    if isinstance(o, dict): return ([o[key]] if key in o else []) + [v for x in o.values() for v in found(x, key)]
+    return [v for x in o for v in found(x, key)] if isinstance(o, (list, tuple)) else []
+
+def test_a_fit_stopped_while_an_exchange_runs_resumes_exactly(group_env, tmp_path):
+    """Streaming DiLoCo (2 fragments, each exchange started a step before its sync): a fit that fails after
+    step 5, whose exchange was to end at step 6; its checkpoint holds the exchange's sum, and resumed the fit
+    ends as the one never stopped, bit for bit"""
+    streams = dict(num_fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5)
+    ref,_ = fit_one_group(tmp_path/'ref', **streams)
+    with pytest.raises(RuntimeError, match='the machine went away'):
+        fit_one_group(tmp_path/'run', crash_at=5, **streams)
+    saved = load_torch_file(tmp_path/'run'/'checkpoints'/'checkpoint_00000005_batch.pt')
+    assert [p['fragment'] for p in found(saved, 'pending')] == [0]        # the exchange running at step 5
+    got,ft = fit_one_group(tmp_path/'run', resume='auto', **streams)
+    assert got.train_iter == 12 and ft.semi.synced == 6 and ft.semi.rolled_back == 0
+    assert all(torch.equal(a, b) for a,b in zip(got.model.state_dict().values(),
+                                                ref.model.state_dict().values()))
+    assert got.recorder.losses[-7:] == ref.recorder.losses[-7:]
 
 @pytest.mark.parametrize('sync,sync_every', [('diloco', 4), ('local_sgd', 3)])
 def test_two_groups_are_the_hand_written_loop(tmp_path, sync, sync_every):
@@ -85,6 +108,34 @@ def test_two_groups_are_the_hand_written_loop(tmp_path, sync, sync_every):
     assert max_rel(a['model'], ref) <= 1e-6
     assert a['losses'] != b['losses']                # between syncs each group trains on its own half
 
+def run_two_groups(tmp_path, *args):
+    "Two groups of one process from the same start, `diloco_script.py` with `args`; their results"
+    with Lighthouse(min_replicas=2, join_timeout=10, heartbeat_timeout=2) as lh:
+        procs = [start_forked(SCRIPT, tmp_path, *args, out=tmp_path/f'log{g}',
+                              env={**os.environ, **replica_env(lh, g, 2), 'RUST_LOG': 'warn'})
+                 for g in range(2)]
+        try: codes = [p.wait(WAIT) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None: p.kill()
+    assert codes == [0, 0], [(tmp_path/f'log{g}').read_text()[-3000:] for g in range(2)]
+    return [torch.load(tmp_path/f'group{g}.pt', weights_only=False) for g in range(2)]
+
+FRAGMENTS = [[0], [1, 2, 3]]       # the test model's weights of 64, 16, 32, 2 cut in two of about 57
+
+def test_streaming_two_groups_are_the_hand_written_streaming_loop(tmp_path):
+    """Streaming DiLoCo, H = 4 in 2 fragments (one synced every 2 steps, in turn), each exchange started a
+    step before its sync and running while the group takes that step, half the weights kept at a sync: each
+    group's weights at the end within 1e-6 of its weights in the hand-written streaming loop"""
+    params = list(make_model().parameters())
+    assert model_fragments(params, 2) == [[params[j] for j in f] for f in FRAGMENTS]
+    got = run_two_groups(tmp_path, 'diloco', 4, '--fragments', 2, '--delay', 1, '--alpha', 0.5)
+    steps = {'steady' if g == 0 else g: [(t, g, 2, 0) for t in range(1, 13)] for g in range(2)}
+    ref = hand_written_with_a_fault(steps, 4, fragments=FRAGMENTS, delay=1, alpha=0.5, per_group=True)
+    for g,r in zip(got, ('steady', 1)): assert max_rel(g['model'], ref[r]) <= 1e-6
+    assert not torch.equal(got[0]['model']['2.weight'], got[1]['model']['2.weight'])   # alpha of their own
+    assert got[0]['train_iter'] == got[1]['train_iter'] == 12
+
 def test_the_settings_are_checked():
     with pytest.raises(ValueError, match="sync must be .* not 'bogus'"): TorchFT(sync='bogus')
     with pytest.raises(ValueError, match='needs sync_every'): TorchFT(sync='diloco')
@@ -97,17 +148,36 @@ def test_the_settings_are_checked():
     assert ft.semi.outer_opt is nesterov_outer and ft.reduces is None and 'sync_every=8' in repr(ft)
     assert TorchFT().reduces == 'step'
     assert TorchFT(sync='local_sgd', sync_every=2).semi.outer_opt is averaging_outer
+    with pytest.raises(ValueError, match='sync_every=6 is not a multiple of num_fragments=4'):
+        TorchFT(sync='diloco', sync_every=6, num_fragments=4)
+    with pytest.raises(ValueError, match='fragment_sync_delay=2 .* below 2'):
+        TorchFT(sync='diloco', sync_every=4, num_fragments=2, fragment_sync_delay=2)
+    with pytest.raises(ValueError, match='fragment_update_alpha=1.5'):
+        TorchFT(sync='diloco', sync_every=4, fragment_update_alpha=1.5)
+    with pytest.raises(ValueError, match="num_fragments=2 are for groups that sync every few steps"):
+        TorchFT(num_fragments=2)
+    with pytest.raises(ValueError, match='num_fragments=5 cuts .* 4 trainable parameters'):
+        model_fragments(make_model().parameters(), 5)
+    assert 'num_fragments=2, fragment_sync_delay=1' in repr(TorchFT(sync='diloco', sync_every=4,
+                                                                    num_fragments=2, fragment_sync_delay=1))
 
-def hand_written_with_a_fault(steps, sync_every, outer=nesterov_outer):
+def hand_written_with_a_fault(steps, sync_every, outer=nesterov_outer, fragments=None, delay=0, alpha=0.,
+                              per_group=False):
     """DiLoCo in plain torch over the steps each group took (`steps`: a group's role to its
     `(train_iter, rank, groups, rolled_back)` at each step): a group trains at the steps it took, on the
     rows of its rank among that step's groups; one that joins late starts as a copy of a group that took the
     step before (its weights, which are then the global ones, and its AdamW); a sync that the steady group
     rolled back puts every group back to the global weights, and a sync kept is the outer step on the mean
-    over the groups that took that step"""
+    over the groups that took that step. Streaming (`fragments`: lists of the parameters' indices): every
+    `sync_every / len(fragments)` steps the next fragment in turn syncs, its mean pseudo-gradient taken
+    `delay` steps before, and each group's weights of it become `alpha` of themselves and the rest the new
+    global ones. The global weights, or with `per_group` each group's weights at the end"""
     x, y = batches()
     glob = make_model()
-    outer_opt = outer(list(glob.parameters()))
+    gparams = list(glob.parameters())
+    outer_opt = outer(gparams)
+    fragments = fragments or [list(range(len(gparams)))]
+    period, synced, sent = sync_every // len(fragments), 0, None
     at = {role: {t: (rank, n, rolled) for t,rank,n,rolled in s} for role,s in steps.items()}
     models, inner = {}, {}
     for t in range(1, max(at['steady']) + 1):
@@ -126,14 +196,24 @@ def hand_written_with_a_fault(steps, sync_every, outer=nesterov_outer):
             lo, hi = rank * len(xb) // n, (rank + 1) * len(xb) // n
             nn.functional.cross_entropy(models[role](xb[lo:hi]), yb[lo:hi]).backward()
             inner[role].step(); inner[role].zero_grad()
-        if t % sync_every: continue
+        local = lambda role, j: list(models[role].parameters())[j]
+        if t % period == (period - delay) % period:              # the exchange of the next fragment starts
+            f = synced % len(fragments)
+            sent = f, {j: sum(gparams[j].detach() - local(r, j).detach() for r in took) / len(took)
+                       for j in fragments[f]}
+        if t % period: continue
+        f, mean = sent
         rolled = at['steady'][t][2] > at['steady'].get(t - 1, (0, 0, 0))[2]
         if not rolled:
-            for gp, *local in zip(glob.parameters(), *(models[r].parameters() for r in took)):
-                gp.grad = sum(gp.detach() - p.detach() for p in local) / len(took)
+            for j,d in mean.items(): gparams[j].grad = d
             outer_opt.step(); outer_opt.zero_grad(set_to_none=True)
-        for role in took: models[role].load_state_dict(glob.state_dict())
-    return glob.state_dict()
+            synced += 1
+        with torch.no_grad():
+            for role in took:
+                for j in fragments[f]:
+                    w = local(role, j)
+                    w.copy_(gparams[j] if rolled or not alpha else alpha * w + (1 - alpha) * gparams[j])
+    return {r: m.state_dict() for r,m in models.items()} if per_group else glob.state_dict()
 
 def test_a_group_lost_between_syncs_is_rolled_back_and_healed_and_the_run_is_its_definition(tmp_path):
     """Two groups, H = 4, a new quorum asked at every sync (it forms at the start of the next period), a
