@@ -244,7 +244,7 @@ def semi_sync(sync='step', sync_every=None, outer_opt=None, num_fragments=1, fra
                     **streams)
 
 def _check_streams(sync_every, num_fragments, fragment_sync_delay, fragment_update_alpha):
-    "Streaming DiLoCo's settings: each fragment synced every `sync_every` steps, its exchange over before the next"
+    "Streaming DiLoCo's settings: each fragment synced every `sync_every` steps, an exchange over by the next"
     check_int(num_fragments, 'num_fragments', ge=1, who='TorchFT', hint='the fragments synced in turn')
     if sync_every % num_fragments: raise ValueError(
         f"TorchFT: sync_every={sync_every} is not a multiple of num_fragments={num_fragments}: each fragment "
@@ -260,8 +260,8 @@ def _check_streams(sync_every, num_fragments, fragment_sync_delay, fragment_upda
     check_number(fragment_update_alpha, 'fragment_update_alpha', ge=0, who='TorchFT',
                  hint='the part of the weights kept as they were at a sync, from 0 to 1')
     if fragment_update_alpha > 1: raise ValueError(
-        f"TorchFT: fragment_update_alpha={fragment_update_alpha} is the part of the weights kept as they were "
-        f"at a sync, between 0 and 1: pass e.g. 0.5")
+        f"TorchFT: fragment_update_alpha={fragment_update_alpha} is the part of the weights kept as they "
+        f"were at a sync, between 0 and 1: pass e.g. 0.5")
 
 # %% ../../nbs/23h_diloco.ipynb #7a0f5a2e
 class SemiSyncStep(Step):
