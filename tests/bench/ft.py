@@ -1,8 +1,10 @@
 """The cost of fault tolerance per step: the same fit under DDP (2 processes, gloo) and under
 `strategy='torchft'` (2 replica groups, gloo, a lighthouse on this machine), global batch 64, for a small and
 a larger MLP. Then across a slow link (a delay added to each exchange between the groups): the bytes each
-group puts into the exchange per inner step and the time per inner step of TorchFT syncing every step and of
-DiLoCo (`sync='diloco'`, H = 8), against a group training alone on its share (batches of 32, no exchange).
+group puts into the exchange per inner step and the time per inner step of TorchFT syncing every step, of
+DiLoCo (`sync='diloco'`, H = 8), of DiLoCo whose exchange runs while the group takes 7 steps, and of streaming
+DiLoCo (H = 8 in 2 fragments, each exchange running over 3 steps), against the same two groups training at
+once with no exchange (each alone on its share).
 
 `python tests/bench/ft.py` for the full run (DDP and torchft in turn, twice each: the best epoch of each, on a
 machine whose other work comes and goes), `--short` for the quick one CI runs. Prints figures; asserts
@@ -64,14 +66,6 @@ def ft_worker(width, n_items, n_epoch, out, delay=None, sync_kw=None):
     sent = 0 if delay is None else strategy.sent / (n_epoch * learn.n_iter)
     if os.environ['REPLICA_GROUP_ID'] == '0': write_figures({'per_step': per_step, 'sent': sent}, out)
 
-def alone_per_step(width, n_items, n_epoch):
-    "A group training alone on its share: the same learner on batches of 32, no exchange"
-    learn = make_learner(width, n_items // 2)
-    learn.dls = DataLoaders(DataLoader(learn.dls.train.dataset, batch_size=32), None)
-    timer = StepTimer()
-    learn.fit(n_epoch, cbs=timer)
-    return min(timer.per_step[1:])
-
 def torchft_figures(width, n_items, n_epoch, timeout, *extra):
     out = os.path.join(tempfile.mkdtemp(), 'figures.json')
     # min_replicas=2: the first quorum waits for both (else on a loaded machine one trains alone while the
@@ -105,21 +99,33 @@ def main():
         best = (n_epoch - 1) * rounds
         print(f"MLP width {width}, global batch 64, 2 processes, gloo, best epoch of {best}: "
               f"DDP {d:.2f} ms/step, torchft {f:.2f} ms/step: +{f - d:.2f} ms/step ({f / d:.2f}x)")
-    slow_link(512, n_items, n_epoch, delay=0.01)
+    slow_link(512, n_items, n_epoch, delay=0.01, rounds=rounds)
 
-def slow_link(width, n_items, n_epoch, delay):
-    "TorchFT and DiLoCo (H = 8) over a link `delay` seconds slower per exchange, against a group alone"
-    step = torchft_figures(width, n_items, n_epoch, 300, delay)
-    diloco = torchft_figures(width, n_items, n_epoch, 300, delay, {'sync': 'diloco', 'sync_every': 8})
-    failed = [r for r in (step, diloco) if isinstance(r, str)]
+ALONE = {'sync': 'diloco', 'sync_every': 10**9}          # each group on its own: no sync in the fit
+SYNCS = [('torchft, a sync each step', None),
+         ('DiLoCo, a sync every 8 steps', {'sync': 'diloco', 'sync_every': 8}),
+         ('DiLoCo, each exchange over 7 steps', {'sync': 'diloco', 'sync_every': 8, 'fragment_sync_delay': 7,
+                                                 'fragment_update_alpha': 0.5}),
+         ('streaming, 2 fragments, over 3 steps', {'sync': 'diloco', 'sync_every': 8, 'num_fragments': 2,
+                                                   'fragment_sync_delay': 3, 'fragment_update_alpha': 0.5})]
+
+def slow_link(width, n_items, n_epoch, delay, rounds):
+    """TorchFT, DiLoCo (H = 8), DiLoCo whose exchange runs while the group takes 7 steps, and streaming
+    DiLoCo (H = 8 in 2 fragments, each exchange running over 3 steps) over a link `delay` seconds slower per
+    exchange, against the same two groups training alone at once (on this machine they share its cores: a
+    group alone on all of them is no measure of what the exchange costs); the best of `rounds` runs of each"""
+    runs = {name: [torchft_figures(width, n_items, n_epoch, 300, 0. if kw is ALONE else delay, kw or {})
+                   for _ in range(rounds)] for name,kw in [('alone', ALONE)] + SYNCS}
+    failed = [r for rs in runs.values() for r in rs if isinstance(r, str)]
     if failed:
         print(f'slow link: no figures ({failed[0]})')
         return
-    alone = alone_per_step(width, n_items, n_epoch) * 1e3
-    for name,r in (('torchft, a sync each step', step), ('DiLoCo, a sync every 8 steps', diloco)):
+    best = {name: min(rs, key=lambda r: r['per_step']) for name,rs in runs.items()}
+    alone = best.pop('alone')['per_step'] * 1e3
+    for name,r in best.items():
         ms = r['per_step'] * 1e3
-        print(f"MLP width {width}, a link {delay * 1e3:.0f} ms slower per exchange, {name:<28}: "
+        print(f"MLP width {width}, a link {delay * 1e3:.0f} ms slower per exchange, {name:<36}: "
               f"{r['sent'] / 2**10:7.1f} KiB per inner step, {ms:6.2f} ms per inner step, "
-              f"{ms / alone:.2f}x a group alone ({alone:.2f} ms/step)")
+              f"{ms / alone:.2f}x the groups alone ({alone:.2f} ms/step)")
 
 if __name__ == '__main__': main()
