@@ -84,6 +84,17 @@ def start_forked(*argv, out, err=None, env=None):
     with _polling: proc.start()
     return ForkedProcess(proc, argv)
 
+TORCHRUN_VARS = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')
+
+def start_torchrun_group(script, env, log, *args, ranks=2):
+    """`script` with `args` as torchrun starts a group of `ranks` processes (gloo) on its own `--standalone`
+    rendezvous, with `env` less this process's own torchrun settings, its output in the file `log`"""
+    import subprocess, sys
+    env = {k: v for k,v in env.items() if k not in TORCHRUN_VARS}
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', str(ranks),
+           '--max-restarts', '0', str(script), *map(str, args)]
+    return subprocess.Popen(cmd, env=env, stdout=open(log, 'w'), stderr=subprocess.STDOUT)
+
 def run_forked(*argv, timeout=300, env=None):
     """`subprocess.run([python, *argv], capture_output=True, text=True, timeout=timeout, env=env)`, forked:
     `start_forked`"""

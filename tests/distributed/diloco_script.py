@@ -47,10 +47,10 @@ def strategy(args, **kw):
 
 def fit_group(args):
     torch.set_num_threads(1)
-    learn = make_learner()
-    with learn.distrib_ctx(strategy=strategy(args)): learn.fit(EPOCHS)
+    learn,ft = make_learner(),strategy(args)
+    with learn.distrib_ctx(strategy=ft): learn.fit(EPOCHS)
     torch.save({'model': learn.model.state_dict(), 'losses': learn.recorder.losses,
-                'train_iter': learn.train_iter},
+                'train_iter': learn.train_iter, 'sharded': ft.sharded},
                f"{args.out}/{result_name('group' + os.environ['REPLICA_GROUP_ID'])}.pt")
 
 class Fault(Callback):

@@ -12,7 +12,7 @@ import pytest, torch
 torchft = pytest.importorskip('torchft')
 from learncb.distributed.replicas import Lighthouse, replica_env
 from learncb.ranks import free_port
-from conftest import run_forked, start_forked
+from conftest import run_forked, start_forked, start_torchrun_group
 
 SCRIPT = Path(__file__).parent/'ft_script.py'
 WAIT = 240          # seconds any one wait may take, on a loaded 2-core machine
@@ -218,17 +218,12 @@ def test_a_replica_of_other_data_is_refused_and_the_run_goes_on(tmp_path, lighth
     assert finish([first]) == [0], logs(tmp_path)
     assert_close_to(result(tmp_path, 0), plain)
 
-_torchrun_vars = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')
-
 def start_group(out, lighthouse, group, n, *args):
     """Replica group `group` of `n` as torchrun starts one: 2 ranks (gloo) on its own `--standalone`
     rendezvous, each rank saving OUT/result{group}-{rank}.pt; the same command starts it again"""
     log = out/f'log{group}-{len(list(out.glob(f"log{group}-*")))}'
-    env = {k: v for k,v in os.environ.items() if k not in _torchrun_vars}
-    env.update(replica_env(lighthouse, group, n), RUST_LOG='warn')
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2',
-           '--max-restarts', '0', str(SCRIPT), str(out), *args]
-    return subprocess.Popen(cmd, env=env, stdout=open(log, 'w'), stderr=subprocess.STDOUT)
+    env = {**os.environ, **replica_env(lighthouse, group, n), 'RUST_LOG': 'warn'}
+    return start_torchrun_group(SCRIPT, env, log, out, *args)
 
 @pytest.mark.slow
 @pytest.mark.parametrize('within,stage', [('ddp', 'backward'), ('fsdp', 'allreduce')])
