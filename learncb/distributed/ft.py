@@ -52,10 +52,8 @@ class TorchFT(Strategy):
         step). `sync`: `'step'`, the gradients summed over the groups at every step; `'diloco'`, each group
         takes `sync_every` steps of its own, then the groups average their pseudo-gradients and `outer_opt`
         (a function of the parameters that makes an optimizer; `nesterov_outer` by default) steps the global
-        weights; `'local_sgd'`, the groups' weights averaged every `sync_every` steps (`SemiSync`).
-        Streaming DiLoCo: the model cut in `num_fragments` fragments, one synced every `sync_every /
-        num_fragments` steps in turn, its exchange started `fragment_sync_delay` steps before (it runs while
-        the group trains), `fragment_update_alpha` of the weights kept as they were at its sync"""
+        weights; `'local_sgd'`, the groups' weights averaged every `sync_every` steps; streaming DiLoCo's
+        `num_fragments`, `fragment_sync_delay`, `fragment_update_alpha` as torchft names them (`SemiSync`)"""
         check_choice(within, 'within', ('ddp', 'fsdp'), who='TorchFT',
                      hint="how a replica group of many ranks trains: the whole model on each rank or sharded")
         if shard is not None and within != 'fsdp': raise ValueError(
@@ -295,16 +293,12 @@ class TorchFT(Strategy):
     def _start_sum(self, flat):
         """Start `_sum_over_quorum` of `flat`, in place; returns the function that waits for its end (the
         sum runs meanwhile: streaming DiLoCo's exchange)"""
-        m = self.manager
-        if m.errored() is not None: return _nothing
-        opts = dist.AllreduceOptions()
+        m,opts = self.manager,dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        try: work = self._pg.allreduce([flat], opts)
-        except Exception as e:
-            m.report_error(e)
-            return _nothing
+        try: work = None if m.errored() is not None else self._pg.allreduce([flat], opts)
+        except Exception as e: m.report_error(e); work = None
         def wait():
-            try: work.wait()
+            try: work is None or work.wait()
             except Exception as e: m.report_error(e)
         return wait
 
@@ -317,8 +311,6 @@ class TorchFT(Strategy):
     def __repr__(self):
         semi = '' if self.semi is None else f', {self.semi}'
         return f'TorchFT(timeout={self.timeout}, quorum_timeout={self.quorum_timeout}{semi})'
-
-def _nothing(): pass          # the wait of a sum not started
 
 def _weights_sum(params):
     "A float64 sum of every weight: replicas whose sums differ have different models"

@@ -69,7 +69,8 @@ def test_a_fit_stopped_between_syncs_resumes_exactly(group_env, tmp_path):
 
 def found(o, key):
     "Every value of `key` in the dicts and lists of `o`"
-    if isinstance(o, dict): return [o[key]] * (key in o) + [v for x in o.values() for v in found(x, key)]
+    if isinstance(o, dict):
+        return ([o[key]] if key in o else []) + [v for x in o.values() for v in found(x, key)]
     return [v for x in o for v in found(x, key)] if isinstance(o, (list, tuple)) else []
 
 def test_a_fit_stopped_while_an_exchange_runs_resumes_exactly(group_env, tmp_path):
